@@ -1,0 +1,18 @@
+"""Atomic save / load / resume, keep-last-k and best-k, safe loading."""
+
+from .io import CheckpointError, load_into, load_weights_file, safe_torch_load, save_weights
+from .manager import CheckpointManager, read_checkpoint, resolve
+
+
+def load_weights(model, path) -> None:
+    """Load a checkpoint's (or a weights file's) tensors into ``model``; never executes code."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir() and not (p / "model.safetensors").exists():
+        p = resolve(p) or p
+    load_into(model, load_weights_file(p), source=f"checkpoint '{path}'")
+
+
+__all__ = ["CheckpointError", "CheckpointManager", "load_into", "load_weights", "load_weights_file",
+           "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]

@@ -1,0 +1,165 @@
+"""Checkpoint directories in ``RUN_DIR/checkpoints``: atomic save, keep-last-k, best-k, ``latest``.
+
+A checkpoint is a directory ``step-00000123`` holding ``model.safetensors``, ``state.pt``
+(optimizers, schedulers, scaler, counters, RNG states), ``config.yaml`` and ``meta.json``. It is
+written under a temporary name and renamed into place, then ``latest`` (a symbolic link) is
+swapped atomically; so ``latest`` always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .io import CheckpointError, fsync_dir, safe_torch_load, safe_torch_save, save_weights, write_json_atomic
+
+PREFIX = "step-"
+
+
+def _link(target_name: str, link: Path) -> None:
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target_name, tmp)
+    os.replace(tmp, link)
+
+
+def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[Path]:
+    """A checkpoint directory from a path, a run dir, ``latest`` or ``best``; None if ``latest`` has none yet."""
+    p = Path(path)
+    if str(path) in ("latest", "best"):
+        if run_dir is None:
+            raise CheckpointError(f"resume={path!r} needs run_dir")
+        link = Path(run_dir) / "checkpoints" / str(path)
+        if not (link.exists() or link.is_symlink()):
+            return None
+        p = link
+    if p.is_dir() and (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():
+        return resolve("latest", p)  # a run directory
+    if p.is_symlink() or p.name in ("latest", "best"):
+        if p.is_file():  # a text file naming the checkpoint
+            p = p.parent / p.read_text().strip()
+        else:
+            p = p.resolve()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint '{path}' does not exist; give a checkpoint directory, a run directory or 'latest'")
+    if p.is_file() and p.name == "model.safetensors":
+        p = p.parent
+    if not (p / "model.safetensors").exists():
+        raise CheckpointError(f"'{p}' is not a torchrig checkpoint (no model.safetensors inside)")
+    return p
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, monitor: Optional[str] = None,
+                 mode: str = "max"):
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self.index_path = self.dir / "index.json"
+        self.index: dict[str, Any] = {"checkpoints": [], "best": []}
+        if self.index_path.exists():
+            try:
+                self.index = json.loads(self.index_path.read_text())
+            except (OSError, ValueError):
+                self.index = {"checkpoints": self._scan(), "best": []}
+
+    def _scan(self) -> list[str]:
+        return sorted(p.name for p in self.dir.glob(f"{PREFIX}*") if (p / "model.safetensors").exists())
+
+    def clean_partial(self) -> None:
+        """Remove temporary directories left by a process killed mid-save."""
+        if self.dir.exists():
+            for p in self.dir.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
+             metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"{PREFIX}{step:08d}"
+        tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if weights is not None:
+            save_weights(weights, tmp / "model.safetensors")
+        safe_torch_save(state, tmp / "state.pt")
+        if config is not None:
+            import yaml
+
+            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        meta = dict(meta, metrics=metrics or {}, saved_at=time.time())
+        write_json_atomic(tmp / "meta.json", meta)
+        if extra_writer is not None:
+            extra_writer(tmp)
+        fsync_dir(tmp)
+        final = self.dir / name
+        if final.exists():  # re-saving a step (resumed run): swap atomically via a trash name
+            trash = self.dir / f".tmp-trash-{name}-{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(self.dir)
+        _link(name, self.dir / "latest")
+        fsync_dir(self.dir)
+        if name in self.index["checkpoints"]:
+            self.index["checkpoints"].remove(name)
+        self.index["checkpoints"].append(name)
+        self._track_best(name, metrics or {})
+        self._prune()
+        write_json_atomic(self.index_path, self.index)
+        return final
+
+    def _track_best(self, name: str, metrics: dict) -> None:
+        if not self.monitor or self.keep_best <= 0 or self.monitor not in metrics:
+            return
+        value = float(metrics[self.monitor])
+        if math.isnan(value):
+            return
+        best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]
+        best.sort(key=lambda b: b["value"], reverse=(self.mode == "max"))
+        self.index["best"] = best[: self.keep_best]
+        if self.index["best"] and self.index["best"][0]["name"] == name:
+            _link(name, self.dir / "best")
+
+    def best_value(self) -> Optional[float]:
+        return self.index["best"][0]["value"] if self.index["best"] else None
+
+    def _prune(self) -> None:
+        keep = set(self.index["checkpoints"][-max(1, self.keep_last):])
+        keep |= {b["name"] for b in self.index["best"]}
+        latest = self.dir / "latest"
+        if latest.is_symlink():
+            keep.add(os.readlink(latest))
+        for name in list(self.index["checkpoints"]):
+            if name not in keep:
+                shutil.rmtree(self.dir / name, ignore_errors=True)
+                self.index["checkpoints"].remove(name)
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:
+    """(state, meta, config) of a checkpoint directory; weights are read separately."""
+    state = safe_torch_load(path / "state.pt") if (path / "state.pt").exists() else {}
+    meta: dict = {}
+    if (path / "meta.json").exists():
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except ValueError:
+            raise CheckpointError(f"'{path / 'meta.json'}' is corrupt (not JSON)") from None
+    config = None
+    if (path / "config.yaml").exists():
+        import yaml
+
+        try:
+            config = yaml.safe_load((path / "config.yaml").read_text())
+        except yaml.YAMLError:
+            raise CheckpointError(f"'{path / 'config.yaml'}' is corrupt (not YAML)") from None
+    return state, meta, config

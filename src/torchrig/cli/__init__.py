@@ -1,0 +1,180 @@
+"""The ``torchrig`` command: train, evaluate, predict, plot, doctor, launch, data.
+
+Every error ends in one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def _set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=0.01 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrig", description="Train PyTorch models on one CPU, one GPU, many GPUs or many machines.")
+    _add_common(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a recipe (default: a small CNN on the embedded digits)",
+                       description="Train from a YAML config and --set overrides. With no arguments, trains the "
+                                   "embedded default job (a small CNN on the 8x8 digits).")
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
+    _set_arg(p)
+    _add_common(p)
+
+    p = sub.add_parser("evaluate", help="evaluate a checkpoint on its recipe's test split",
+                       description="Rebuild the model from the checkpoint's config, load its weights and evaluate.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, run directory or .../latest")
+    p.add_argument("--split", default="test", help="data split to evaluate (default: test)")
+    p.add_argument("--json", action="store_true", help="print one JSON object of metrics")
+    _set_arg(p)
+    _add_common(p)
+
+    p = sub.add_parser("predict", help="predict with a checkpoint on files or a folder",
+                       description="Batched inference under inference_mode; honours --set threads=N and "
+                                   "TORCH_THREAD_NUM for CPU serving.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, run directory or .../latest")
+    p.add_argument("--input", required=True, help="input file or folder")
+    p.add_argument("--output", required=True, help="output file (.csv or .json for classes)")
+    p.add_argument("--topk", type=int, default=5, help="classes to report per input (default 5)")
+    _set_arg(p)
+    _add_common(p)
+
+    p = sub.add_parser("plot", help="write loss / metric / lr curves of a run as PNG")
+    p.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+    _add_common(p)
+
+    p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
+    _add_common(p)
+
+    _register_extra(sub)
+    return parser
+
+
+_EXTRA: list[Callable] = []
+
+
+def register_command(fn: Callable) -> Callable:
+    """Let other modules (launch, data) add sub-commands: ``fn(subparsers)`` returns nothing."""
+    _EXTRA.append(fn)
+    return fn
+
+
+def _register_extra(sub) -> None:
+    for module in ("torchrig.cli.launch", "torchrig.cli.data"):
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    for fn in _EXTRA:
+        fn(sub)
+
+
+def cmd_train(args) -> int:
+    from ..recipes.run import build_config, run_train
+
+    cfg = build_config(args.config, args.overrides, args.recipe)
+    run_train(cfg)
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from ..recipes.run import dumps, run_evaluate
+
+    results = run_evaluate(args.checkpoint, args.split, args.overrides)
+    if args.json:
+        print(dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k}: {v:.6f}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from ..recipes.run import run_predict
+
+    out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides)
+    print(f"predictions written to {out}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from ..trainer.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import report
+
+    print(report())
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "predict": cmd_predict, "plot": cmd_plot,
+            "doctor": cmd_doctor}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
+        argv = ["train"]  # `torchrig` alone runs the default job, like `torchrig train`
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    debug = getattr(args, "debug", False) or os.environ.get("TORCHRIG_DEBUG") == "1"
+    handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("torchrig: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as exc:  # one clear line; --debug for the traceback
+        if debug:
+            raise
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        kind = "" if _is_user_error(exc) else f"{type(exc).__name__}: "
+        print(f"torchrig: error: {kind}{msg}" + ("" if _is_user_error(exc) else " (run with --debug for the traceback)"),
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+    from ..data import DataError
+    from ..metrics import MetricError
+    from ..recipes import RecipeError
+    from ..runtime import RuntimeSetupError
+    from ..trainer import NonFiniteLossError
+    from ..trainer.plot import PlotError
+    from ..trainer.registry import NameError_
+
+    return isinstance(exc, (CheckpointError, ConfigError, DataError, MetricError, RecipeError, RuntimeSetupError,
+                            NonFiniteLossError, PlotError, NameError_, FileNotFoundError, PermissionError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

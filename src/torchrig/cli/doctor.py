@@ -1,0 +1,100 @@
+"""``torchrig doctor``: what this machine offers for training, and known version problems explained."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import sys
+
+OPTIONAL = ("torchvision", "timm", "transformers", "tokenizers", "tensorboard", "matplotlib", "torchmetrics",
+            "pillow", "scikit-learn", "safetensors", "numpy", "pyyaml", "tqdm")
+
+# torch minor -> the torchvision minor built against it
+TORCHVISION_FOR_TORCH = {(2, 4): 19, (2, 5): 20, (2, 6): 21, (2, 7): 22, (2, 8): 23, (2, 9): 24, (2, 10): 25,
+                         (2, 11): 26, (2, 12): 27, (2, 13): 28, (2, 14): 29}
+
+
+def _version(pkg: str):
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _minor(v: str) -> tuple[int, int]:
+    parts = v.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def problems() -> list[str]:
+    import torch
+
+    found = []
+    tv = _version("torchvision")
+    if tv:
+        want = TORCHVISION_FOR_TORCH.get(_minor(torch.__version__))
+        if want is not None and _minor(tv)[1] != want:
+            found.append(f"torchvision {tv} does not match torch {torch.__version__} (expects 0.{want}.x): "
+                         f"importing torchvision may fail with 'operator torchvision::nms does not exist'; "
+                         f"install the matching pair, e.g. pip install torchvision==0.{want}.*")
+    np_v = _version("numpy")
+    if np_v and _minor(np_v)[0] >= 2 and _minor(torch.__version__) < (2, 3):
+        found.append(f"numpy {np_v} with torch {torch.__version__}: torch before 2.3 was built against numpy 1.x; "
+                     f"pip install 'numpy<2' or upgrade torch")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") and not torch.cuda.is_available():
+        reason = "this torch is a CPU-only build" if torch.version.cuda is None else "no driver or device is usable"
+        found.append(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} is set but CUDA is unavailable: {reason}")
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        name = os.environ.get(var)
+        if name and not os.path.exists(f"/sys/class/net/{name.split(',')[0].lstrip('^=')}"):
+            found.append(f"{var}={name} names no network interface on this machine; multi-machine runs will "
+                         f"fail to connect (list interfaces with `ip -br addr`)")
+    env_threads = os.environ.get("TORCH_THREAD_NUM")
+    if env_threads and not env_threads.isdigit():
+        found.append(f"TORCH_THREAD_NUM={env_threads!r} is not an integer")
+    return found
+
+
+def report() -> str:
+    import torch
+    import torch.distributed as dist
+
+    lines = [f"python       {sys.version.split()[0]} ({platform.platform()})",
+             f"torch        {torch.__version__}"]
+    lines.append(f"cuda         {torch.version.cuda or 'not built'}; available: {torch.cuda.is_available()}")
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    lines.append(f"cudnn        {cudnn or 'not available'}")
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            nccl = None
+    lines.append(f"nccl         {nccl or 'not available'}")
+    if dist.is_available():
+        lines.append(f"distributed  gloo: {dist.is_gloo_available()}  nccl: {dist.is_nccl_available()}  "
+                     f"mpi: {dist.is_mpi_available()}")
+    else:
+        lines.append("distributed  not built into this torch")
+    devices = ["cpu"]
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        p = torch.cuda.get_device_properties(i)
+        devices.append(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB bf16={torch.cuda.is_bf16_supported()}")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    lines.append(f"devices      {'; '.join(devices)}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines.append(f"threads      intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}, "
+                 f"cores {cores}, TORCH_THREAD_NUM={os.environ.get('TORCH_THREAD_NUM', 'unset')}, "
+                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    present = [f"{p} {_version(p)}" for p in OPTIONAL if _version(p)]
+    missing = [p for p in OPTIONAL if not _version(p)]
+    lines.append(f"packages     {', '.join(present)}")
+    if missing:
+        lines.append(f"missing      {', '.join(missing)} (optional)")
+    found = problems()
+    lines.append("problems     " + ("none found" if not found else f"{len(found)}:"))
+    lines += [f"  - {p}" for p in found]
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""Loaders with good defaults, the in-memory fast path, and moving batches to the device.
+
+``prepare_train`` / ``prepare_eval`` turn a Dataset, a DataLoader or tensors into an object with
+``set_epoch``, ``skip_batches``, ``__len__`` and ``__iter__``, using :class:`ResumableSampler` for
+the order so that a run resumes at the exact sample where it stopped, on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
+
+from .sampler import ResumableSampler
+
+
+class DataError(ValueError):
+    """Bad training or evaluation data; the message names what is wrong and how to fix it."""
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move tensors nested in tuples, lists and dicts to ``device`` (asynchronously when pinned)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+def _seed_worker_sample(seed: int, epoch: int, index: int) -> None:
+    s = (seed * 1_000_003 + epoch * 7_919 + index) % (2**63 - 1)
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % (2**32))
+
+
+class _SeededSamples(Dataset):
+    """Seeds the worker's RNGs from ``(seed, epoch, index)`` before each sample, so random
+    augmentation in worker processes does not depend on the worker count or the resume point."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        index, epoch = item
+        _seed_worker_sample(self.seed, epoch, index)
+        return self.dataset[index]
+
+
+def _auto_workers(local_world_size: int = 1) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(4, cores // max(1, local_world_size) - 1))
+
+
+class TensorBatches:
+    """In-memory fast path: one indexing operation per batch instead of per-sample fetch + collate.
+
+    Yields exactly the batches a DataLoader over the same TensorDataset and sampler would.
+    """
+
+    def __init__(self, tensors: tuple, sampler: ResumableSampler, batch_size: int, drop_last: bool,
+                 pin: bool = False):
+        self.tensors = tuple(t.pin_memory() if pin else t for t in tensors)
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[list]:
+        idx = self.sampler.indices()
+        b = self.batch_size
+        stop = (len(idx) // b) * b if self.drop_last else len(idx)
+        for start in range(0, stop, b):
+            sel = idx[start:start + b]
+            yield [t.index_select(0, sel) for t in self.tensors]  # a list, as default_collate gives
+
+
+class Batches:
+    """What the loop iterates: a DataLoader or TensorBatches plus its resumable sampler."""
+
+    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int,
+                 num_samples: Optional[int]):
+        self.source = source
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.num_samples = num_samples
+        self._skip_next = 0
+
+    @property
+    def resumable(self) -> bool:
+        return self.sampler is not None
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+            self.sampler.skip = 0
+        else:
+            inner = getattr(self.source, "sampler", None)
+            if hasattr(inner, "set_epoch"):
+                inner.set_epoch(epoch)
+
+    def skip_batches(self, n: int) -> None:
+        """Start the current epoch after ``n`` batches (resume); call after ``set_epoch``."""
+        if n <= 0:
+            return
+        if self.sampler is None:
+            self._skip_next = n
+        else:
+            self.sampler.skip = n * self.batch_size
+
+    def __len__(self) -> int:
+        return len(self.source) - (self._skip_next if self.sampler is None else 0)
+
+    def __iter__(self):
+        it = iter(self.source)
+        if self.sampler is None and self._skip_next:
+            for _ in range(self._skip_next):  # a user sampler we cannot fast-forward: consume
+                next(it, None)
+            self._skip_next = 0
+        return it
+
+
+def _as_dataset(data: Any) -> Dataset:
+    if isinstance(data, torch.Tensor):
+        return TensorDataset(data)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        sizes = {len(t) for t in data}
+        if len(sizes) != 1:
+            raise DataError(f"tensors given as data have different lengths {sorted(sizes)}; they must match")
+        return TensorDataset(*data)
+    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        return data
+    raise DataError(f"data of type {type(data).__name__} is not a Dataset, DataLoader or tensors")
+
+
+def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, world_size: int,
+           device: torch.device, num_workers: Any = "auto", pin_memory: Any = "auto",
+           persistent_workers: bool = True, prefetch_factor: Optional[int] = None, shuffle: bool = True,
+           drop_last: bool = False, fast_path: bool = True, local_world_size: int = 1) -> Batches:
+    if isinstance(data, Batches):
+        return data
+    if isinstance(data, DataLoader):
+        return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, device=device,
+                            fast_path=fast_path)
+    dataset = _as_dataset(data)
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise DataError(f"the data set {type(dataset).__name__} has no length; give a DataLoader instead") from None
+    if n == 0:
+        raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
+    sampler = ResumableSampler(n, shuffle=shuffle and train, seed=seed, rank=rank, world_size=world_size,
+                               drop_last=drop_last and train, pad=train)
+    pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
+    if fast_path and type(dataset) is TensorDataset:
+        return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last and train, pin=pin),
+                       sampler, batch_size, n)
+    workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
+    kwargs: dict[str, Any] = {}
+    if workers > 0:
+        sampler.with_epoch = True
+        dataset = _SeededSamples(dataset, seed)
+        kwargs["persistent_workers"] = persistent_workers
+        if prefetch_factor:
+            kwargs["prefetch_factor"] = prefetch_factor
+    g = torch.Generator()
+    g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                        pin_memory=pin, drop_last=drop_last and train, generator=g, **kwargs)
+    return Batches(loader, sampler, batch_size, n)
+
+
+def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world_size: int,
+                 device: torch.device, fast_path: bool) -> Batches:
+    """Rebuild a user's DataLoader around a ResumableSampler, keeping every other setting.
+
+    Only plain samplers (random / sequential) are replaced; a custom sampler or batch sampler is
+    kept as given (resume then re-reads the skipped batches, and sharding is the user's job).
+    """
+    sampler = loader.sampler
+    plain = type(sampler) in (RandomSampler, SequentialSampler) and loader.batch_size is not None
+    if not plain:
+        return Batches(loader, None, loader.batch_size or 1, None)
+    shuffle = isinstance(sampler, RandomSampler) and train
+    dataset = loader.dataset
+    n = len(dataset)
+    if n == 0:
+        raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
+    new = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                           drop_last=loader.drop_last and train, pad=train)
+    default_collate = loader.collate_fn is torch.utils.data.default_collate or \
+        getattr(loader.collate_fn, "__name__", "") == "default_collate"
+    if fast_path and type(dataset) is TensorDataset and default_collate and loader.num_workers == 0:
+        return Batches(TensorBatches(dataset.tensors, new, loader.batch_size, loader.drop_last and train,
+                                     pin=loader.pin_memory), new, loader.batch_size, n)
+    kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
+                                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                                  drop_last=loader.drop_last and train, timeout=loader.timeout,
+                                  worker_init_fn=loader.worker_init_fn)
+    if loader.num_workers > 0:
+        new.with_epoch = True
+        dataset = _SeededSamples(dataset, seed)
+        kwargs.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor,
+                      multiprocessing_context=loader.multiprocessing_context)
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return Batches(DataLoader(dataset, sampler=new, generator=g, **kwargs), new, loader.batch_size, n)
+
+
+def prepare_train(data: Any, **kwargs: Any) -> Batches:
+    return _build(data, train=True, **kwargs)
+
+
+def prepare_eval(data: Any, **kwargs: Any) -> Batches:
+    kwargs = dict(kwargs, shuffle=False, drop_last=False)
+    return _build(data, train=False, **kwargs)

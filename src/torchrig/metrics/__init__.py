@@ -1,0 +1,222 @@
+"""Metric names -> metric objects whose states are sums, so reduction across ranks is exact.
+
+A metric keeps tensors of counts or sums (``states``); ``sync`` all-reduces them once at the end of
+an evaluation, so distributed evaluation gives the same numbers as one process.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..runtime.dist import all_reduce_sum
+
+
+class MetricError(ValueError):
+    """An unknown metric name or an output / target pair a metric cannot score."""
+
+
+class Metric:
+    """Base: subclasses create sum-reducible tensors in ``states`` and implement update / compute."""
+
+    name = "metric"
+    higher_is_better = True
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.states = {}
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        if key in self.states:
+            self.states[key] += value.to(self.states[key].device)
+        else:
+            self.states[key] = value.clone()
+
+    def update(self, output: Any, target: Any) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> Union[float, dict]:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Sum every state over ranks (no-op in one process). Every rank must call it."""
+        for key in sorted(self.states):
+            self.states[key] = all_reduce_sum(self.states[key])
+
+
+def _class_predictions(output: torch.Tensor) -> torch.Tensor:
+    if output.ndim >= 2 and output.shape[1] > 1:
+        return output.argmax(dim=1)
+    return (output.reshape(output.shape[0], *output.shape[2:]) > 0).long()
+
+
+def _check(output: Any, target: Any, name: str) -> None:
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise MetricError(f"metric '{name}' needs tensor output and target, got {type(output).__name__} "
+                          f"and {type(target).__name__}; use a custom metric for structured outputs")
+
+
+class Accuracy(Metric):
+    name = "accuracy"
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        _check(output, target, self.name)
+        pred = _class_predictions(output)
+        if pred.shape != target.shape:
+            raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
+                              f"targets of shape {tuple(target.shape)} (targets must be class indices)")
+        self._add("correct", (pred == target).sum())
+        self._add("total", torch.tensor(float(target.numel())))
+
+    def compute(self) -> float:
+        return float(self.states["correct"] / self.states["total"]) if self.states else float("nan")
+
+
+class TopK(Metric):
+    def __init__(self, k: int = 5) -> None:
+        super().__init__()
+        self.k = k
+        self.name = f"top{k}"
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        _check(output, target, self.name)
+        if output.ndim != 2:
+            raise MetricError(f"metric '{self.name}' needs (batch, classes) scores, got shape {tuple(output.shape)}")
+        k = min(self.k, output.shape[1])
+        top = output.topk(k, dim=1).indices
+        self._add("correct", (top == target.view(-1, 1)).any(dim=1).sum())
+        self._add("total", torch.tensor(float(target.shape[0])))
+
+    def compute(self) -> float:
+        return float(self.states["correct"] / self.states["total"]) if self.states else float("nan")
+
+
+class _Confusion(Metric):
+    """Precision / recall / F1 from a confusion matrix (rows: true class, columns: predicted)."""
+
+    def __init__(self, kind: str, average: str = "macro", num_classes: Optional[int] = None) -> None:
+        super().__init__()
+        self.kind, self.average, self.num_classes = kind, average, num_classes
+        self.name = kind if average == "macro" else f"{kind}_{average}"
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        _check(output, target, self.name)
+        pred = _class_predictions(output).reshape(-1)
+        target = target.reshape(-1).long()
+        c = self.num_classes or (output.shape[1] if output.ndim >= 2 and output.shape[1] > 1 else 2)
+        self.num_classes = c
+        cm = torch.bincount(target * c + pred, minlength=c * c).reshape(c, c)
+        self._add("confusion", cm)
+
+    def compute(self) -> float:
+        if not self.states:
+            return float("nan")
+        cm = self.states["confusion"]
+        tp = cm.diag()
+        support = cm.sum(dim=1)
+        predicted = cm.sum(dim=0)
+        precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+        recall = torch.where(support > 0, tp / support.clamp(min=1), torch.zeros_like(tp))
+        if self.kind == "precision":
+            per_class = precision
+        elif self.kind == "recall":
+            per_class = recall
+        else:
+            denom = precision + recall
+            per_class = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+        if self.average == "weighted":
+            return float((per_class * support).sum() / support.sum().clamp(min=1))
+        present = (support > 0) | (predicted > 0)
+        return float(per_class[present].mean()) if present.any() else 0.0
+
+
+class _MeanError(Metric):
+    higher_is_better = False
+
+    def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.name, self.fn = name, fn
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        _check(output, target, self.name)
+        if output.shape != target.shape:
+            if output.numel() == target.numel():
+                output = output.reshape(target.shape)
+            else:
+                raise MetricError(f"metric '{self.name}': output shape {tuple(output.shape)} does not match "
+                                  f"target shape {tuple(target.shape)}")
+        diff = output.detach().double() - target.detach().double()
+        self._add("sum", self.fn(diff).sum())
+        self._add("count", torch.tensor(float(diff.numel())))
+
+    def compute(self) -> float:
+        return float(self.states["sum"] / self.states["count"]) if self.states else float("nan")
+
+
+class MeanValue(Metric):
+    """Per-sample mean of a value reported per batch as a batch mean (the evaluation loss)."""
+
+    higher_is_better = False
+
+    def __init__(self, name: str = "loss") -> None:
+        super().__init__()
+        self.name = name
+
+    def update(self, value: torch.Tensor, count: int) -> None:  # type: ignore[override]
+        self._add("sum", value.detach().double() * count)
+        self._add("count", torch.tensor(float(count)))
+
+    def compute(self) -> float:
+        return float(self.states["sum"] / self.states["count"]) if self.states else float("nan")
+
+
+_FACTORIES: dict[str, Callable[[], Metric]] = {
+    "accuracy": Accuracy,
+    "acc": Accuracy,
+    "top1": lambda: TopK(1),
+    "top3": lambda: TopK(3),
+    "top5": lambda: TopK(5),
+    "precision": lambda: _Confusion("precision", "macro"),
+    "recall": lambda: _Confusion("recall", "macro"),
+    "f1": lambda: _Confusion("f1", "macro"),
+    "f1_macro": lambda: _Confusion("f1", "macro"),
+    "f1_weighted": lambda: _Confusion("f1", "weighted"),
+    "precision_weighted": lambda: _Confusion("precision", "weighted"),
+    "recall_weighted": lambda: _Confusion("recall", "weighted"),
+    "mse": lambda: _MeanError("mse", lambda d: d * d),
+    "mae": lambda: _MeanError("mae", lambda d: d.abs()),
+}
+METRIC_NAMES = tuple(_FACTORIES)
+
+
+def get_metric(spec: Union[str, Metric]) -> Metric:
+    """A metric object from a name (``accuracy``, ``top5``, ``top_k=3``, ``f1_weighted``, …) or as given."""
+    if isinstance(spec, Metric):
+        return spec
+    if not isinstance(spec, str):
+        raise MetricError(f"a metric must be a name or a torchrig.metrics.Metric, got {type(spec).__name__}")
+    key = spec.strip().lower()
+    if key.startswith("top") and key[3:].lstrip("_k=").isdigit():
+        return TopK(int(key[3:].lstrip("_k=")))
+    if key in _FACTORIES:
+        return _FACTORIES[key]()
+    close = difflib.get_close_matches(key, METRIC_NAMES, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise MetricError(f"unknown metric '{spec}'.{hint} Valid names: {', '.join(METRIC_NAMES)}, topK (e.g. top3)")
+
+
+def higher_is_better(name: str) -> bool:
+    """Direction of a monitored key such as ``val/accuracy`` or ``val/loss``."""
+    base = name.split("/")[-1]
+    if base in ("loss", "mse", "mae") or base.endswith("loss") or base.endswith("error"):
+        return False
+    return True
+
+
+__all__ = ["Metric", "MetricError", "Accuracy", "TopK", "MeanValue", "get_metric", "METRIC_NAMES",
+           "higher_is_better"]

@@ -1,0 +1,37 @@
+"""Built-in models and a name registry (recipes add torchvision / timm / Hugging Face adapters)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+from torch import nn
+
+from .small import DigitsCNN, MLP
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "digits_cnn": DigitsCNN,
+    "mlp": MLP,
+}
+
+
+def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
+    _BUILDERS[name] = builder
+
+
+def model_names() -> list[str]:
+    return sorted(_BUILDERS)
+
+
+def build_model(name: str, **options) -> nn.Module:
+    if name not in _BUILDERS:
+        close = difflib.get_close_matches(name, list(_BUILDERS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"unknown model '{name}'.{hint} Valid names: {', '.join(model_names())}")
+    try:
+        return _BUILDERS[name](**options)
+    except TypeError as exc:
+        raise ValueError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
+
+
+__all__ = ["DigitsCNN", "MLP", "build_model", "register_model", "model_names"]

@@ -1,0 +1,31 @@
+"""Ready tasks: a config + model + data + step for each workload, driven the same way."""
+
+from __future__ import annotations
+
+import difflib
+
+from .base import Recipe, RecipeError
+from .digits import DigitsRecipe
+
+_RECIPES: dict[str, type[Recipe]] = {
+    "digits": DigitsRecipe,
+}
+
+
+def register_recipe(cls: type[Recipe]) -> None:
+    _RECIPES[cls.name] = cls
+
+
+def recipe_names() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in _RECIPES:
+        close = difflib.get_close_matches(name, list(_RECIPES), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(f"unknown recipe '{name}'.{hint} Valid recipes: {', '.join(recipe_names())}")
+    return _RECIPES[name]()
+
+
+__all__ = ["Recipe", "RecipeError", "get_recipe", "recipe_names", "register_recipe"]

@@ -1,0 +1,74 @@
+"""What a recipe is: a config's model, data, trainer settings, and prediction I/O.
+
+``run_train`` / ``run_evaluate`` / ``run_predict`` drive any recipe the same way, so the command
+line has one code path and a recipe is only the parts that differ.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .. import config as C
+
+
+class RecipeError(ValueError):
+    """Bad recipe input (data path, image, text file); the message names it and the fix."""
+
+
+class Recipe:
+    name = "base"
+    description = ""
+    defaults: dict = {}  # config values this recipe starts from (the user's config wins)
+
+    def build_model(self, cfg: C.Config) -> nn.Module:
+        raise NotImplementedError
+
+    def build_data(self, cfg: C.Config) -> dict[str, Any]:
+        """``{"train": ..., "val": ... (optional), "test": ... (optional)}``."""
+        raise NotImplementedError
+
+    def trainer_kwargs(self, cfg: C.Config, data: dict) -> dict:
+        """Extra ``Trainer`` arguments (step_fn, eval_fn, predict_fn, loss / metric objects)."""
+        return {}
+
+    def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:
+        """Prediction inputs from a file or folder, and a name for each sample."""
+        raise NotImplementedError
+
+    def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
+        write_class_predictions(outputs, names, out, topk, class_names=self.class_names(cfg))
+
+    def class_names(self, cfg: C.Config) -> Optional[list[str]]:
+        return None
+
+    def save_artifacts(self, cfg: C.Config, run_dir: Path) -> None:
+        """Write what prediction needs beside the checkpoints (class map, tokenizer …)."""
+
+
+def write_class_predictions(probs: torch.Tensor, names: list[str], out: Path, topk: int = 5,
+                            class_names: Optional[list[str]] = None) -> None:
+    """Top-k classes with probabilities as CSV or JSON (by the output file's extension)."""
+    k = min(topk, probs.shape[1])
+    top = probs.topk(k, dim=1)
+    label = (lambda i: class_names[i]) if class_names else (lambda i: int(i))
+    rows = []
+    for name, p, ix in zip(names, top.values.tolist(), top.indices.tolist()):
+        rows.append({"input": name, "prediction": label(ix[0]), "probability": round(p[0], 6),
+                     "top": [{"class": label(i), "probability": round(q, 6)} for i, q in zip(ix, p)]})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".json":
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        return
+    with open(out, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["input", "prediction", "probability"] + [f"top{j + 1}" for j in range(k)]
+                   + [f"top{j + 1}_probability" for j in range(k)])
+        for r in rows:
+            w.writerow([r["input"], r["prediction"], r["probability"]] + [t["class"] for t in r["top"]]
+                       + [t["probability"] for t in r["top"]])

@@ -1,0 +1,82 @@
+"""The embedded default job: a small CNN on the real 8x8 handwritten digits (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import config as C
+from ..data.datasets import digits_split
+from ..models import build_model
+from .base import Recipe, RecipeError
+
+
+class DigitsRecipe(Recipe):
+    name = "digits"
+    description = "small CNN on the 8x8 handwritten digits shipped with scikit-learn (the default job)"
+    defaults = {"epochs": 15, "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
+                "scheduler": {"name": "cosine"}, "metrics": ["accuracy", "top5", "f1"], "run_dir": "runs/digits",
+                "data": {"batch_size": 32, "val_fraction": 0.1}}
+
+    def build_model(self, cfg: C.Config) -> torch.nn.Module:
+        name = cfg.model.name if cfg.model.name != "digits_cnn" else "digits_cnn"
+        return build_model(name, **cfg.model.options)
+
+    def build_data(self, cfg: C.Config) -> dict[str, Any]:
+        if cfg.data.path is not None:
+            raise RecipeError("recipe 'digits' uses the embedded data set; for your own images use "
+                              "--recipe image-classification with data.path=FOLDER")
+        parts = digits_split(cfg.data.val_fraction)
+        return {"train": parts["train"], "val": parts.get("val", parts["test"]), "test": parts["test"]}
+
+    def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:
+        """``.npy`` / ``.pt`` arrays of (N, 8, 8) or (N, 64) in [0, 1], ``.csv`` rows of 64 values, or images."""
+        if not path.exists():
+            raise RecipeError(f"input '{path}' does not exist")
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        if not files:
+            raise RecipeError(f"input folder '{path}' is empty")
+        arrays, names = [], []
+        for f in files:
+            suffix = f.suffix.lower()
+            if suffix == ".npy":
+                try:
+                    a = np.load(f, allow_pickle=False)
+                except Exception as exc:
+                    raise RecipeError(f"input '{f}' is not a readable .npy array ({exc})") from None
+            elif suffix == ".csv":
+                try:
+                    a = np.loadtxt(f, delimiter=",", ndmin=2)
+                except ValueError as exc:
+                    raise RecipeError(f"input '{f}' is not a CSV of numbers ({exc})") from None
+            elif suffix in (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"):
+                a = _image_as_digit(f)[None]
+            else:
+                raise RecipeError(f"input '{f}' has an unsupported type '{suffix}'; give .npy, .csv or image files")
+            a = np.asarray(a, dtype=np.float32)
+            if a.ndim == 2 and a.shape[1] == 64:
+                a = a.reshape(-1, 8, 8)
+            if a.ndim == 2 and a.shape == (8, 8):
+                a = a[None]
+            if a.ndim != 3 or a.shape[1:] != (8, 8):
+                raise RecipeError(f"input '{f}' has shape {a.shape}; expected (N, 8, 8) or (N, 64) values in [0, 1]")
+            arrays.append(a)
+            names += [f.name] if len(a) == 1 else [f"{f.name}[{i}]" for i in range(len(a))]
+        x = torch.from_numpy(np.concatenate(arrays)).unsqueeze(1)
+        return x, names
+
+
+def _image_as_digit(path: Path) -> np.ndarray:
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise RecipeError("reading images needs Pillow; pip install pillow") from None
+    try:
+        with Image.open(path) as im:
+            im = im.convert("L").resize((8, 8))
+            return np.asarray(im, dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as exc:
+        raise RecipeError(f"image '{path}' is unreadable or corrupt ({exc})") from None

@@ -1,0 +1,79 @@
+"""Where the process runs: device choice and CPU thread settings."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+class RuntimeSetupError(RuntimeError):
+    """The requested device, precision or thread setting cannot be honoured here."""
+
+
+def select_device(name: str = "auto", local_rank: Optional[int] = None) -> torch.device:
+    """Pick the device: ``auto`` prefers CUDA (the GPU of ``local_rank``), then MPS, then CPU."""
+    name = (name or "auto").lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", (local_rank or 0) % max(1, torch.cuda.device_count()))
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise RuntimeSetupError(f"device {name!r} is not a device name; use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeSetupError(
+                f"device {name!r} asked for, but CUDA is not available on this machine "
+                f"(torch {torch.__version__}); use device=cpu or install a CUDA build of torch")
+        if dev.index is None:
+            dev = torch.device("cuda", (local_rank or 0) % torch.cuda.device_count())
+        elif dev.index >= torch.cuda.device_count():
+            raise RuntimeSetupError(
+                f"device {name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise RuntimeSetupError(f"device {name!r} asked for, but MPS is not available on this machine; use device=cpu")
+    return dev
+
+
+def configure_threads(threads: Optional[int] = None, interop: Optional[int] = None) -> int:
+    """Set intra-op (and inter-op) CPU threads; ``TORCH_THREAD_NUM`` is used when ``threads`` is None.
+
+    Returns the intra-op thread count in force. Inter-op threads can only be set once per process,
+    before any parallel work, so a failure there is ignored rather than fatal.
+    """
+    if threads is None:
+        env = os.environ.get("TORCH_THREAD_NUM")
+        if env:
+            try:
+                threads = int(env)
+            except ValueError:
+                raise RuntimeSetupError(f"TORCH_THREAD_NUM={env!r} is not an integer; set it to a thread count like 4") from None
+            if threads < 1:
+                raise RuntimeSetupError(f"TORCH_THREAD_NUM={env!r} must be at least 1")
+    if threads is not None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        interop = interop or threads
+    if interop is not None and torch.get_num_interop_threads() != interop:
+        try:
+            torch.set_num_interop_threads(interop)
+        except RuntimeError:
+            pass  # already started parallel work; intra-op threads still apply
+    return torch.get_num_threads()
+
+
+def configure_backends(deterministic: bool = False, cudnn_benchmark: bool = False) -> None:
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True

@@ -1,0 +1,117 @@
+"""Model wrapping by strategy: none, DataParallel, DistributedDataParallel or FSDP2 (fully_shard)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .device import RuntimeSetupError
+
+STRATEGIES = ("auto", "none", "ddp", "dp", "fsdp")
+
+
+def resolve_strategy(name: str, world_size: int, device: torch.device) -> str:
+    name = (name or "auto").lower()
+    if name not in STRATEGIES:
+        raise RuntimeSetupError(f"strategy {name!r} is not one of {', '.join(STRATEGIES)}")
+    if name == "auto":
+        return "ddp" if world_size > 1 else "none"
+    if name in ("ddp", "fsdp") and world_size == 1:
+        return name  # a one-rank group is legal (useful for tests); wrapping still happens if a group exists
+    if name == "dp" and world_size > 1:
+        raise RuntimeSetupError("strategy 'dp' (nn.DataParallel) runs in one process; use strategy=ddp under torchrun")
+    return name
+
+
+def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: Any = None,
+               precision_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Return the module the loop calls. The user's ``model`` object stays the one holding weights."""
+    import torch.distributed as dist
+
+    if dist_cfg is not None and dist_cfg.sync_batchnorm and strategy in ("ddp", "fsdp"):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if strategy == "none":
+        return model
+    if strategy == "dp":
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            warnings.warn("strategy 'dp' needs two or more visible GPUs; running on one device without wrapping")
+            return model
+        warnings.warn("strategy 'dp' (nn.DataParallel) is single-process and slower; strategy=ddp under "
+                      "torchrig launch is the recommended path")
+        return nn.DataParallel(model)
+    if not dist.is_initialized():
+        raise RuntimeSetupError(f"strategy {strategy!r} needs a process group; start with torchrig launch or torchrun")
+    if strategy == "ddp":
+        kwargs: dict[str, Any] = {}
+        if dist_cfg is not None:
+            kwargs.update(find_unused_parameters=dist_cfg.find_unused_parameters,
+                          static_graph=dist_cfg.static_graph,
+                          gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view)
+            if dist_cfg.bucket_cap_mb is not None:
+                kwargs["bucket_cap_mb"] = dist_cfg.bucket_cap_mb
+        if not any(p.requires_grad for p in model.parameters()):
+            return model
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, **kwargs)
+    if strategy == "fsdp":
+        return shard_model(model, device, dist_cfg, precision_dtype)
+    raise RuntimeSetupError(f"unknown strategy {strategy!r}")
+
+
+def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Optional[torch.dtype]) -> nn.Module:
+    """FSDP2: shard chosen blocks (by class name or parameter count), then the root."""
+    try:
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+    except ImportError:  # torch < 2.6 kept it under _composable
+        try:
+            from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+        except ImportError:
+            raise RuntimeSetupError(f"strategy 'fsdp' needs FSDP2 (fully_shard), not in torch {torch.__version__}") from None
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if dist_cfg is not None and dist_cfg.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    reshard = True if dist_cfg is None else dist_cfg.fsdp_reshard_after_forward
+    names = set(dist_cfg.fsdp_wrap) if dist_cfg is not None else set()
+    min_params = dist_cfg.fsdp_min_params if dist_cfg is not None else 0
+    for name, sub in list(model.named_modules())[::-1]:  # children before parents
+        if sub is model:
+            continue
+        by_class = type(sub).__name__ in names
+        by_size = min_params > 0 and sum(p.numel() for p in sub.parameters()) >= min_params
+        if by_class or by_size:
+            fully_shard(sub, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under DataParallel / DDP wrappers (FSDP2 modifies the module in place)."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+def no_sync(model: nn.Module, skip: bool):
+    """Skip gradient all-reduce for a micro-batch that does not end an accumulation window."""
+    if not skip:
+        return contextlib.nullcontext()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

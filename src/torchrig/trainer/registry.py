@@ -1,0 +1,169 @@
+"""Names for optimizers, losses and learning-rate schedules, with per-group learning rates."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+class NameError_(ValueError):
+    """An unknown optimizer / loss / scheduler name (the message lists the valid ones)."""
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> NameError_:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return NameError_(f"unknown {kind} '{name}'.{hint} Valid names: {', '.join(valid)}")
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
+
+
+def param_groups(model: nn.Module, lr: float, group_lr: Optional[dict] = None) -> list[dict]:
+    """Parameter groups by module-name prefix, e.g. ``{"backbone": 1e-4, "head": 1e-2}``.
+
+    The longest matching prefix wins; parameters matching none use ``lr``. Frozen parameters
+    (``requires_grad=False``) are left out.
+    """
+    group_lr = group_lr or {}
+    prefixes = sorted(group_lr, key=len, reverse=True)
+    groups: dict[Optional[str], list] = {p: [] for p in prefixes}
+    groups[None] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        match = next((p for p in prefixes if name == p or name.startswith(p + ".")), None)
+        groups[match].append(param)
+    unused = [p for p in prefixes if not groups[p]]
+    if unused:
+        names = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
+        raise NameError_(f"optim.group_lr prefix {unused[0]!r} matches no parameter; top-level modules are: {', '.join(names)}")
+    out = [{"params": groups[p], "lr": float(group_lr[p]), "name": p} for p in prefixes]
+    if groups[None]:
+        out.append({"params": groups[None], "lr": lr, "name": "default"})
+    return out
+
+
+def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: float = 0.0, momentum: float = 0.9,
+                    nesterov: bool = False, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
+                    group_lr: Optional[dict] = None, device: Optional[torch.device] = None,
+                    options: Optional[dict] = None) -> torch.optim.Optimizer:
+    key = name.lower()
+    groups = param_groups(model, lr, group_lr)
+    if not groups:
+        raise NameError_("the model has no trainable parameters (all requires_grad=False)")
+    opts = dict(options or {})
+    fused_ok = device is not None and device.type == "cuda"
+    if key == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **opts)
+    if key in ("adam", "adamw"):
+        cls = torch.optim.Adam if key == "adam" else torch.optim.AdamW
+        if fused_ok:
+            opts.setdefault("fused", True)
+        return cls(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **opts)
+    if key == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr, weight_decay=weight_decay, eps=eps if eps != 1e-8 else 1e-10, **opts)
+    if key == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum if momentum != 0.9 else 0.0,
+                                   weight_decay=weight_decay, eps=eps, **opts)
+    raise _unknown("optimizer", name, list(OPTIMIZERS))
+
+
+# ----------------------------------------------------------------------------- losses
+
+LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
+
+
+class _Loss:
+    """A named loss that forgives the usual shape mismatches ((N,1) vs (N,)) and target dtypes."""
+
+    def __init__(self, name: str, fn: nn.Module, float_target: bool):
+        self.name, self.fn, self.float_target = name, fn, float_target
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.float_target:
+            if output.shape != target.shape and output.numel() == target.numel():
+                output = output.reshape(target.shape)
+            if not target.is_floating_point():
+                target = target.to(output.dtype)
+        return self.fn(output, target)
+
+    def __repr__(self) -> str:
+        return f"loss({self.name})"
+
+
+def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise NameError_(f"loss must be a name or a callable(output, target), got {type(spec).__name__}")
+    key = spec.lower()
+    table = {
+        "cross_entropy": lambda: _Loss(key, nn.CrossEntropyLoss(label_smoothing=label_smoothing), False),
+        "nll": lambda: _Loss(key, nn.NLLLoss(), False),
+        "mse": lambda: _Loss(key, nn.MSELoss(), True),
+        "l1": lambda: _Loss(key, nn.L1Loss(), True),
+        "smooth_l1": lambda: _Loss(key, nn.SmoothL1Loss(), True),
+        "bce_with_logits": lambda: _Loss(key, nn.BCEWithLogitsLoss(), True),
+    }
+    if key not in table:
+        raise _unknown("loss", spec, list(LOSSES))
+    return table[key]()
+
+
+# ----------------------------------------------------------------------------- schedulers
+
+SCHEDULERS = ("none", "step", "multistep", "cosine", "onecycle", "warmup_cosine")
+DEFAULT_INTERVAL = {"step": "epoch", "multistep": "epoch", "cosine": "step", "onecycle": "step",
+                    "warmup_cosine": "step"}
+
+
+def build_scheduler(name: Optional[str], optimizer: torch.optim.Optimizer, *, interval: Optional[str],
+                    total_steps: int, epochs: int, step_size: int = 30, gamma: float = 0.1,
+                    milestones: Optional[list] = None, warmup_steps: int = 0, min_lr: float = 0.0,
+                    max_lr: Optional[float] = None, pct_start: float = 0.3):
+    """Returns ``(scheduler or None, interval)``; ``interval`` is ``"step"`` or ``"epoch"``.
+
+    Units follow the interval: ``step_size`` and ``milestones`` count epochs for ``interval=epoch``
+    (the seeds' "divide lr by 10 every 30 epochs") and optimizer steps for ``interval=step``.
+    """
+    if name is None or str(name).lower() == "none":
+        return None, "step"
+    key = str(name).lower().replace("-", "_")
+    if key not in DEFAULT_INTERVAL:
+        raise _unknown("scheduler", str(name), list(SCHEDULERS))
+    interval = interval or DEFAULT_INTERVAL[key]
+    if interval not in ("step", "epoch"):
+        raise NameError_(f"scheduler.interval must be 'step' or 'epoch', got {interval!r}")
+    horizon = max(1, total_steps if interval == "step" else epochs)
+    S = torch.optim.lr_scheduler
+    if key == "step":
+        return S.StepLR(optimizer, step_size=step_size, gamma=gamma), interval
+    if key == "multistep":
+        if not milestones:
+            raise NameError_("scheduler 'multistep' needs scheduler.milestones, e.g. [30, 60, 90]")
+        return S.MultiStepLR(optimizer, milestones=list(milestones), gamma=gamma), interval
+    if key == "cosine":
+        return S.CosineAnnealingLR(optimizer, T_max=horizon, eta_min=min_lr), interval
+    if key == "onecycle":
+        peak = max_lr or [g["lr"] for g in optimizer.param_groups]
+        return S.OneCycleLR(optimizer, max_lr=peak, total_steps=horizon, pct_start=pct_start), interval
+    # warmup_cosine: linear warmup from ~0 to the base lr, then cosine to min_lr
+    warm = max(0, int(warmup_steps))
+    base = [g["lr"] for g in optimizer.param_groups]
+
+    def factor(i: int, base_lr: float) -> float:
+        if warm and i < warm:
+            return (i + 1) / warm
+        progress = min(1.0, (i - warm) / max(1, horizon - warm))
+        floor = min_lr / base_lr if base_lr else 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    lambdas = [(lambda i, b=b: factor(i, b)) for b in base]
+    return S.LambdaLR(optimizer, lr_lambda=lambdas), interval

@@ -1,0 +1,185 @@
+"""The training step, in one place.
+
+``default_step`` is the whole step for "one model, one loss, one optimizer": forward under autocast,
+loss, backward (scaled for accumulation), then — at the end of an accumulation window — unscale,
+clip, optimizer step and zero_grad. A custom step (a GAN, multi-task losses) is an ordinary function
+of ``(step, batch)`` that calls the same four primitives of :class:`Step`:
+``step.autocast()``, ``step.backward(loss)``, ``step.optimizer_step(name)`` and returns the values to
+log. Precision, accumulation, clipping, gradient sync, checkpoints and logging stay torchrig's job.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+LABEL_KEYS = ("labels", "label", "target", "targets", "y")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the optimizer step."""
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a batch: ``(x, y)``, ``(x1, …, xn, y)``, a dict with a label key, or ``x``."""
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 1:
+            return batch[0], None
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        return tuple(batch[:-1]), batch[-1]
+    if isinstance(batch, dict):
+        for key in LABEL_KEYS:
+            if key in batch:
+                return {k: v for k, v in batch.items() if k != key}, batch[key]
+        return batch, None
+    return batch, None
+
+
+def call_model(model: Callable, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size_of(next(iter(batch.values())))
+    return 1
+
+
+class Step:
+    """What a step function sees. One object per ``fit``; the loop updates its counters."""
+
+    def __init__(self, *, model: nn.Module, models: dict, optimizers: dict, loss_fn: Optional[Callable],
+                 precision: Any, device: torch.device, clip_grad_norm: Optional[float] = None,
+                 clip_norm_type: float = 2.0, clip_grad_value: Optional[float] = None,
+                 on_nonfinite: str = "error", metrics: Optional[list] = None):
+        self.model = model              # what to call (DDP / FSDP wrapped); the user's module otherwise
+        self.models = models            # name -> wrapped sub-model, for nn.ModuleDict models (GANs)
+        self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.device = device
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_norm_type = clip_norm_type
+        self.clip_grad_value = clip_grad_value
+        self.on_nonfinite = on_nonfinite
+        self.metrics = metrics or []
+        # counters, set by the loop
+        self.epoch = 0
+        self.global_step = 0           # optimizer steps done
+        self.batch_index = 0           # micro-batch index in the epoch
+        self.window_size = 1           # micro-batches in the current accumulation window
+        self.sync_gradients = True     # True on the last micro-batch of a window
+        # per-window results, read by the loop
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.want_grad_norm = False     # set by the loop on log steps
+        self.stepped = False
+        self.skipped_steps = 0
+        self._nonfinite: Optional[torch.Tensor] = None
+        self._losses: list = []
+
+    # -- the primitives ----------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return next(iter(self.optimizers.values()))
+
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of ``loss`` divided by the window size (and scaled for fp16)."""
+        finite = torch.isfinite(loss.detach())
+        self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
+        scaled = loss / self.window_size if self.window_size > 1 else loss
+        if self.precision.scaler is not None:
+            scaled = self.precision.scaler.scale(scaled)
+        scaled.backward(retain_graph=retain_graph)
+
+    def optimizer_step(self, name: Optional[str] = None) -> bool:
+        """At the end of a window: unscale, clip, step, zero_grad. Returns whether a step was taken."""
+        if not self.sync_gradients:
+            return False
+        opt = self.optimizers[name] if name is not None else self.optimizer
+        scaler = self.precision.scaler
+        if self._nonfinite is not None and bool(self._nonfinite):
+            if self.on_nonfinite == "error":
+                raise NonFiniteLossError(
+                    f"loss is not finite at optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, "
+                    f"batch {self.batch_index + 1}); the last checkpoint is intact. Lower optim.lr, set "
+                    f"clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
+            opt.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            return False
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if scaler is not None and (self.clip_grad_norm or self.clip_grad_value):
+            scaler.unscale_(opt)
+        if self.clip_grad_value:
+            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        if self.clip_grad_norm:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm, norm_type=self.clip_norm_type)
+        elif self.want_grad_norm:  # a log step: measure without clipping
+            if scaler is not None:
+                scaler.unscale_(opt)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=self.clip_norm_type)
+        if scaler is not None:
+            scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.stepped = True
+        return True
+
+    # -- conveniences --------------------------------------------------------------------------
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        return split_batch(batch)
+
+    def forward(self, inputs: Any, model: Optional[Callable] = None) -> Any:
+        return call_model(model or self.model, inputs)
+
+    def update_metrics(self, output: Any, target: Any) -> None:
+        if target is None:
+            return
+        out = output.detach()
+        if out.is_floating_point() and out.dtype != torch.float32:
+            out = out.float()
+        for m in self.metrics:
+            m.update(out, target)
+
+    def _begin_window(self) -> None:
+        self._nonfinite = None
+        self.grad_norm = None
+        self.stepped = False
+
+
+def default_step(step: Step, batch: Any) -> dict:
+    """zero_grad (after the previous step) → forward under autocast → loss → backward → step."""
+    inputs, target = split_batch(batch)
+    if target is None:
+        raise ValueError("training batches carry no target: give (inputs, target) pairs, a dict with a "
+                         "'labels' key, or a custom step function")
+    with step.autocast():
+        output = call_model(step.model, inputs)
+        loss = step.loss_fn(output, target)
+    step.backward(loss)
+    step.optimizer_step()
+    step.update_metrics(output, target)
+    return {"loss": loss.detach()}
+
+
+def default_eval_step(step: Step, batch: Any) -> tuple[Any, Any, Optional[torch.Tensor]]:
+    """``(output, target, loss)`` of one evaluation batch (called under ``inference_mode``)."""
+    inputs, target = split_batch(batch)
+    with step.autocast():
+        output = call_model(step.model, inputs)
+        loss = step.loss_fn(output, target) if (target is not None and step.loss_fn is not None) else None
+    return output, target, loss
