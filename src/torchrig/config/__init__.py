@@ -114,6 +114,62 @@ class DistConfig:
 
 
 @dataclass
+class ImageConfig:
+    """Recipe ``image-classification``: image folder reading and transforms (sizes in pixels)."""
+
+    size: Optional[int] = None  # final square side; None = as stored (all images must then share one size)
+    resize: Optional[int] = None  # resize the shorter side to this before cropping; default: size
+    random_resized_crop: bool = False  # train: random area/aspect crop resized to `size`
+    crop_scale: tuple = (0.08, 1.0)  # random_resized_crop area range (fractions of the image)
+    random_crop_padding: int = 0  # train: pad by this many pixels, then random-crop back to size
+    hflip: bool = False  # train: random horizontal flip
+    normalize: bool = True
+    mean: Optional[list] = None  # per channel in [0, 1]; None = computed from the training images
+    std: Optional[list] = None
+    channels: Optional[int] = None  # 1 or 3; None = from the images (3 for torchvision / timm models)
+    class_map: dict = field(default_factory=dict)  # class folder -> index; default: sorted folder names
+    classes: list = field(default_factory=list)  # index -> class name; filled in by training
+    cache: Union[bool, str] = "auto"  # decode every image into memory once ("auto": small data sets)
+    extensions: list = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif",
+                                                      ".tiff", ".webp", ".ppm", ".pgm"])
+
+
+@dataclass
+class TextConfig:
+    """Recipe ``text-classification``: CSV / JSONL columns, tokenizer and sequence length (tokens)."""
+
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None  # a second segment (token_type 1), e.g. for sentence pairs
+    label_column: str = "label"
+    max_length: int = 128  # tokens per sample including [CLS] / [SEP]; longer texts are truncated
+    vocab_size: int = 8000  # tokenizer vocabulary budget, trained on the training texts
+    min_frequency: int = 2  # a word or piece must occur this often to enter the vocabulary
+    lowercase: bool = True
+    labels: list = field(default_factory=list)  # index -> label; filled in by training (or fixes the order)
+
+
+@dataclass
+class Pix2PixConfig:
+    """Recipe ``pix2pix``: paired images, the U-Net / PatchGAN sizes and the loss weights."""
+
+    layout: str = "auto"  # auto, side_by_side (A|B in one file), folders (DIR/A and DIR/B, matching names)
+    direction: str = "AtoB"  # AtoB or BtoA
+    image_size: int = 256  # square side fed to the networks (a power of two, at least 2**num_downs)
+    load_size: Optional[int] = None  # train: resize to this, then random-crop image_size (jitter)
+    flip: bool = False  # train: random horizontal flip of both images together
+    channels_a: Optional[int] = None  # 1 or 3; None = from the images
+    channels_b: Optional[int] = None
+    lambda_l1: float = 100.0  # weight of the L1 term in the generator loss
+    gan_mode: str = "vanilla"  # vanilla (BCE with logits) or lsgan (MSE)
+    ngf: int = 64  # generator filters in the first layer
+    ndf: int = 64  # discriminator filters in the first layer
+    num_downs: Optional[int] = None  # U-Net depth; None = log2(image_size) (a 1x1 bottleneck)
+    d_layers: int = 3  # PatchGAN strided layers (3 = the 70x70 PatchGAN at 256 px)
+    dropout: float = 0.5  # in the three decoder blocks after the bottleneck
+    samples: int = 8  # pairs shown in the PNG grid written each epoch
+
+
+@dataclass
 class Config:
     recipe: str = "digits"
     seed: int = 0
@@ -144,6 +200,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    pix2pix: Pix2PixConfig = field(default_factory=Pix2PixConfig)
 
 
 # ----------------------------------------------------------------------------- type checking
@@ -387,6 +446,6 @@ def from_dict(mapping: dict) -> Config:
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig",
-    "CheckpointConfig", "LogConfig", "DistConfig", "load_config", "read_yaml", "to_dict",
+    "CheckpointConfig", "LogConfig", "DistConfig", "ImageConfig", "TextConfig", "Pix2PixConfig", "load_config", "read_yaml", "to_dict",
     "from_dict", "validate", "get_key",
 ]
