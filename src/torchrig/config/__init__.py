@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -236,6 +238,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
     if tp is Any:
         return value
+    if isinstance(value, os.PathLike):  # run_dir=Path(...) from Python code
+        value = os.fspath(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -312,12 +316,25 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
             setattr(obj, key, _coerce(value, hints[key], full))
 
 
+def _yaml_loader():
+    """PyYAML's SafeLoader, plus YAML 1.2 floats: ``1e-4`` is a number, not the string '1e-4'."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return Loader
+
+
 def _parse_scalar(text: str) -> Any:
     """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists)."""
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError:
         return text
 
@@ -363,8 +380,14 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config key 'max_steps': must be at least 1, got {cfg.max_steps}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"config key 'optim.lr': must be positive, got {cfg.optim.lr}")
-    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
-        raise ConfigError(f"config key 'clip_grad_norm': must be positive, got {cfg.clip_grad_norm}")
+    for key in ("clip_grad_norm", "clip_grad_value"):
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"config key '{key}': must be positive, got {value}")
+    for key in ("data.pin_memory", "log.tensorboard"):
+        value = get_key(cfg, key)
+        if isinstance(value, str) and value != "auto":
+            raise ConfigError(f"config key '{key}': expected true, false or 'auto', got {value!r}")
     if cfg.checkpoint.mode not in (None, "min", "max"):
         raise ConfigError(f"config key 'checkpoint.mode': {cfg.checkpoint.mode!r} is not one of min, max")
     if cfg.threads is not None and cfg.threads < 1:
@@ -411,7 +434,7 @@ def read_yaml(path: str | Path) -> dict:
     if p.is_dir():
         raise ConfigError(f"config file '{p}' is a directory; pass a YAML file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_yaml_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
