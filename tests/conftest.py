@@ -104,7 +104,7 @@ def make_trainer(run_dir):
         if model is None:
             torch.manual_seed(0)
             model = TinyNet()
-        opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=1, lr=0.05, optimizer="sgd")
+        opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=1, lr=0.05, optimizer="sgd", num_workers=0)
         opts.update(kw)
         return torchrig.Trainer(model, **opts)
 

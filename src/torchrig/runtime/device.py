@@ -28,9 +28,12 @@ def select_device(name: str = "auto", local_rank: Optional[int] = None) -> torch
         raise RuntimeSetupError(f"device {name!r} is not a device name; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build; install a CUDA build of torch" if torch.version.cuda is None
+                   else f"no usable GPU or driver (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
             raise RuntimeSetupError(
                 f"device {name!r} asked for, but CUDA is not available on this machine "
-                f"(torch {torch.__version__}); use device=cpu or install a CUDA build of torch")
+                f"(torch {torch.__version__}: {why}); use device=cpu or device=auto")
         if dev.index is None:
             dev = torch.device("cuda", (local_rank or 0) % torch.cuda.device_count())
         elif dev.index >= torch.cuda.device_count():
