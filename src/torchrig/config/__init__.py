@@ -148,6 +148,7 @@ class TextConfig:
     min_frequency: int = 2  # a word or piece must occur this often to enter the vocabulary
     lowercase: bool = True
     labels: list = field(default_factory=list)  # index -> label; filled in by training (or fixes the order)
+    tokenizer: Optional[str] = None  # a saved tokenizer.json to reuse; None = train one (saved in the run dir)
 
 
 @dataclass
@@ -156,17 +157,17 @@ class Pix2PixConfig:
 
     layout: str = "auto"  # auto, side_by_side (A|B in one file), folders (DIR/A and DIR/B, matching names)
     direction: str = "AtoB"  # AtoB or BtoA
-    image_size: int = 256  # square side fed to the networks (a power of two, at least 2**num_downs)
+    image_size: Optional[int] = None  # square side fed to the networks; None = 256 (embedded digits: 32)
     load_size: Optional[int] = None  # train: resize to this, then random-crop image_size (jitter)
     flip: bool = False  # train: random horizontal flip of both images together
     channels_a: Optional[int] = None  # 1 or 3; None = from the images
     channels_b: Optional[int] = None
     lambda_l1: float = 100.0  # weight of the L1 term in the generator loss
     gan_mode: str = "vanilla"  # vanilla (BCE with logits) or lsgan (MSE)
-    ngf: int = 64  # generator filters in the first layer
-    ndf: int = 64  # discriminator filters in the first layer
+    ngf: Optional[int] = None  # generator filters in the first layer; None = 64 (embedded digits: 32)
+    ndf: Optional[int] = None  # discriminator filters in the first layer; None = 64 (embedded digits: 32)
     num_downs: Optional[int] = None  # U-Net depth; None = log2(image_size) (a 1x1 bottleneck)
-    d_layers: int = 3  # PatchGAN strided layers (3 = the 70x70 PatchGAN at 256 px)
+    d_layers: Optional[int] = None  # PatchGAN strided layers; None = 3, the 70x70 PatchGAN (digits: 2)
     dropout: float = 0.5  # in the three decoder blocks after the bottleneck
     samples: int = 8  # pairs shown in the PNG grid written each epoch
 

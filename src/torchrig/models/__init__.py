@@ -7,11 +7,19 @@ from typing import Callable
 
 from torch import nn
 
+from .pix2pix import PatchDiscriminator, UNetGenerator, build_pix2pix
 from .small import DigitsCNN, MLP
+from .text import BertClassifier
+from .vision import SmallResNet
 
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mlp": MLP,
+    "small_resnet": SmallResNet,  # image-classification: ResNet for small images (8x8 digits …)
+    "bert": BertClassifier,  # text-classification: BERT-style encoder (vocab_size, num_classes, …)
+    "unet_generator": UNetGenerator,  # pix2pix
+    "patch_discriminator": PatchDiscriminator,
+    "pix2pix": build_pix2pix,  # ModuleDict {"G", "D"}
 }
 
 
@@ -34,4 +42,5 @@ def build_model(name: str, **options) -> nn.Module:
         raise ValueError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
 
 
-__all__ = ["DigitsCNN", "MLP", "build_model", "register_model", "model_names"]
+__all__ = ["BertClassifier", "DigitsCNN", "MLP", "PatchDiscriminator", "SmallResNet", "UNetGenerator",
+           "build_model", "build_pix2pix", "register_model", "model_names"]

@@ -6,9 +6,15 @@ import difflib
 
 from .base import Recipe, RecipeError
 from .digits import DigitsRecipe
+from .image import ImageClassificationRecipe
+from .pix2pix import Pix2PixRecipe
+from .text import TextClassificationRecipe
 
 _RECIPES: dict[str, type[Recipe]] = {
     "digits": DigitsRecipe,
+    "image-classification": ImageClassificationRecipe,
+    "text-classification": TextClassificationRecipe,
+    "pix2pix": Pix2PixRecipe,
 }
 
 

@@ -72,3 +72,28 @@ def write_class_predictions(probs: torch.Tensor, names: list[str], out: Path, to
         for r in rows:
             w.writerow([r["input"], r["prediction"], r["probability"]] + [t["class"] for t in r["top"]]
                        + [t["probability"] for t in r["top"]])
+
+
+HEAD_PREFIXES = ("fc.", "classifier.", "head.", "heads.", "bert.classifier.")
+
+
+def load_weights_partial(model: nn.Module, state: dict, source: str) -> None:
+    """Load a local weights file (``model.weights``): every key must match, except the classifier
+    head (``fc.`` / ``classifier.`` / ``head.``), which is left as initialised when its shape differs
+    (fine-tuning an ImageNet-shaped checkpoint on another number of classes)."""
+    from ..checkpoint import load_into
+
+    own = model.state_dict()
+    if "model." in next(iter(state), "") and not any(k in own for k in state):
+        state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    skipped = [k for k in state if k in own and state[k].shape != own[k].shape and k.startswith(HEAD_PREFIXES)]
+    missing_head = [k for k in own if k not in state and k.startswith(HEAD_PREFIXES)]
+    if skipped or missing_head:
+        state = {k: v for k, v in state.items() if k not in skipped}
+        state.update({k: own[k] for k in skipped + missing_head})
+        import sys
+
+        print(f"torchrig: model.weights '{source}': kept the new classifier head for "
+              f"{', '.join(skipped + missing_head)} (shape differs from the file)", file=sys.stderr)
+    load_into(model, state, source=f"model.weights '{source}'")
+

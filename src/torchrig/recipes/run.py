@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from .. import config as C
 from . import get_recipe
+from .base import RecipeError
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -34,6 +35,7 @@ def run_train(cfg: C.Config, out=print) -> dict:
 
     recipe = get_recipe(cfg.recipe)
     model = recipe.build_model(cfg)
+    prepare_model(model, cfg)
     data = recipe.build_data(cfg)
     trainer = Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data))
     try:
@@ -79,6 +81,8 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     if saved is None:
         raise CheckpointError(f"checkpoint '{path}' has no config.yaml; it was not written by torchrig train")
     cfg = C.from_dict(saved)
+    if path.parent.name == "checkpoints":  # artifacts (tokenizer, class map) live in the run dir beside it
+        cfg.run_dir = str(path.parent.parent)
     cfg.resume = None
     cfg.dist.strategy = "none" if cfg.dist.strategy == "fsdp" else cfg.dist.strategy
     if cfg.device not in ("auto", "cpu"):
@@ -113,15 +117,88 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
 
 
 def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
-                overrides: Optional[list[str]] = None) -> Path:
+                overrides: Optional[list[str]] = None, features: Optional[list[str]] = None) -> Path:
+    """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``."""
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
     x, names = recipe.load_inputs(cfg, Path(inputs))
-    with _inference_trainer(recipe, cfg, model, {}) as trainer:
-        outputs = trainer.predict(x)
     out = Path(output)
+    with _inference_trainer(recipe, cfg, model, {}) as trainer, FeatureHooks(model, features or []) as hooks:
+        if features and trainer.world_size > 1:
+            raise RecipeError("predict --features runs in one process; start it without torchrun")
+        outputs = trainer.predict(x)
     if trainer.is_main:
         recipe.write_predictions(cfg, outputs, names, out, topk=topk)
+        hooks.save(out)
     return out
+
+
+class FeatureHooks:
+    """Forward hooks that keep the outputs of named modules (``model.get_submodule`` names)."""
+
+    def __init__(self, model, names: list[str]):
+        self.names, self.chunks, self.handles, self.files = list(names), {n: [] for n in names}, [], []
+        modules = dict(model.named_modules())
+        for name in self.names:
+            if name not in modules:
+                import difflib
+
+                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                leaves = [n for n, m in model.named_children()]
+                raise RecipeError(f"--features: the model has no module '{name}'{hint} Top-level modules: "
+                                 f"{', '.join(leaves)} (names as in model.named_modules())")
+            self.handles.append(modules[name].register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def keep(module, args, output):
+            while isinstance(output, (tuple, list)) and output:
+                output = output[0]
+            if hasattr(output, "detach"):
+                self.chunks[name].append(output.detach().float().cpu())
+        return keep
+
+    def save(self, out: Path) -> list[Path]:
+        import numpy as np
+        import torch
+
+        for name, chunks in self.chunks.items():
+            if not chunks:
+                continue
+            shape = [max(c.shape[d] for c in chunks) for d in range(1, chunks[0].ndim)]
+            padded = []
+            for c in chunks:  # variable-length outputs (sequences): zero-pad to the longest
+                pad = []
+                for d in range(c.ndim - 1, 0, -1):
+                    pad += [0, shape[d - 1] - c.shape[d]]
+                padded.append(torch.nn.functional.pad(c, pad) if any(pad) else c)
+            base = out if (out.is_dir() or not out.suffix) else out.parent
+            stem = "features" if base is out else out.stem + ".features"
+            base.mkdir(parents=True, exist_ok=True)
+            file = base / f"{stem}.{name}.npy"
+            np.save(file, torch.cat(padded).numpy())
+            self.files.append(file)
+            print(f"features of '{name}' {tuple(torch.cat(padded).shape)} written to {file}")
+        return self.files
+
+    def __enter__(self) -> "FeatureHooks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def prepare_model(model, cfg: C.Config) -> None:
+    """``model.init`` (Conv / Linear re-initialisation), then ``model.weights`` (a local file)."""
+    if cfg.model.init:
+        from ..models.init import apply_init
+
+        apply_init(model, cfg.model.init)
+    if cfg.model.weights:
+        from ..checkpoint import load_weights_file
+        from .base import load_weights_partial
+
+        load_weights_partial(model, load_weights_file(Path(cfg.model.weights)), cfg.model.weights)
 
 
 def dumps(results: dict) -> str:

@@ -1,0 +1,279 @@
+"""``image-classification``: an image folder (one sub-folder per class) and any classifier.
+
+Data: ``data.path`` is a class-folder tree (torchvision ImageFolder semantics), or a folder holding
+``train/`` and ``val/`` (or ``valid/``, ``validation/``) and/or ``test/`` class trees; ``data.val_path``
+and ``data.test_path`` name other trees; without a validation tree ``data.val_fraction`` of each class
+is held out with a fixed seed. With no ``data.path`` the embedded digits are exported once as PNGs
+into the cache and read from there, so the default run exercises the real image-folder path.
+
+The class names, channel count and normalisation statistics are written into the run's config, so
+a checkpoint alone is enough to predict (no access to the training folder needed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import TensorDataset
+
+from .. import config as C
+from ..data.datasets import images as I
+from .base import Recipe, RecipeError
+from .common import display_name, input_files, say, stratified_split
+
+VAL_NAMES = ("val", "valid", "validation")
+
+
+class _PadRandomCrop(torch.nn.Module):
+    """Zero-pad by ``padding`` pixels and crop back to the input size at a random offset."""
+
+    def __init__(self, padding: int):
+        super().__init__()
+        self.padding = padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.padding
+        h, w = x.shape[-2:]
+        padded = torch.nn.functional.pad(x, (p, p, p, p))
+        i, j = torch.randint(0, 2 * p + 1, (2,)).tolist()
+        return padded[..., i:i + h, j:j + w]
+
+
+def build_transform(ic: C.ImageConfig, train: bool, normalize: bool = True):
+    """uint8 ``(C, H, W)`` -> float32, from the ``image`` config section."""
+    try:
+        from torchvision.transforms import v2 as T
+    except ImportError:
+        raise RecipeError("recipe 'image-classification' needs torchvision for its transforms; "
+                          "pip install torchvision") from None
+    ops: list = []
+    if train and ic.random_resized_crop:
+        if ic.size is None:
+            raise RecipeError("image.random_resized_crop needs image.size (the side of the crop, in pixels)")
+        if ic.resize:
+            ops.append(T.Resize(ic.resize, antialias=True))
+        ops.append(T.RandomResizedCrop(ic.size, scale=tuple(ic.crop_scale), antialias=True))
+    elif ic.size is not None:
+        ops += [T.Resize(ic.resize or ic.size, antialias=True), T.CenterCrop(ic.size)]
+    elif ic.resize:
+        ops.append(T.Resize(ic.resize, antialias=True))
+    if train and ic.random_crop_padding:
+        ops.append(_PadRandomCrop(ic.random_crop_padding))
+    if train and ic.hflip:
+        ops.append(T.RandomHorizontalFlip())
+    ops.append(T.ToDtype(torch.float32, scale=True))
+    if normalize and ic.normalize:
+        ops.append(T.Normalize(list(ic.mean), list(ic.std)))
+    return T.Compose(ops)
+
+
+def _has_random(ic: C.ImageConfig) -> bool:
+    return bool(ic.random_resized_crop or ic.random_crop_padding or ic.hflip)
+
+
+class _Prepared:
+    def __init__(self):
+        self.splits: dict[str, tuple[list, list[int]]] = {}
+        self.bad: list = []
+        self.cached = False
+
+
+class ImageClassificationRecipe(Recipe):
+    name = "image-classification"
+    description = ("image folder (one sub-folder per class) + small ResNet / torchvision / timm model; "
+                   "embedded default: the digits exported as PNGs")
+    defaults = {
+        "epochs": 15, "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 5e-4},
+        "scheduler": {"name": "onecycle"}, "metrics": ["accuracy", "top5"],
+        "run_dir": "runs/image-classification",
+        "model": {"name": "small_resnet"},
+        "data": {"batch_size": 64, "val_fraction": 0.1},
+        "checkpoint": {"monitor": "val/accuracy", "mode": "max"},
+        "image": {"random_crop_padding": 1},
+    }
+
+    def __init__(self):
+        self._cache: dict[int, _Prepared] = {}
+
+    # -------------------------------------------------------------------------------- data
+    def _roots(self, cfg: C.Config) -> dict[str, Optional[Path]]:
+        d = cfg.data
+        if d.path is None:
+            root = I.digits_image_folder()
+            return {"train": root / "train", "val": None, "test": root / "test"}
+        root = Path(d.path)
+        roots: dict[str, Optional[Path]] = {"train": root, "val": None, "test": None}
+        if root.is_dir() and (root / "train").is_dir() and d.val_path is None and d.test_path is None:
+            subs = {p.name for p in root.iterdir() if p.is_dir()}
+            if subs & set(VAL_NAMES + ("test",)):
+                roots["train"] = root / "train"
+                roots["val"] = next((root / v for v in VAL_NAMES if v in subs), None)
+                roots["test"] = root / "test" if "test" in subs else None
+        if d.val_path is not None:
+            roots["val"] = Path(d.val_path)
+        if d.test_path is not None:
+            roots["test"] = Path(d.test_path)
+        return roots
+
+    def _prepare(self, cfg: C.Config) -> _Prepared:
+        if id(cfg) in self._cache:
+            return self._cache[id(cfg)]
+        ic, d = cfg.image, cfg.data
+        roots = self._roots(cfg)
+        samples, classes = I.scan_image_folder(roots["train"], ic.extensions, ic.class_map or None,
+                                               key="data.path")
+        if ic.classes and list(ic.classes) != classes:
+            raise RecipeError(f"image.classes {list(ic.classes)} (from an earlier run's config) do not match the "
+                              f"class folders of '{roots['train']}' {classes}; clear image.classes")
+        ic.classes = classes
+        index = {c: i for i, c in enumerate(classes)}
+        other: dict[str, list] = {}
+        for split in ("val", "test"):
+            if roots[split] is not None:
+                key = "data.val_path" if split == "val" else "data.test_path"
+                s, cls = I.scan_image_folder(roots[split], ic.extensions, None, key=key)
+                unknown = [c for c in cls if c not in index]
+                if unknown:
+                    raise RecipeError(f"{key} '{roots[split]}' has class folders {unknown} that the training "
+                                      f"folder '{roots['train']}' does not have")
+                other[split] = [(p, index[cls[y]]) for p, y in s]
+        if ic.channels is None:
+            from ..models.vision import is_external
+
+            ic.channels = 3 if is_external(cfg.model.name) else I.detect_channels([p for p, _ in samples])
+        if ic.channels not in (1, 3):
+            raise RecipeError(f"image.channels must be 1 or 3, got {ic.channels}")
+        prep = _Prepared()
+        n_all = len(samples) + sum(len(v) for v in other.values())
+        prep.cached = ic.cache is True or (ic.cache == "auto" and self._small(samples[0][0], n_all, ic.channels))
+        for split, items in [("train", samples)] + list(other.items()):
+            got, labels, bad, sizes = I.load_checked(items, ic.channels, prep.cached, d.skip_bad_samples)
+            if not got:
+                raise RecipeError(f"no readable image in the {split} data ({len(bad)} unreadable)")
+            if len(sizes) > 1 and ic.size is None and ic.resize is None:
+                shown = ", ".join(f"{h}x{w}" for h, w in sorted(sizes)[:3])
+                raise RecipeError(f"the {split} images have different sizes ({shown} …); set image.size=N "
+                                  f"(pixels) to resize and center-crop them to N x N")
+            prep.splits[split] = (got, labels)
+            prep.bad += bad
+        if prep.bad:
+            say(f"torchrig: skipped {len(prep.bad)} unreadable image(s) (data.skip_bad_samples=true); "
+                f"listed in {Path(cfg.run_dir) / 'bad_samples.txt'}")
+        if "val" not in prep.splits and d.val_fraction > 0:
+            items, labels = prep.splits["train"]
+            keep, held = stratified_split(labels, d.val_fraction)
+            prep.splits["val"] = ([items[i] for i in held], [labels[i] for i in held])
+            prep.splits["train"] = ([items[i] for i in keep], [labels[i] for i in keep])
+        if ic.normalize and (ic.mean is None) != (ic.std is None):
+            raise RecipeError("give both image.mean and image.std, or neither (then they are computed)")
+        if ic.normalize and ic.mean is None:
+            ic.mean, ic.std = self._stats(ic, prep)
+        if ic.normalize and (len(ic.mean) != ic.channels or len(ic.std) != ic.channels):
+            raise RecipeError(f"image.mean / image.std need {ic.channels} value(s) (one per channel), got "
+                              f"{list(ic.mean)} / {list(ic.std)}")
+        self._cache[id(cfg)] = prep
+        return prep
+
+    @staticmethod
+    def _small(first: Path, n: int, channels: int) -> bool:
+        """Decode everything into memory when it fits easily (under ~1 GB as uint8)."""
+        try:
+            h, w = I.verify_image(first)
+        except I.BadImageError:
+            return n <= 20000
+        return n * h * w * channels <= 1 << 30
+
+    @staticmethod
+    def _stats(ic: C.ImageConfig, prep: _Prepared) -> tuple[list, list]:
+        """Per-channel mean and std (of values in [0, 1]) over up to 2,000 training images."""
+        items, _ = prep.splits["train"]
+        step = max(1, len(items) // 2000)
+        plain = build_transform(ic, train=False, normalize=False)
+        ds = I.ImageSamples(items[::step], None, plain, ic.channels, skip_bad=True)
+        total = torch.zeros(ic.channels, dtype=torch.float64)
+        sq = torch.zeros(ic.channels, dtype=torch.float64)
+        count = 0
+        for i in range(len(ds)):
+            x = ds[i].to(torch.float64).flatten(1)
+            total += x.sum(1)
+            sq += (x * x).sum(1)
+            count += x.shape[1]
+        mean = total / count
+        std = (sq / count - mean * mean).clamp_min(1e-12).sqrt()
+        return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
+
+    def build_data(self, cfg: C.Config) -> dict[str, Any]:
+        prep = self._prepare(cfg)
+        ic = cfg.image
+        out: dict[str, Any] = {}
+        for split, (items, labels) in prep.splits.items():
+            train = split == "train"
+            ds = I.ImageSamples(items, labels, build_transform(ic, train), ic.channels, cfg.data.skip_bad_samples)
+            if prep.cached and not (train and _has_random(ic)) and self._fits(ds):
+                # deterministic transforms: apply once, then the Trainer's in-memory fast path
+                xs = torch.stack([ds[i][0] for i in range(len(ds))])
+                ds = TensorDataset(xs, torch.tensor(labels, dtype=torch.long))
+            out[split] = ds
+        return out
+
+    @staticmethod
+    def _fits(ds: I.ImageSamples, limit: int = 1 << 29) -> bool:
+        x = ds[0][0]
+        return len(ds) * x.numel() * 4 <= limit
+
+    # -------------------------------------------------------------------------------- model
+    def build_model(self, cfg: C.Config) -> torch.nn.Module:
+        from ..models.vision import build_image_model
+
+        if not cfg.image.classes or cfg.image.channels is None:
+            self._prepare(cfg)
+        try:
+            return build_image_model(cfg.model.name, len(cfg.image.classes), cfg.image.channels, cfg.model.options)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
+
+    def class_names(self, cfg: C.Config) -> Optional[list[str]]:
+        return list(cfg.image.classes) or None
+
+    def save_artifacts(self, cfg: C.Config, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ic = cfg.image
+        info = {"classes": list(ic.classes), "channels": ic.channels, "mean": ic.mean, "std": ic.std,
+                "size": ic.size}
+        (run_dir / "classes.json").write_text(json.dumps(info, indent=2) + "\n")
+        prep = self._cache.get(id(cfg))
+        bad_file = run_dir / "bad_samples.txt"
+        if prep is not None and prep.bad:
+            I.write_bad_list(bad_file, prep.bad)
+        elif bad_file.exists():
+            bad_file.unlink()
+
+    # -------------------------------------------------------------------------------- predict
+    def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:
+        ic = cfg.image
+        files = input_files(path, ic.extensions, "input")
+        transform = build_transform(ic, train=False)
+        xs, names, bad = [], [], []
+        for f in files:
+            try:
+                xs.append(transform(I.read_image(f, ic.channels)))
+            except I.BadImageError as exc:
+                if not cfg.data.skip_bad_samples:
+                    raise RecipeError(str(exc)) from None
+                bad.append(f)
+                continue
+            names.append(display_name(f, path))
+        if bad:
+            say(f"torchrig: skipped {len(bad)} unreadable input image(s): {', '.join(str(b) for b in bad[:5])}"
+                + (" …" if len(bad) > 5 else ""))
+        if not xs:
+            raise RecipeError(f"no readable image in '{path}'")
+        shapes = {tuple(x.shape) for x in xs}
+        if len(shapes) > 1:
+            raise RecipeError(f"input images have different sizes after the transforms {sorted(shapes)[:3]}; "
+                              f"train with image.size=N so that every image is resized to N x N")
+        return torch.stack(xs), names
+

@@ -1,0 +1,208 @@
+"""``text-classification``: a BERT-style encoder on CSV / JSONL texts with a trained word-piece tokenizer.
+
+Data: ``data.path`` (and optional ``data.val_path`` / ``data.test_path``) is a ``.csv``, ``.tsv`` or
+``.jsonl`` file with a text column and a label column (``text.text_column`` / ``text.label_column``;
+``text.text_pair_column`` adds a second segment). Without a validation file ``data.val_fraction`` of
+each label is held out with a fixed seed. With no ``data.path``: docstrings of nine Python
+standard-library packages, labelled by package, with a fixed split by name hash.
+
+The tokenizer is trained on the training texts and saved as ``RUN_DIR/tokenizer.json``; the label
+names go into the run's config. ``RUN_DIR/data_summary.json`` records the split sizes and the
+majority-class baseline accuracy of each split.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import TensorDataset
+
+from .. import config as C
+from ..data.datasets.text import WordPieceTokenizer, docstring_splits, read_records
+from .base import Recipe, RecipeError
+from .common import input_files, say, stratified_split
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class _Prepared:
+    def __init__(self):
+        self.records: dict[str, list[dict]] = {}
+        self.tokenizer: Optional[WordPieceTokenizer] = None
+        self.summary: dict = {}
+
+
+class TextClassificationRecipe(Recipe):
+    name = "text-classification"
+    description = ("BERT-style encoder on CSV / JSONL texts with a word-piece tokenizer trained on them; "
+                   "embedded default: Python standard-library docstrings labelled by package")
+    defaults = {
+        "epochs": 20, "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01},
+        "scheduler": {"name": "warmup_cosine", "warmup_steps": 40}, "metrics": ["accuracy"],
+        "run_dir": "runs/text-classification", "clip_grad_norm": 1.0,
+        "model": {"name": "bert", "options": {"hidden": 128, "layers": 2, "heads": 4}},
+        "data": {"batch_size": 32, "val_fraction": 0.1},
+        "checkpoint": {"monitor": "val/accuracy", "mode": "max"},
+        "text": {"vocab_size": 6000, "max_length": 128},
+    }
+
+    def __init__(self):
+        self._cache: dict[int, _Prepared] = {}
+
+    # -------------------------------------------------------------------------------- data
+    def _prepare(self, cfg: C.Config) -> _Prepared:
+        if id(cfg) in self._cache:
+            return self._cache[id(cfg)]
+        tc, d = cfg.text, cfg.data
+        prep = _Prepared()
+        if d.path is None:
+            prep.records = docstring_splits()
+            source = "Python standard-library docstrings"
+        else:
+            prep.records["train"] = read_records(d.path, tc.text_column, tc.label_column, tc.text_pair_column,
+                                                 key="data.path")
+            for split, key, p in (("val", "data.val_path", d.val_path), ("test", "data.test_path", d.test_path)):
+                if p is not None:
+                    prep.records[split] = read_records(p, tc.text_column, tc.label_column, tc.text_pair_column,
+                                                       key=key)
+            if "val" not in prep.records and d.val_fraction > 0:
+                train = prep.records["train"]
+                keep, held = stratified_split([r["label"] for r in train], d.val_fraction)
+                prep.records["val"] = [train[i] for i in held]
+                prep.records["train"] = [train[i] for i in keep]
+            source = str(d.path)
+        train_labels = sorted({r["label"] for r in prep.records["train"]})
+        if tc.labels:
+            tc.labels = [str(x) for x in tc.labels]
+            extra = [lab for lab in train_labels if lab not in tc.labels]
+            if extra:
+                raise RecipeError(f"training labels {extra} are not in text.labels {tc.labels}")
+        else:
+            tc.labels = train_labels
+        if len(tc.labels) < 2:
+            raise RecipeError(f"the training data has {len(tc.labels)} label(s) {tc.labels}; a classifier needs 2 or more "
+                              f"(is text.label_column='{tc.label_column}' the right column?)")
+        for split, records in prep.records.items():
+            unknown = sorted({r["label"] for r in records} - set(tc.labels))
+            if unknown:
+                where = "" if d.path is None else f" (line {next(r['line'] for r in records if r['label'] in unknown)})"
+                raise RecipeError(f"the {split} data has labels {unknown[:5]} that the training data does not "
+                                  f"have{where}; every label must occur in training")
+        if tc.tokenizer:
+            prep.tokenizer = WordPieceTokenizer.load(self._tokenizer_path(cfg))
+        else:
+            texts = [r["text"] for r in prep.records["train"]]
+            texts += [r["pair"] for r in prep.records["train"] if r.get("pair")]
+            prep.tokenizer = WordPieceTokenizer.train(texts, tc.vocab_size, tc.min_frequency, tc.lowercase)
+        prep.summary = {"source": source, "labels": list(tc.labels), "vocab_size": len(prep.tokenizer),
+                        "splits": {}}
+        for split, records in prep.records.items():
+            counts = Counter(r["label"] for r in records)
+            top, n_top = counts.most_common(1)[0]
+            prep.summary["splits"][split] = {"samples": len(records), "majority_label": top,
+                                             "majority_baseline_accuracy": round(n_top / len(records), 4),
+                                             "counts": dict(sorted(counts.items()))}
+        shown = prep.summary["splits"].get("test") or prep.summary["splits"].get("val")
+        say(f"torchrig: text data from {source}: " + ", ".join(f"{k} {v['samples']}" for k, v in
+                                                              prep.summary["splits"].items())
+            + f" · {len(tc.labels)} labels · vocabulary {len(prep.tokenizer)}"
+            + (f" · majority-class baseline {shown['majority_baseline_accuracy']:.4f} ('{shown['majority_label']}')"
+               if shown else ""))
+        tc.tokenizer = TOKENIZER_FILE  # from now on (checkpoint config): the copy in the run dir
+        self._cache[id(cfg)] = prep
+        return prep
+
+    @staticmethod
+    def _tokenizer_path(cfg: C.Config) -> Path:
+        p = Path(cfg.text.tokenizer or TOKENIZER_FILE)
+        if not p.is_absolute() and (Path(cfg.run_dir) / p).exists():
+            return Path(cfg.run_dir) / p
+        return p
+
+    def build_data(self, cfg: C.Config) -> dict[str, Any]:
+        prep = self._prepare(cfg)
+        index = {lab: i for i, lab in enumerate(cfg.text.labels)}
+        out = {}
+        for split, records in prep.records.items():
+            ids, mask, types = self._encode(cfg, prep.tokenizer, records)
+            labels = torch.tensor([index[r["label"]] for r in records], dtype=torch.long)
+            out[split] = TensorDataset(ids, mask, types, labels)  # (inputs…, target): the model gets 3 tensors
+        return out
+
+    @staticmethod
+    def _encode(cfg: C.Config, tok: WordPieceTokenizer, records: list[dict]):
+        pairs = [r.get("pair") or "" for r in records] if cfg.text.text_pair_column else None
+        return tok.encode_batch([r["text"] for r in records], pairs, cfg.text.max_length)
+
+    # -------------------------------------------------------------------------------- model
+    def _tokenizer(self, cfg: C.Config) -> WordPieceTokenizer:
+        if id(cfg) in self._cache or not cfg.text.tokenizer:
+            return self._prepare(cfg).tokenizer
+        path = self._tokenizer_path(cfg)
+        if not path.exists():
+            raise RecipeError(f"tokenizer file '{path}' not found: predict / evaluate need the run directory "
+                              f"the checkpoint came from (it holds {TOKENIZER_FILE})")
+        return WordPieceTokenizer.load(path)
+
+    def build_model(self, cfg: C.Config) -> torch.nn.Module:
+        from ..models.text import build_text_model
+
+        tok = self._tokenizer(cfg)
+        if not cfg.text.labels:
+            self._prepare(cfg)
+        try:
+            return build_text_model(cfg.model.name, len(tok), len(cfg.text.labels), cfg.text.max_length,
+                                    cfg.model.options, pad_id=tok.pad_id)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
+
+    def trainer_kwargs(self, cfg: C.Config, data: dict) -> dict:
+        def predict_fn(step, batch):
+            with step.autocast():
+                logits = step.model(*batch[:3])
+            return logits.float().softmax(dim=-1)
+
+        return {"predict_fn": predict_fn}
+
+    def class_names(self, cfg: C.Config) -> Optional[list[str]]:
+        return list(cfg.text.labels) or None
+
+    def save_artifacts(self, cfg: C.Config, run_dir: Path) -> None:
+        prep = self._prepare(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prep.tokenizer.save(run_dir / TOKENIZER_FILE)
+        (run_dir / "data_summary.json").write_text(json.dumps(prep.summary, indent=2) + "\n")
+
+    # -------------------------------------------------------------------------------- predict
+    def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:
+        """A CSV / TSV / JSONL file (the text column; labels not needed), a .txt file (one text per
+        line) or a folder of .txt files (one text per file)."""
+        tok = self._tokenizer(cfg)
+        records, names = [], []
+        if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".ndjson", ".json"):
+            for r in read_records(path, cfg.text.text_column, None, cfg.text.text_pair_column, key="input"):
+                records.append(r)
+                names.append(f"{path.name}:{r['line']}")
+        else:
+            files = input_files(path, (".txt",), "input")
+            for f in files:
+                try:
+                    content = f.read_text(encoding="utf-8")
+                except UnicodeDecodeError:
+                    raise RecipeError(f"input '{f}' is not UTF-8 text") from None
+                if path.is_file():
+                    for i, line in enumerate(content.splitlines(), 1):
+                        if line.strip():
+                            records.append({"text": line, "pair": None})
+                            names.append(f"{f.name}:{i}")
+                else:
+                    records.append({"text": content, "pair": None})
+                    names.append(str(f.relative_to(path)))
+        if not records:
+            raise RecipeError(f"input '{path}' holds no text")
+        ids, mask, types = self._encode(cfg, tok, records)
+        return (ids, mask, types), names
