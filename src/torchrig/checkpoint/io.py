@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +134,12 @@ def safe_torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         first = str(exc).strip().splitlines()
-        detail = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        detail = f"found {found.group(1)}" if found else (first[0].strip()[:200] if first else "")
         raise CheckpointError(
             f"checkpoint file '{path}' contains pickled objects that are not plain tensors or containers "
-            f"({detail.strip()[:200]}); torchrig refuses to load it because unpickling can execute code. "
+            f"({detail}); torchrig refuses to load it because unpickling can execute code. "
             f"Re-save it as a plain state_dict or safetensors file") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({str(exc).splitlines()[0][:200]}); "

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .io import CheckpointError, fsync_dir, safe_torch_load, safe_torch_save, save_weights, write_json_atomic
+from .io import (CheckpointError, fsync_dir, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic,
+                 write_json_atomic)
 
 PREFIX = "step-"
 
@@ -27,6 +28,13 @@ def _link(target_name: str, link: Path) -> None:
         tmp.unlink()
     os.symlink(target_name, tmp)
     os.replace(tmp, link)
+
+
+def _hardlink_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
 
 
 def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[Path]:
@@ -75,10 +83,13 @@ class CheckpointManager:
         return sorted(p.name for p in self.dir.glob(f"{PREFIX}*") if (p / "model.safetensors").exists())
 
     def clean_partial(self) -> None:
-        """Remove temporary directories left by a process killed mid-save."""
+        """Remove temporary directories left by a process killed mid-save (not one ``latest`` names)."""
         if self.dir.exists():
+            latest = self.dir / "latest"
+            keep = os.readlink(latest) if latest.is_symlink() else None
             for p in self.dir.glob(".tmp-*"):
-                shutil.rmtree(p, ignore_errors=True)
+                if p.name != keep:
+                    shutil.rmtree(p, ignore_errors=True)
 
     def save(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
@@ -93,23 +104,30 @@ class CheckpointManager:
         if config is not None:
             import yaml
 
-            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            write_bytes_atomic(tmp / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
         meta = dict(meta, metrics=metrics or {}, saved_at=time.time())
         write_json_atomic(tmp / "meta.json", meta)
         if extra_writer is not None:
             extra_writer(tmp)
         fsync_dir(tmp)
         final = self.dir / name
-        if final.exists():  # re-saving a step (resumed run): swap atomically via a trash name
+        if final.exists():  # re-saving a step (epoch end, resumed run): `latest` must name a whole
+            _link(tmp.name, self.dir / "latest")  # checkpoint at every instant, so it names tmp meanwhile
+            fsync_dir(self.dir)
             trash = self.dir / f".tmp-trash-{name}-{os.getpid()}"
+            staged = self.dir / f".tmp-staged-{name}-{os.getpid()}"
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.copytree(tmp, staged, copy_function=_hardlink_or_copy)
+            fsync_dir(staged)
             os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(staged, final)
         else:
             os.replace(tmp, final)
         fsync_dir(self.dir)
         _link(name, self.dir / "latest")
         fsync_dir(self.dir)
+        for leftover in (tmp, self.dir / f".tmp-trash-{name}-{os.getpid()}"):
+            shutil.rmtree(leftover, ignore_errors=True)
         if name in self.index["checkpoints"]:
             self.index["checkpoints"].remove(name)
         self.index["checkpoints"].append(name)
