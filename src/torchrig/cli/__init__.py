@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="input file or folder")
     p.add_argument("--output", required=True, help="output file (.csv or .json for classes)")
     p.add_argument("--topk", type=int, default=5, help="classes to report per input (default 5)")
+    p.add_argument("--features", action="append", default=[], metavar="LAYER",
+                   help="also save the outputs of this module (a model.named_modules() name, e.g. layers.2) "
+                        "as OUTPUT.features.LAYER.npy, through a forward hook (repeatable)")
     _set_arg(p)
     _add_common(p)
 
@@ -109,7 +112,7 @@ def cmd_evaluate(args) -> int:
 def cmd_predict(args) -> int:
     from ..recipes.run import run_predict
 
-    out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides)
+    out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides, features=args.features)
     print(f"predictions written to {out}")
     return 0
 

@@ -104,6 +104,18 @@ def is_external(name: str) -> bool:
     return name not in _builtin_builders() and (name in torchvision_names() or name in timm_names())
 
 
+def check_image_model_name(name: str) -> None:
+    """Raise the unknown-model error early (before any data is read) for a name that cannot resolve."""
+    bare = name.split(":", 1)[1] if name.startswith(("torchvision:", "timm:")) else name
+    if bare in _builtin_builders() and ":" not in name:
+        return
+    if bare in torchvision_names() and not name.startswith("timm:"):
+        return
+    if bare in timm_names() and not name.startswith("torchvision:"):
+        return
+    build_image_model(name, 2, 3)  # raises the full message
+
+
 def build_image_model(name: str, num_classes: int, in_channels: int = 3, options: Optional[dict] = None) -> nn.Module:
     options = dict(options or {})
     builtins = _builtin_builders()
@@ -152,4 +164,4 @@ def _close(name: str, options: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-__all__ = ["BasicBlock", "SmallResNet", "build_image_model", "is_external", "torchvision_names", "timm_names"]
+__all__ = ["BasicBlock", "SmallResNet", "build_image_model", "check_image_model_name", "is_external", "torchvision_names", "timm_names"]

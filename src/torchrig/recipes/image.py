@@ -226,8 +226,12 @@ class ImageClassificationRecipe(Recipe):
 
     # -------------------------------------------------------------------------------- model
     def build_model(self, cfg: C.Config) -> torch.nn.Module:
-        from ..models.vision import build_image_model
+        from ..models.vision import build_image_model, check_image_model_name
 
+        try:
+            check_image_model_name(cfg.model.name)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
         if not cfg.image.classes or cfg.image.channels is None:
             self._prepare(cfg)
         try:

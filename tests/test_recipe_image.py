@@ -1,0 +1,179 @@
+"""Recipe ``image-classification``: image folders, transforms, bad images, predict, DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from recipe_helpers import (assert_same_params, cli, ddp_train, make_image_folder, read_json, sets,
+                            write_png)
+
+TINY_MODEL = ["model.options={widths: [8, 16], blocks: [1, 1]}"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHRIG_CACHE", str(tmp_path / "cache"))
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_export_digits_writes_class_folders(tmp_path, capsys):
+    out = tmp_path / "digits"
+    rc, stdout, _ = cli(["data", "export-digits", out], capsys)
+    assert rc == 0 and "1797 PNG images" in stdout
+    train = sorted(p.name for p in (out / "train").iterdir())
+    assert train == [str(d) for d in range(10)]
+    n_train = sum(1 for _ in (out / "train").rglob("*.png"))
+    n_test = sum(1 for _ in (out / "test").rglob("*.png"))
+    assert (n_train, n_test) == (1438, 359)
+    from PIL import Image
+
+    with Image.open(next((out / "test" / "7").iterdir())) as im:
+        assert im.size == (8, 8) and im.mode == "L"
+    rc, _, err = cli(["data", "export-digits", out], capsys)  # not empty: refuses, names the folder
+    assert rc == 1 and str(out) in err and "not empty" in err
+
+
+def test_end_to_end_train_evaluate_predict(tmp_path, capsys):
+    root = tmp_path / "shapes"
+    for split, n in (("train", 8), ("val", 3), ("test", 3)):
+        make_image_folder(root / split, per_class=n, seed=len(split))
+    run = tmp_path / "run"
+    rc, out, err = cli(["train", "--recipe", "image-classification"]
+                       + sets(f"data.path={root}", f"run_dir={run}", "epochs=3", "data.batch_size=8",
+                              "image.size=12", "image.hflip=true", *TINY_MODEL), capsys)
+    assert rc == 0, err
+    assert "test: loss" in out and "top5" in out
+    info = read_json(run / "classes.json")
+    assert info["classes"] == ["circle", "cross", "square"] and info["channels"] == 1
+    assert len(info["mean"]) == 1 and 0 < info["std"][0] < 1  # computed from the training images
+    assert (run / "checkpoints" / "best").exists()  # best by val/accuracy
+    index = read_json(run / "checkpoints" / "index.json")
+    assert index["best"] and "val/accuracy" in json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+
+    rc, out, err = cli(["evaluate", "--checkpoint", run, "--split", "test", "--json"], capsys)
+    assert rc == 0, err
+    metrics = json.loads(out.strip().splitlines()[-1])
+    assert set(metrics) >= {"accuracy", "top5", "loss"} and metrics["top5"] == 1.0
+
+    preds = tmp_path / "preds.csv"
+    rc, out, err = cli(["predict", "--checkpoint", run, "--input", root / "test", "--output", preds, "--topk", "2",
+                        "--features", "layers.1", "--set", "threads=1"], capsys)
+    assert rc == 0, err
+    rows = list(csv.DictReader(preds.open()))
+    assert len(rows) == 9 and rows[0]["input"] == "circle/circle_0.png"
+    assert rows[0]["prediction"] in info["classes"] and "top2_probability" in rows[0]
+    feats = np.load(tmp_path / "preds.features.layers.1.npy")
+    assert feats.shape == (9, 16, 6, 6)
+    js = tmp_path / "one.json"  # a single file, JSON output
+    rc, _, err = cli(["predict", "--checkpoint", run, "--input", root / "test" / "cross" / "cross_0.png",
+                      "--output", js], capsys)
+    assert rc == 0, err
+    (row,) = read_json(js)
+    assert row["input"] == "cross_0.png" and abs(sum(t["probability"] for t in row["top"]) - 1) < 1e-3
+
+
+def test_val_fraction_split_and_torchvision_model(tmp_path):
+    """No val folder: a fixed stratified split; a torchvision model gets 3 channels and num_classes."""
+    from torchrig.recipes import get_recipe
+    from torchrig.recipes.run import build_config
+
+    root = make_image_folder(tmp_path / "shapes", per_class=10)
+    cfg = build_config(None, [f"data.path={root}", "data.val_fraction=0.2", "model.name=resnet18", "image.size=32"],
+                       "image-classification")
+    recipe = get_recipe("image-classification")
+    model = recipe.build_model(cfg)
+    data = recipe.build_data(cfg)
+    assert cfg.image.channels == 3 and model.fc.out_features == 3
+    assert len(data["train"]) == 24 and len(data["val"]) == 6 and "test" not in data
+    assert sorted(data["val"].tensors[1].tolist()) == [0, 0, 1, 1, 2, 2]
+    x = data["val"].tensors[0]
+    assert x.shape == (6, 3, 32, 32)
+    model.eval()
+    assert model(x).shape == (6, 3)
+
+
+def test_class_map_and_local_weights(tmp_path, capsys):
+    from torchrig.recipes import get_recipe
+    from torchrig.recipes.run import build_config, prepare_model
+
+    root = make_image_folder(tmp_path / "shapes", per_class=2)
+    cfg = build_config(None, [f"data.path={root}", "image.class_map={square: 0, circle: 1, cross: 2}",
+                              "data.val_fraction=0"] + TINY_MODEL, "image-classification")
+    recipe = get_recipe("image-classification")
+    model = recipe.build_model(cfg)
+    assert cfg.image.classes == ["square", "circle", "cross"]
+    data = recipe.build_data(cfg)
+    assert sorted(set(data["train"].labels)) == [0, 1, 2]  # random crop: per-sample transforms
+    # model.weights: a file from a 5-class model loads everything but the classifier head
+    from torchrig.models.vision import SmallResNet
+
+    donor = SmallResNet(num_classes=5, in_channels=1, widths=(8, 16), blocks=(1, 1))
+    torch.save(donor.state_dict(), tmp_path / "donor.pt")
+    cfg.model.weights = str(tmp_path / "donor.pt")
+    prepare_model(model, cfg)
+    assert torch.equal(model.stem[0].weight, donor.stem[0].weight)
+    assert model.fc.out_features == 3
+    assert "kept the new classifier head" in capsys.readouterr().err
+    torch.save({"other.weight": torch.zeros(2)}, tmp_path / "bad.pt")
+    cfg.model.weights = str(tmp_path / "bad.pt")
+    from torchrig.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="missing keys"):
+        prepare_model(model, cfg)
+
+
+def test_bad_inputs_have_clear_messages(tmp_path, capsys):
+    run = ["train", "--recipe", "image-classification"]
+    missing = tmp_path / "nope"
+    rc, _, err = cli(run + sets(f"data.path={missing}", f"run_dir={tmp_path / 'r0'}"), capsys)
+    assert rc == 1 and f"data.path '{missing}' does not exist" in err
+
+    flat = tmp_path / "flat"
+    write_png(flat / "a.png", np.zeros((8, 8)))
+    rc, _, err = cli(run + sets(f"data.path={flat}", f"run_dir={tmp_path / 'r1'}"), capsys)
+    assert rc == 1 and "no class sub-folders" in err and "a.png" in err
+
+    root = make_image_folder(tmp_path / "shapes", per_class=4)
+    bad = root / "cross" / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    rc, _, err = cli(run + sets(f"data.path={root}", f"run_dir={tmp_path / 'r2'}", "epochs=1", *TINY_MODEL), capsys)
+    assert rc == 1 and str(bad) in err and "unreadable or corrupt" in err and "skip_bad_samples" in err
+    assert not (tmp_path / "r2" / "checkpoints").exists()
+
+    rc, out, err = cli(run + sets(f"data.path={root}", f"run_dir={tmp_path / 'r3'}", "epochs=1", "max_steps=1",
+                                  "data.skip_bad_samples=true", *TINY_MODEL), capsys)
+    assert rc == 0, err
+    assert "skipped 1 unreadable image" in err
+    listed = (tmp_path / "r3" / "bad_samples.txt").read_text()
+    assert "1 unreadable" in listed and str(bad) in listed
+
+    mixed = make_image_folder(tmp_path / "mixed", per_class=2)
+    write_png(mixed / "cross" / "big.png", np.zeros((20, 20)))
+    rc, _, err = cli(run + sets(f"data.path={mixed}", f"run_dir={tmp_path / 'r4'}"), capsys)
+    assert rc == 1 and "different sizes" in err and "image.size" in err
+
+    rc, _, err = cli(run + sets(f"data.path={root}", "image.class_map={cross: 0}", f"run_dir={tmp_path / 'r5'}"), capsys)
+    assert rc == 1 and "class_map does not match" in err and "circle" in err
+
+    rc, _, err = cli(run + sets(f"data.path={root}", "model.name=resnet19", f"run_dir={tmp_path / 'r6'}"), capsys)
+    assert rc == 1 and "did you mean 'resnet18'" in err
+
+    rc, _, err = cli(["predict", "--checkpoint", tmp_path / "r3", "--input", bad, "--output", tmp_path / "p.csv"], capsys)
+    assert rc == 1 and str(bad) in err
+
+
+@pytest.mark.slow
+def test_two_rank_ddp(tmp_path):
+    root = make_image_folder(tmp_path / "shapes", per_class=8)
+    p0, p1 = ddp_train(tmp_path, ["train", "--recipe", "image-classification"]
+                       + sets(f"data.path={root}", f"run_dir={tmp_path / 'run'}", "max_steps=3", "data.batch_size=4",
+                              "image.random_crop_padding=1", *TINY_MODEL))
+    assert_same_params(p0, p1)
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
