@@ -41,13 +41,13 @@ class TextClassificationRecipe(Recipe):
     description = ("BERT-style encoder on CSV / JSONL texts with a word-piece tokenizer trained on them; "
                    "embedded default: Python standard-library docstrings labelled by package")
     defaults = {
-        "epochs": 20, "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01},
+        "epochs": 12, "optim": {"name": "adamw", "lr": 2e-3, "weight_decay": 0.01},
         "scheduler": {"name": "warmup_cosine", "warmup_steps": 40}, "metrics": ["accuracy"],
         "run_dir": "runs/text-classification", "clip_grad_norm": 1.0,
         "model": {"name": "bert", "options": {"hidden": 128, "layers": 2, "heads": 4}},
         "data": {"batch_size": 32, "val_fraction": 0.1},
         "checkpoint": {"monitor": "val/accuracy", "mode": "max"},
-        "text": {"vocab_size": 6000, "max_length": 128},
+        "text": {"vocab_size": 6000, "max_length": 64},
     }
 
     def __init__(self):
