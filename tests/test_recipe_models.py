@@ -118,3 +118,13 @@ def test_import_torchrig_and_recipes_does_not_import_torchvision():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([PYTHON, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", ["image-classification", "image-classification-resnet18", "text-classification",
+                                  "pix2pix"])
+def test_example_configs_load(name):
+    from conftest import REPO
+    from torchrig.recipes.run import build_config
+
+    cfg = build_config(str(REPO / "examples" / f"{name}.yaml"))
+    assert cfg.recipe == name.replace("-resnet18", "")
