@@ -12,6 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+# Tiny models run fastest on one thread, and the machine's cores are shared with other test processes.
+torch.set_num_threads(1)
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 

@@ -118,6 +118,7 @@ class Step:
                     f"batch {self.batch_index + 1}); the last checkpoint is intact. Lower optim.lr, set "
                     f"clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
             opt.zero_grad(set_to_none=True)
+            self._restore_buffers()
             self.skipped_steps += 1
             return False
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
@@ -159,6 +160,13 @@ class Step:
         self._nonfinite = None
         self.grad_norm = None
         self.stepped = False
+        if self.on_nonfinite == "skip":  # a skipped window must not leave NaN in BatchNorm running stats
+            self._buffers = [b.detach().clone() for b in self.model.buffers()]
+
+    @torch.no_grad()
+    def _restore_buffers(self) -> None:
+        for b, saved in zip(self.model.buffers(), getattr(self, "_buffers", [])):
+            b.copy_(saved)
 
 
 def default_step(step: Step, batch: Any) -> dict:

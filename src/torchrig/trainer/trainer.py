@@ -458,6 +458,7 @@ class Trainer:
             for k, opt in self.optimizers.items():
                 if k in state.get("optimizers", {}):
                     opt.load_state_dict(state["optimizers"][k])
+                    opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
             for k, sch in self.schedulers.items():
                 if k in state.get("schedulers", {}):
                     sch.load_state_dict(state["schedulers"][k])
