@@ -30,12 +30,15 @@ class Metric:
     def reset(self) -> None:
         self.states = {}
 
-    def _add(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach().to(torch.float64)
-        if key in self.states:
-            self.states[key] += value.to(self.states[key].device)
-        else:
-            self.states[key] = value.clone()
+    def _add(self, key: str, value: Union[torch.Tensor, int, float]) -> None:
+        """Add to a float64 state (exact counts); a Python number (a count) needs no tensor of its own."""
+        state = self.states.get(key)
+        if state is None:
+            self.states[key] = torch.as_tensor(value).detach().to(torch.float64, copy=True)
+        elif not isinstance(value, torch.Tensor):
+            state += value
+        else:  # in place, promoted to float64 by the add itself: one op per update on the training path
+            state += value.detach() if value.device == state.device else value.detach().to(state.device)
 
     def update(self, output: Any, target: Any) -> None:
         raise NotImplementedError
@@ -73,7 +76,7 @@ class Accuracy(Metric):
             raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
                               f"targets of shape {tuple(target.shape)} (targets must be class indices)")
         self._add("correct", (pred == target).sum())
-        self._add("total", torch.tensor(float(target.numel())))
+        self._add("total", target.numel())
 
     def compute(self) -> float:
         return float(self.states["correct"] / self.states["total"]) if self.states else float("nan")
@@ -92,7 +95,7 @@ class TopK(Metric):
         k = min(self.k, output.shape[1])
         top = output.topk(k, dim=1).indices
         self._add("correct", (top == target.view(-1, 1)).any(dim=1).sum())
-        self._add("total", torch.tensor(float(target.shape[0])))
+        self._add("total", target.shape[0])
 
     def compute(self) -> float:
         return float(self.states["correct"] / self.states["total"]) if self.states else float("nan")
@@ -154,7 +157,7 @@ class _MeanError(Metric):
                                   f"target shape {tuple(target.shape)}")
         diff = output.detach().double() - target.detach().double()
         self._add("sum", self.fn(diff).sum())
-        self._add("count", torch.tensor(float(diff.numel())))
+        self._add("count", diff.numel())
 
     def compute(self) -> float:
         return float(self.states["sum"] / self.states["count"]) if self.states else float("nan")
@@ -171,7 +174,7 @@ class MeanValue(Metric):
 
     def update(self, value: torch.Tensor, count: int) -> None:  # type: ignore[override]
         self._add("sum", value.detach().double() * count)
-        self._add("count", torch.tensor(float(count)))
+        self._add("count", count)
 
     def compute(self) -> float:
         return float(self.states["sum"] / self.states["count"]) if self.states else float("nan")

@@ -10,6 +10,7 @@ log. Precision, accumulation, clipping, gradient sync, checkpoints and logging s
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -98,8 +99,13 @@ class Step:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of ``loss`` divided by the window size (and scaled for fp16)."""
-        finite = torch.isfinite(loss.detach())
-        self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
+        if loss.is_cpu and loss.numel() == 1:
+            # On CPU reading the scalar is one cheap call; torch.isfinite would be five tensor ops.
+            if not math.isfinite(loss.item()):
+                self._nonfinite = True
+        else:  # on an accelerator the flag stays on the device: no sync before the optimizer step
+            finite = torch.isfinite(loss.detach())
+            self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
         scaled = loss / self.window_size if self.window_size > 1 else loss
         if self.precision.scaler is not None:
             scaled = self.precision.scaler.scale(scaled)
@@ -121,7 +127,8 @@ class Step:
             self._restore_buffers()
             self.skipped_steps += 1
             return False
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:  # built only when needed
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None and (self.clip_grad_norm or self.clip_grad_value):
             scaler.unscale_(opt)
         if self.clip_grad_value:
