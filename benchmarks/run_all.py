@@ -1,0 +1,93 @@
+"""Run every benchmark (one after the other, never in parallel) and write results/SUMMARY.md.
+
+Usage: ``python benchmarks/run_all.py [--quick]``. ``--quick`` runs each script in its smoke mode
+(one short repetition) and writes ``results/quick/SUMMARY.md`` instead, leaving the published
+numbers alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+BENCHMARKS = ("overhead", "fastpath", "import_time", "memory")
+
+
+def _row(name: str, r: dict) -> list:
+    """benchmark, what is compared, measured, target, verdict."""
+    ok = "meets" if r.get("meets_target") else "misses"
+    if name == "overhead":
+        a = r["arms"]
+        return [name, "Trainer loop time / hand-written loop (same DataLoader, fast_path=False)",
+                f"{r['ratio']:.3f}× ({a['trainer']['median_loop_s']:.3f} s vs {a['hand']['median_loop_s']:.3f} s, "
+                f"{a['hand']['steps']} steps; defaults with fast path: {r['fast_path_ratio']:.3f}×)",
+                f"≤ {r['target']}×", ok]
+    if name == "fastpath":
+        a = r["arms"]
+        return [name, f"DataLoader path / fast path, µs per training step (tiny MLP, batch {r['batch']})",
+                f"{r['ratio']:.2f}× ({a['dataloader']['median_step_us']:.0f} vs {a['fast']['median_step_us']:.0f} µs; "
+                f"data alone {r['data_ratio']:.0f}×; same parameters: {r['same_parameters']})",
+                f"≥ {r['target']}×", ok]
+    if name == "import_time":
+        a = r["arms"]
+        return [name, "`import torchrig` / `import torch`",
+                f"{r['ratio']:.3f}× ({a['torchrig']['median_import_s'] * 1e3:.0f} vs "
+                f"{a['torch']['median_import_s'] * 1e3:.0f} ms); `from torchrig import Trainer`: "
+                f"{r['trainer_ratio']:.3f}×; optional libraries lazy: {r['optional_modules_clean']}",
+                f"≤ {r['target']}×", ok]
+    if name == "memory":
+        a = r["arms"]
+        return [name, "Trainer peak RSS − hand-written loop peak RSS; growth over epochs",
+                f"{r['peak_diff_mib']:+.1f} MiB ({a['trainer']['median_peak_mib']:.0f} vs "
+                f"{a['hand']['median_peak_mib']:.0f} MiB, {r['ratio']:.3f}×); growth ≤ "
+                f"{max(x['max_growth_mib'] for x in a.values()):.1f} MiB over {r['epochs']} epochs",
+                f"≤ {r['target']['allowance_mib']:.0f} MiB, flat", ok]
+    return [name, "", "", "", ok]
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", choices=BENCHMARKS, help="run only these (others are read from results/)")
+    args = ap.parse_args(argv)
+    folder = c.RESULTS / "quick" if args.quick else c.RESULTS
+    for name in args.only if args.only is not None else BENCHMARKS:
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(c.HERE / f"{name}.py")] + (["--quick"] if args.quick else [])
+        subprocess.run(cmd, check=True, cwd=str(c.HERE.parent))
+        print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows, env = [], None
+    for name in BENCHMARKS:
+        path = folder / f"{name}.json"
+        if not path.exists():
+            rows.append([name, "not run", "", "", ""])
+            continue
+        r = json.loads(path.read_text())
+        env = r.get("environment", env)
+        rows.append(_row(name, r))
+    lines = ["# Benchmark summary", ""]
+    if env:
+        lines += [f"torch {env['torch']}, Python {env['python']}, {env['cpu_cores']} CPU cores shared with other "
+                  f"work, 1 thread per process; {env['time']}{' (quick mode: smoke run, not a measurement)' if args.quick else ''}.",
+                  ""]
+    lines += ["| benchmark | compared | measured (medians) | target | result |", "| --- | --- | --- | --- | --- |"]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    lines += ["", "Method and details: docs/performance.md; raw numbers: the JSON files beside this one.", ""]
+    out = folder / "SUMMARY.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The benchmark scripts run (``--quick``: one short repetition) and report what they promise.
+
+Only the structure of their output is checked, never a timing: timings belong to the benchmarks
+themselves (see docs/performance.md), not to tests on shared machines. The four scripts run side
+by side to keep the wall time down; their quick results go to benchmarks/results/quick/, never over
+the published numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+QUICK = BENCH / "results" / "quick"
+SCRIPTS = ("overhead", "fastpath", "import_time", "memory")
+
+
+@pytest.fixture(scope="module")
+def quick_runs() -> dict:
+    procs = {name: subprocess.Popen([sys.executable, str(BENCH / f"{name}.py"), "--quick"], cwd=str(ROOT),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in SCRIPTS}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"benchmarks/{name}.py --quick failed:\n{stderr[-3000:]}"
+        out[name] = (stdout, json.loads((QUICK / f"{name}.json").read_text()))
+    return out
+
+
+def _common(result: dict, name: str) -> None:
+    assert result["benchmark"] == name and result["quick"] is True
+    assert "torch" in result["environment"] and "target" in result and "meets_target" in result
+    assert isinstance(result["meets_target"], bool)
+
+
+def test_overhead_quick(quick_runs):
+    stdout, r = quick_runs["overhead"]
+    _common(r, "overhead")
+    assert {"hand", "trainer", "trainer_fast"} <= set(r["arms"])
+    for arm in r["arms"].values():
+        assert arm["median_loop_s"] > 0 and arm["steps"] == r["steps"] > 0
+    assert r["ratio"] > 0 and r["cpu_ratio"] > 0
+    assert "ratio" in stdout and "Trainer (same DataLoader, fast_path=False) / hand loop" in stdout
+
+
+def test_fastpath_quick(quick_runs):
+    stdout, r = quick_runs["fastpath"]
+    _common(r, "fastpath")
+    assert set(r["arms"]) == {"dataloader", "fast"}
+    assert r["same_parameters"] is True  # the two paths saw the same samples in the same order
+    assert r["ratio"] > 0 and r["data_ratio"] > 0
+    assert "per step DataLoader / fast path" in stdout
+
+
+def test_import_time_quick(quick_runs):
+    stdout, r = quick_runs["import_time"]
+    _common(r, "import_time")
+    assert set(r["arms"]) == {"torch", "torchrig", "torchrig.Trainer"}
+    assert all(a["median_import_s"] > 0 for a in r["arms"].values())
+    # the lazy-import promise is a fact, not a timing: assert it
+    assert r["optional_modules"]["import torchrig"]["loaded"] == []
+    assert r["optional_modules"]["from torchrig import Trainer (after import torch)"]["added"] == []
+    assert "import torchrig / import torch" in stdout
+
+
+def test_memory_quick(quick_runs):
+    stdout, r = quick_runs["memory"]
+    _common(r, "memory")
+    assert {"hand", "trainer"} <= set(r["arms"])
+    for arm in r["arms"].values():
+        assert arm["median_peak_mib"] > 0 and len(arm["epoch_rss_mib"]) == r["epochs"]
+        assert arm["history_plain"] is True  # logged values are Python numbers, never tensors
+    assert "Trainer peak − hand peak" in stdout
+
+
+def test_run_all_summary(quick_runs):
+    # run_all.py reads the quick results just written and writes the summary table
+    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only"], cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (QUICK / "SUMMARY.md").read_text()
+    assert "| benchmark |" in summary
+    for name in SCRIPTS:
+        assert f"| {name} |" in summary
