@@ -14,8 +14,10 @@ EXIT_USAGE = 2
 EXIT_ERROR = 1
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+def _add_common(p: argparse.ArgumentParser, root: bool = False) -> None:
+    # A sub-command's default must not override `torchrig --debug COMMAND`: only the root sets False.
+    p.add_argument("--debug", action="store_true", default=False if root else argparse.SUPPRESS,
+                   help="show the full traceback on errors")
 
 
 def _set_arg(p: argparse.ArgumentParser) -> None:
@@ -26,7 +28,7 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrig", description="Train PyTorch models on one CPU, one GPU, many GPUs or many machines.")
-    _add_common(parser)
+    _add_common(parser, root=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a recipe (default: a small CNN on the embedded digits)",

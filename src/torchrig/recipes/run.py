@@ -72,6 +72,8 @@ def _readlink(p: Path) -> str:
 
 def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     """(recipe, cfg, model with the checkpoint's weights, checkpoint dir) on the configured device."""
+    import torch
+
     from ..checkpoint import CheckpointError, load_into, load_weights_file, read_checkpoint, resolve
 
     path = resolve(checkpoint)
@@ -84,9 +86,12 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     if path.parent.name == "checkpoints":  # artifacts (tokenizer, class map) live in the run dir beside it
         cfg.run_dir = str(path.parent.parent)
     cfg.resume = None
-    cfg.dist.strategy = "none" if cfg.dist.strategy == "fsdp" else cfg.dist.strategy
+    # how the run was spread over processes does not bind evaluation (ddp: only under torchrun)
+    cfg.dist.strategy = {"fsdp": "none", "ddp": "auto"}.get(cfg.dist.strategy, cfg.dist.strategy)
     if cfg.device not in ("auto", "cpu"):
         cfg.device = "auto"  # a GPU-trained checkpoint must evaluate on a CPU-only machine
+    if cfg.precision == "fp16" and not torch.cuda.is_available():
+        cfg.precision = "fp32"  # fp16 needs CUDA; on a CPU-only machine evaluate in fp32
     for item in overrides or []:
         key, _, raw = item.partition("=")
         C._set_path(cfg, key.strip(), raw)
@@ -110,8 +115,8 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
     data = recipe.build_data(cfg)
     if split not in data or data[split] is None:
-        raise ValueError(f"recipe '{recipe.name}' has no '{split}' split; choose one of "
-                         f"{', '.join(k for k, v in data.items() if v is not None)}")
+        raise RecipeError(f"recipe '{recipe.name}' has no '{split}' split; choose one of "
+                          f"{', '.join(k for k, v in data.items() if v is not None)}")
     with _inference_trainer(recipe, cfg, model, data) as trainer:
         return trainer.evaluate(data[split])
 
