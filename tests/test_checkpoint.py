@@ -90,6 +90,12 @@ def test_final_only(make_trainer, data, run_dir, monkeypatch):
     assert meta["final"] is True and meta["step"] == 12
 
 
+def test_no_final_checkpoint_when_asked(make_trainer, data, run_dir, monkeypatch):
+    saved = _spy_saves(monkeypatch)
+    make_trainer(epochs=2, checkpoint_every_epochs=0, **{"checkpoint.save_final": False}).fit(data)
+    assert saved == [] and not (run_dir / "checkpoints").exists()
+
+
 def test_keep_last_k(make_trainer, data, run_dir):
     make_trainer(epochs=2, checkpoint_every=1, keep_last=3).fit(data)
     assert _steps(run_dir) == [8, 9, 10]
@@ -311,6 +317,7 @@ def test_state_with_a_pickled_custom_class_is_refused(make_trainer, data, run_di
            f"execute code" in msg
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin"])
 def test_malicious_weights_file_is_refused(tmp_path, suffix):
     marker = tmp_path / "pwned"

@@ -408,3 +408,13 @@ def test_early_stop(make_trainer, data, capsys):
     trainer.fit(data, val_data=data)
     assert len(trainer.history) <= 4
     assert "early stop after epoch" in capsys.readouterr().err
+
+
+def test_fit_twice_trains_as_long_again(make_trainer, data, run_dir):
+    trainer = make_trainer(epochs=2, scheduler="cosine", lr=0.1)
+    trainer.fit(data)
+    assert trainer.global_step == 10
+    trainer.fit(data)
+    assert trainer.global_step == 20
+    assert trainer.optimizers["default"].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert (run_dir / "checkpoints" / "step-00000020").is_dir()

@@ -247,6 +247,8 @@ class Trainer:
                     min_lr=s.min_lr, max_lr=s.max_lr, pct_start=s.pct_start)
                 if sch is not None:
                     self.schedulers[k] = sch
+        total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+        self._stop_position = None
         self.train_metrics = self._metric_objects()
         self.step = self._make_step(self.train_metrics)
         monitor = cfg.checkpoint.monitor
@@ -292,7 +294,8 @@ class Trainer:
                     break
                 if self.global_step >= total_steps:
                     break
-            self._save(final=True, metrics=val_metrics)
+            if cfg.checkpoint.save_final:
+                self._save(final=True, metrics=val_metrics)
         finally:
             self.logger.close()
         if self.is_main and cfg.log.plot and self.run_dir is not None:
