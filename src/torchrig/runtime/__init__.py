@@ -1,14 +1,16 @@
 """Where and how the process runs: device, threads, seeding, process group, precision, wrapping."""
 
 from .device import RuntimeSetupError, configure_backends, configure_threads, select_device
-from .dist import (DistInfo, all_reduce_mean, all_reduce_sum, barrier, broadcast, destroy_process_group,
-                   detect, gather, get_rank, get_world_size, init_process_group, is_main_process)
+from .dist import (DistInfo, DistributedError, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
+                   collective_error, destroy_process_group, detect, gather, get_rank, get_world_size,
+                   init_process_group, is_initialized, is_main_process, restart_count)
 from .precision import Precision, make_precision
 from .seed import rng_state, seed_everything, set_rng_state
 from .wrap import no_sync, resolve_strategy, unwrap, wrap_model
 
 __all__ = [
     "RuntimeSetupError", "configure_backends", "configure_threads", "select_device", "DistInfo",
+    "DistributedError", "all_reduce_max", "collective_error", "restart_count", "is_initialized",
     "all_reduce_mean", "all_reduce_sum", "barrier", "broadcast", "destroy_process_group", "detect",
     "gather", "get_rank", "get_world_size", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "seed_everything", "set_rng_state", "no_sync", "resolve_strategy",

@@ -8,9 +8,11 @@ All helpers work (as no-ops) when no process group exists, so single-process cod
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,14 +38,14 @@ class DistInfo:
 def first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm node list such as ``node[03-05,07],gpu1`` → ``node03``."""
     nodelist = nodelist.strip()
-    m = re.match(r"^([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    m = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist)
     if not m:
         return nodelist
-    prefix, _, ranges = m.groups()
+    prefix, ranges, suffix = m.groups()
     if not ranges:
-        return prefix
+        return prefix + suffix
     first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}"
+    return f"{prefix}{first}{suffix}"
 
 
 def detect(init_method: Optional[str] = None, rank: Optional[int] = None,
@@ -59,11 +61,44 @@ def detect(init_method: Optional[str] = None, rank: Optional[int] = None,
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                         int(env.get("LOCAL_WORLD_SIZE", 1)), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
-        ntasks_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
-        return DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                        int(ntasks_node) if ntasks_node.isdigit() else 1, "slurm")
+    slurm = slurm_info(env)
+    if slurm is not None:
+        return slurm
     return DistInfo()
+
+
+def _leading_int(text: str, default: int) -> int:
+    m = re.match(r"\s*(\d+)", text or "")
+    return int(m.group(1)) if m else default
+
+
+def slurm_info(env: Optional[dict] = None) -> Optional[DistInfo]:
+    """Rank and world size of an ``srun`` task (one task per GPU), or None outside a multi-task step.
+
+    ``SLURM_STEP_NUM_TASKS`` (set by ``srun`` for its job step) wins over ``SLURM_NTASKS`` (the
+    allocation's), so a plain ``python train.py`` inside a multi-task ``sbatch`` script is not taken
+    for one rank of a job whose other ranks will never start.
+    """
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" not in env:
+        return None
+    world = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if world is None or _leading_int(world, 1) <= 1:
+        return None
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") \
+        or env.get("SLURM_NTASKS_PER_NODE") or "1"
+    return DistInfo(int(env["SLURM_PROCID"]), _leading_int(world, 1), int(env.get("SLURM_LOCALID", 0)),
+                    _leading_int(per_node, 1), "slurm")
+
+
+def slurm_master(env: Optional[dict] = None) -> tuple[str, int]:
+    """(address, port) of rank 0 for a Slurm step: the first host of the step's node list and a port
+    derived from the job id (20000-29999), so two jobs sharing a node do not collide."""
+    env = os.environ if env is None else env
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
+    port = 20000 + int(job) % 10000 if job.isdigit() else 29500
+    return first_slurm_host(nodes), port
 
 
 def default_backend(device: torch.device) -> str:
@@ -91,31 +126,96 @@ def init_process_group(info: DistInfo, device: torch.device, backend: Optional[s
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
     elif info.source == "slurm":
-        os.environ.setdefault("MASTER_ADDR", first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")))
-        os.environ.setdefault("MASTER_PORT", "29500")
+        addr, port = slurm_master()
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", str(port))
         kwargs.update(init_method="env://", rank=info.rank, world_size=info.world_size)
     else:
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
                 raise RuntimeSetupError(
                     f"{var} is not set but RANK/WORLD_SIZE are; start the job with torchrun or torchrig launch")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
+            # worker can read the address a dead worker of the previous attempt published, and hang.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                                  False, timeout=kwargs["timeout"])
+            kwargs.update(store=dist.PrefixStore(f"torchrig/attempt_{restart_count()}", store),
+                          rank=info.rank, world_size=info.world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if backend == "nccl":
             kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
+    atexit.register(destroy_process_group)  # scripts that never call Trainer.close still leave cleanly
     return True
 
 
+class DistributedError(RuntimeSetupError):
+    """A collective failed because another rank stopped taking part (it hung, was slow or died)."""
+
+
+_TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective")
+_LOST_MARKS = ("connection reset", "connection closed", "broken pipe", "connection refused", "socket closed",
+               "end of file", "communicator was aborted", "remote process exited", "no route to host")
+
+
+def collective_error(exc: BaseException, timeout_s: float) -> Optional[DistributedError]:
+    """A clear error for a collective that failed because of another rank; None for any other error.
+
+    gloo and nccl report these as ``RuntimeError`` / ``DistBackendError`` with a low-level text
+    (``Timed out waiting 5000ms for recv``, ``Connection reset by peer``); the user needs to know
+    which setting bounded the wait and where to look.
+    """
+    if isinstance(exc, DistributedError) or not is_initialized() or dist.get_world_size() < 2:
+        return None
+    text = str(exc)
+    low = text.lower()
+    from_backend = isinstance(exc, getattr(dist, "DistError", ())) or any(
+        k in low for k in ("gloo", "nccl", "c10d", "processgroup"))
+    if not from_backend:
+        return None
+    rank = dist.get_rank()
+    detail = text.strip().splitlines()[0][:240] if text.strip() else type(exc).__name__
+    if any(k in low for k in _TIMEOUT_MARKS):
+        return DistributedError(
+            f"rank {rank}: a collective operation (gradient all-reduce, all-gather or barrier) did not complete "
+            f"within dist.timeout={timeout_s:g}s: another rank stopped taking part (it hangs, crashed, is stuck "
+            f"loading data, or is much slower). Check the other ranks' logs; if one is legitimately slow (a long "
+            f"evaluation or checkpoint on rank 0), raise dist.timeout. [{detail}]")
+    if any(k in low for k in _LOST_MARKS):
+        return DistributedError(
+            f"rank {rank}: lost the connection to another rank during a collective operation: a peer process "
+            f"died or was killed (out of memory, SIGKILL, an exception; see its log) or the network between "
+            f"the machines failed. With torchrig launch --max-restarts K the group restarts and resumes from "
+            f"the latest checkpoint. [{detail}]")
+    return None
+
+
 def destroy_process_group() -> None:
+    """Leave and destroy the default group (a no-op without one); never raises."""
     if dist.is_available() and dist.is_initialized():
         try:
+            if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+                # A gloo worker thread drops its last finished work (and the Python tensors in it) a moment
+                # after the caller saw the work complete. The group usually outlives this call (DDP's hooks
+                # keep it), so an interpreter that starts exiting in that moment aborts with "terminate
+                # called without an active exception". Give the threads that moment first.
+                time.sleep(0.1)
             dist.destroy_process_group()
         except Exception:  # a broken group (peer died) must not mask the original error
             pass
 
 
 # ----------------------------------------------------------------------------- public helpers
+
+
+def restart_count() -> int:
+    """How many times torchrun (torchrig launch --max-restarts) has restarted this worker group."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 def is_initialized() -> bool:
@@ -144,6 +244,14 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     out = t.detach().clone()
     if is_initialized() and get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``t`` over ranks (a new tensor)."""
+    out = t.detach().clone()
+    if is_initialized() and get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
 
 

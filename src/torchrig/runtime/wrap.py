@@ -33,15 +33,25 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
     import torch.distributed as dist
 
     if dist_cfg is not None and dist_cfg.sync_batchnorm and strategy in ("ddp", "fsdp"):
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if device.type == "cpu":
+            # torch's SyncBatchNorm has no CPU kernel (it raises on the first forward); keep plain BatchNorm.
+            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                warnings.warn("dist.sync_batchnorm=true is ignored on CPU: torch's SyncBatchNorm runs on GPUs "
+                              "only, so each process normalises with its own batch statistics")
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy == "none":
         return model
     if strategy == "dp":
+        advice = ("strategy=ddp under torchrig launch (one process per GPU) is the recommended path: "
+                  "nn.DataParallel runs in one process, copies the model to every GPU at each step and is "
+                  "slower than DistributedDataParallel even on one machine")
         if device.type != "cuda" or torch.cuda.device_count() < 2:
-            warnings.warn("strategy 'dp' needs two or more visible GPUs; running on one device without wrapping")
+            warnings.warn(f"strategy 'dp' needs two or more visible GPUs, found "
+                          f"{torch.cuda.device_count() if device.type == 'cuda' else 0}; running on {device} "
+                          f"without wrapping. {advice}")
             return model
-        warnings.warn("strategy 'dp' (nn.DataParallel) is single-process and slower; strategy=ddp under "
-                      "torchrig launch is the recommended path")
+        warnings.warn(f"strategy 'dp': {advice}")
         return nn.DataParallel(model)
     if not dist.is_initialized():
         raise RuntimeSetupError(f"strategy {strategy!r} needs a process group; start with torchrig launch or torchrun")

@@ -1,0 +1,148 @@
+"""Checkpoints for FSDP2 (and loading them at any world size).
+
+An FSDP run holds each parameter in pieces, one per rank, so a checkpoint is written by every rank:
+the model and optimizer shards go to ``sharded/`` with ``torch.distributed.checkpoint`` (DCP:
+one file per rank plus a ``.metadata`` index). Beside them rank 0 writes what every torchrig
+checkpoint holds: ``model.safetensors`` (the full weights, gathered once at save time, so
+single-process ``evaluate`` / ``predict`` and plain ``load_state_dict`` work), ``state.pt``
+(schedulers, counters, RNG; the optimizers live in ``sharded/``), ``config.yaml`` and
+``meta.json``. The directory is renamed into place and ``latest`` swapped by rank 0 only after
+every rank's shard is written, so ``latest`` never names a half-written checkpoint.
+
+DCP reshards on load: a checkpoint written by 4 ranks loads into 2, into 1, or into a plain
+(non-FSDP) model and optimizer; the keys are parameter names, not positions. Every rank must be able
+to read and write the run directory (a shared file system when the ranks are on several machines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .. import runtime
+from .io import CheckpointError, load_weights_file
+
+if TYPE_CHECKING:  # the trainer layer sits above checkpoint; only its attributes are used here
+    from ..trainer import Trainer
+
+SHARDS = "sharded"
+
+
+def _dsd():
+    try:
+        from torch.distributed.checkpoint import state_dict as dsd
+    except ImportError:  # pragma: no cover - torch < 2.2
+        raise CheckpointError(f"sharded checkpoints need torch.distributed.checkpoint (torch >= 2.2), "
+                              f"this is torch {torch.__version__}") from None
+    return dsd
+
+
+def _sharded_state(model: torch.nn.Module, optimizers: dict) -> dict[str, Any]:
+    """Model and optimizer state as DCP wants it: DTensor shards under FSDP, keyed by parameter name."""
+    dsd = _dsd()
+    return {"model": dsd.get_model_state_dict(model),
+            "optim": {name: dsd.get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()}}
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``). Collective: every rank calls it."""
+    dsd = _dsd()
+    return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save(trainer: "Trainer", position: tuple[int, int], metrics: Optional[dict] = None,
+         final: bool = False) -> Optional[Path]:
+    """Write a checkpoint from every rank; returns its directory (on every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = runtime.unwrap(trainer.model)
+    weights = full_weights(model)                             # collective: gathers the full tensors on rank 0
+    shards = _sharded_state(model, trainer.optimizers)        # local: this rank's pieces
+    state = trainer._state(position)                          # collective (train metrics are summed over ranks)
+    state["optimizers"] = {}                                  # in sharded/, by parameter name
+    trainer._saved_step = trainer.global_step
+    if not trainer.is_main:
+        tmp = runtime.broadcast(None)                         # rank 0 names its temporary directory
+        if tmp is None:
+            raise CheckpointError("rank 0 failed to start writing the checkpoint; see its log")
+        dcp.save(shards, checkpoint_id=str(Path(tmp) / SHARDS))
+        final_path = runtime.broadcast(None)                  # rank 0 renamed it into place
+        return Path(final_path) if final_path else None
+
+    def write_shards(tmp: Path) -> None:
+        runtime.broadcast(str(tmp))
+        dcp.save(shards, checkpoint_id=str(tmp / SHARDS))     # returns once every rank's file is written
+
+    meta = {"step": trainer.global_step, "epoch": position[0], "batch_in_epoch": position[1], "final": final,
+            "torch": torch.__version__, "world_size": trainer.world_size, "precision": trainer.precision.name,
+            "sharded": True, "strategy": "fsdp"}
+    path = None
+    try:
+        path = trainer.ckpt.save(trainer.global_step, weights, state, _plain(dataclasses.asdict(trainer.cfg)), meta,
+                                 metrics=metrics, extra_writer=write_shards)
+    finally:
+        runtime.broadcast(str(path) if path is not None else "")
+    return path
+
+
+def load_model(trainer: "Trainer", path: Path) -> None:
+    """Load model and optimizer state of checkpoint ``path`` into the trainer, at any world size.
+
+    With ``sharded/`` (an FSDP checkpoint) every rank reads the pieces it needs through DCP, for an
+    FSDP model as for a plain one. Without it (a checkpoint from a DDP or single-process run loaded
+    into FSDP) the full weights of ``model.safetensors`` are sharded into the model; optimizer state
+    then comes from ``state.pt`` as usual.
+    """
+    dsd = _dsd()
+    model = runtime.unwrap(trainer.model)
+    path = Path(path)
+    if not (path / SHARDS).exists():
+        full = load_weights_file(path)
+        _check_keys(set(full), set(model.state_dict()), path)
+        dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = set(FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata)
+    except Exception as exc:
+        raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
+                              f"checkpoint, or its model.safetensors for the weights alone") from None
+    target = _sharded_state(model, trainer.optimizers)
+    _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path)
+    missing_optim = [name for name in target["optim"] if not any(k.startswith(f"optim.{name}.") for k in saved)]
+    for name in missing_optim:  # a different optimizer set-up: keep those fresh, say so
+        trainer.print(f"torchrig: checkpoint '{path}' has no state for optimizer '{name}'; it starts fresh")
+        del target["optim"][name]
+    try:
+        dcp.load(target, checkpoint_id=str(path / SHARDS), no_dist=not runtime.is_initialized())
+    except Exception as exc:
+        raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' does not fit this model or optimizer "
+                              f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "
+                              f"was it saved from a different model or optimizer?") from None
+    dsd.set_model_state_dict(model, target["model"])
+    for name, opt in trainer.optimizers.items():
+        if name in target["optim"]:
+            dsd.set_optimizer_state_dict(model, opt, target["optim"][name])
+
+
+def _plain(value: Any) -> Any:
+    """The config as YAML-safe builtins (tuples become lists)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_keys(saved: set, expected: set, path: Path) -> None:
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if missing or unexpected:
+        def show(keys: list) -> str:
+            return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "") if keys else "none"
+        raise CheckpointError(f"checkpoint '{path}' does not match the model: missing keys: {show(missing)}; "
+                              f"unexpected keys: {show(unexpected)}. Was it saved from a different model or config?")
