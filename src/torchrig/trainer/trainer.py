@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -62,6 +63,22 @@ def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
     C.validate(cfg)
 
 
+def _explain_collective_errors(method: Callable) -> Callable:
+    """Turn a backend's low-level failure of a collective (a timeout, a lost peer) into one clear error."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            err = runtime.collective_error(exc, self.cfg.dist.timeout)
+            if err is None:
+                raise
+            raise err from exc
+
+    return wrapper
+
+
 class Trainer:
     """Train, evaluate and predict with the user's model, data and optimizer, unchanged.
 
@@ -101,9 +118,14 @@ class Trainer:
         self.eval_fn = eval_fn
         self.predict_fn = predict_fn
         self._objects = objects
-        self._setup_runtime()
-        self._setup_model_and_optim()
-        self.loss_fn = registry.build_loss(objects.get("loss", cfg.loss), cfg.label_smoothing)
+        self._owns_group = False
+        try:
+            self._setup_runtime()
+            self._setup_model_and_optim()
+            self.loss_fn = registry.build_loss(objects.get("loss", cfg.loss), cfg.label_smoothing)
+        except BaseException:
+            self.close()  # a failed set-up must not leave a process group (and its peers) waiting
+            raise
         self.history: list[dict] = []
         self.global_step = 0
         self.epoch = 0
@@ -219,6 +241,7 @@ class Trainer:
             print(text, flush=True)
 
     # ------------------------------------------------------------------------------ fit
+    @_explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
         cfg = self.cfg
@@ -261,8 +284,14 @@ class Trainer:
         self._monitor, self._mode = monitor, mode
         self._best, self._bad_epochs = None, 0
         start_epoch, start_batch = 0, 0
-        if cfg.resume:
-            start_epoch, start_batch = self._resume(cfg.resume)
+        resume = cfg.resume
+        restarts = runtime.restart_count()
+        if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
+            resume = "latest"
+        if resume:
+            start_epoch, start_batch = self._resume(resume)
+            if restarts > 0 and getattr(self, "resumed_from", None) is not None:
+                self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
         if self.ckpt is not None and self.is_main:
             self.ckpt.clean_partial()
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
@@ -361,8 +390,8 @@ class Trainer:
                     sch.step()
             if log_every and self.global_step % log_every == 0:
                 now = time.perf_counter()
-                values = acc.flush(now - t_last, self.world_size)
-                values.update({f"train/{m.name}": m.compute() for m in self.train_metrics if m.states})
+                values = acc.flush(now - t_last, self.world_size, self.device)
+                values.update({f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states})
                 values["lr"] = self._lr()
                 if step.grad_norm is not None:
                     values["grad_norm"] = float(step.grad_norm)
@@ -382,7 +411,7 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
-        row = {f"train/{m.name}": m.compute() for m in self.train_metrics if m.states}
+        row = {f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states}
         val_metrics: dict = {}
         if val_data is not None and (epoch + 1) % max(1, cfg.eval_every_epochs) == 0:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
@@ -419,9 +448,22 @@ class Trainer:
             "counters": {"global_step": self.global_step, "epoch": position[0], "batch_in_epoch": position[1],
                          "skipped_steps": self.skipped_steps, "world_size": self.world_size},
             "tracker": {"best": self._best, "bad_epochs": self._bad_epochs},
-            "train_metrics": {m.name: dict(m.states) for m in self.train_metrics},
+            # summed over ranks; on resume rank 0 takes the sums and the other ranks start from zero
+            "train_metrics": {m.name: dict(m.states) for m in self._synced(self.train_metrics)},
             "rng": runtime.rng_state(),
         }
+
+    def _synced(self, metrics: list) -> list:
+        """Copies of ``metrics`` with states summed over ranks (the originals keep their local sums)."""
+        if self.world_size == 1:
+            return metrics
+        out = []
+        for m in metrics:
+            c = copy.copy(m)
+            c.states = dict(m.states)
+            c.sync()
+            out.append(c)
+        return out
 
     def _save(self, position: Optional[tuple[int, int]] = None, metrics: Optional[dict] = None,
               final: bool = False) -> Optional[Path]:
@@ -433,12 +475,14 @@ class Trainer:
             from ..checkpoint import sharded
 
             return sharded.save(self, position, metrics, final)
+        state = self._state(position)  # on every rank: it sums the train metrics over ranks
+        self._saved_step = self.global_step
         if not self.is_main:
             return None
         weights = runtime.unwrap(self.model).state_dict()
         meta = {"step": self.global_step, "epoch": position[0], "batch_in_epoch": position[1], "final": final,
                 "torch": torch.__version__, "world_size": self.world_size, "precision": self.precision.name}
-        path = self.ckpt.save(self.global_step, weights, self._state(position), C.to_dict(self.cfg), meta,
+        path = self.ckpt.save(self.global_step, weights, state, C.to_dict(self.cfg), meta,
                               metrics=metrics)
         self._saved_step = self.global_step
         return path
@@ -451,7 +495,7 @@ class Trainer:
         if path is None:  # resume="latest" with nothing saved yet: a fresh start
             return 0, 0
         state, meta, _ = read_checkpoint(path)
-        if self.strategy == "fsdp" and (path / "sharded").exists():
+        if self.strategy == "fsdp" or (path / "sharded").exists():
             from ..checkpoint import sharded
 
             sharded.load_model(self, path)
@@ -479,7 +523,8 @@ class Trainer:
         self._best, self._bad_epochs = tracker.get("best"), int(tracker.get("bad_epochs", 0))
         for m in self.train_metrics:
             if m.name in state.get("train_metrics", {}):
-                m.states = {k: v.to(torch.float64) for k, v in state["train_metrics"][m.name].items()}
+                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
+                            for k, v in state["train_metrics"][m.name].items()}
         if "rng" in state:
             runtime.set_rng_state(state["rng"])
         self._saved_step = self.global_step
@@ -510,6 +555,49 @@ class Trainer:
             for m, w in zip(modules, was):
                 m.train(w)
 
+    def _padding(self, local_batches: int) -> int:
+        """Extra forward passes this rank must make so that every rank makes the same number.
+
+        Evaluation shards hold every sample once, so they differ by up to one batch between ranks. That
+        is harmless for DDP (evaluation calls the bare module), but every FSDP forward all-gathers the
+        parameters, and a rank with one batch less would leave the others waiting forever.
+        """
+        if self.strategy != "fsdp" or self.world_size == 1:
+            return 0
+        most = runtime.all_reduce_max(torch.tensor([local_batches], device=self.device))
+        return int(most.item()) - local_batches
+
+    def _dummy_batch(self, data: Any, last: Any) -> Any:
+        """A batch to feed padding forwards: this rank's last one, or the data's first when the rank has none."""
+        if last is not None:
+            return last
+        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
+        return to_device(next(iter(one)), self.device)
+
+    def _sync_results(self, means: dict, metrics: list) -> dict:
+        """Sum every metric state over ranks; ranks that saw no sample of a state contribute zeros."""
+        if self.world_size > 1:
+            def layout(m: Metric) -> dict:
+                return {k: tuple(v.shape) for k, v in m.states.items()}
+
+            mine = {("mean", name): layout(m) for name, m in means.items()}
+            mine.update({("metric", i): layout(m) for i, m in enumerate(metrics)})
+            union: dict[tuple, dict] = {}
+            for part in runtime.gather(mine):
+                for key, shapes in part.items():
+                    union.setdefault(key, {}).update(shapes)
+            for (kind, name), shapes in union.items():
+                m = means.setdefault(name, MeanValue(name)) if kind == "mean" else metrics[name]
+                for k, shape in shapes.items():
+                    m.states.setdefault(k, torch.zeros(shape, dtype=torch.float64, device=self.device))
+        results = {}
+        for m in [means[k] for k in sorted(means)] + metrics:
+            m.sync()
+            if m.states:
+                results[m.name] = m.compute()
+        return dict(sorted(results.items(), key=lambda kv: kv[0] != "loss"))  # loss first, as before
+
+    @_explain_collective_errors
     def evaluate(self, data: Any) -> dict:
         """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
         batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
@@ -518,6 +606,8 @@ class Trainer:
         step = self._make_step(metrics)
         step.model = self._eval_model()
         fn = self.eval_fn or default_eval_step
+        pad = self._padding(len(batches))
+        batch = None
         with self._eval_mode():
             for batch in batches:
                 batch = to_device(batch, self.device)
@@ -532,13 +622,14 @@ class Trainer:
                     means.setdefault("loss", MeanValue("loss")).update(loss.float(), n)
                 if target is not None:
                     step.update_metrics(output, target)
-        results = {}
-        for m in list(means.values()) + metrics:
-            m.sync()
-            if m.states:
-                results[m.name] = m.compute()
-        return results
+            if pad:
+                dummy, step.metrics = self._dummy_batch(data, batch), []
+                for _ in range(pad):  # results discarded: every sample still counts once
+                    fn(step, dummy)
+                step.metrics = metrics
+        return self._sync_results(means, metrics)
 
+    @_explain_collective_errors
     def predict(self, data: Any, activation: str = "auto") -> Any:
         """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
@@ -550,17 +641,26 @@ class Trainer:
         step.model = self._eval_model()
         act = self._activation(activation)
         outputs = []
+
+        def run(batch: Any) -> Any:
+            if self.predict_fn is not None:
+                return self.predict_fn(step, batch)
+            inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) == 1 else split_batch(batch)[0]
+            with step.autocast():
+                out = call_model(step.model, inputs)
+            return act(out.float()) if isinstance(out, torch.Tensor) else out
+
+        pad = self._padding(len(batches))
+        batch = None
         with self._eval_mode():
             for batch in batches:
                 batch = to_device(batch, self.device)
-                if self.predict_fn is not None:
-                    out = self.predict_fn(step, batch)
-                else:
-                    inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) == 1 else split_batch(batch)[0]
-                    with step.autocast():
-                        out = call_model(step.model, inputs)
-                    out = act(out.float()) if isinstance(out, torch.Tensor) else out
+                out = run(batch)
                 outputs.append(out.cpu() if isinstance(out, torch.Tensor) else out)
+            if pad:
+                dummy = self._dummy_batch(data, batch)
+                for _ in range(pad):  # FSDP: keep the ranks' forwards in step; outputs discarded
+                    run(dummy)
         if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
             local = torch.cat(outputs)
         else:
@@ -573,7 +673,8 @@ class Trainer:
         for r, part in enumerate(parts):  # rank r holds samples r, r+W, r+2W, …
             for j, item in enumerate(part):
                 order[r + j * self.world_size] = item
-        return torch.stack(order) if isinstance(local, torch.Tensor) else order
+        tensors = any(isinstance(p, torch.Tensor) for p in parts)  # a rank without samples sends []
+        return torch.stack(order) if tensors and total else order
 
     def _activation(self, name: str) -> Callable:
         loss = self.cfg.loss if "loss" not in self._objects else None
@@ -619,8 +720,13 @@ class _Window:
                     v = v.detach()
                 self.sums[k] = self.sums[k] + v if k in self.sums else v
 
-    def flush(self, elapsed: float, world_size: int) -> dict:
+    def flush(self, elapsed: float, world_size: int, device: Optional[torch.device] = None) -> dict:
         values = {f"train/{k}": float(v) / max(1, self.count) for k, v in self.sums.items()}
+        if world_size > 1 and values:  # the mean over ranks (every rank runs the same number of micro-batches)
+            keys = sorted(values)
+            mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64,
+                                                        device=device)).tolist()
+            values = dict(zip(keys, mean))
         values["samples_per_s"] = self.samples * world_size / max(elapsed, 1e-9)
         values["data_wait"] = self.wait / max(elapsed, 1e-9)
         self.sums, self.count, self.samples, self.wait = {}, 0, 0, 0.0
