@@ -1,0 +1,359 @@
+"""``torchrig launch``: a thin front for ``torch.distributed.run`` (torchrun).
+
+Every flag means what it means to torchrun; torchrig adds only what the seeds' pitfalls call for:
+
+- ``--ifname IFACE`` sets ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (the interface the ranks
+  talk over — the usual reason a two-machine job hangs at start-up is that it picked the wrong one);
+- a single-machine launch (``--nnodes 1``) listens on loopback only: its rendezvous store is bound to
+  127.0.0.1 on a free port and the workers' gloo / nccl sockets use the loopback interface;
+- the command after ``--`` may be a torchrig sub-command (``train …`` runs ``python -m torchrig train
+  …`` in every worker), a Python script, ``python -m module …`` or any executable.
+
+torchrun does the rest: it starts ``--nproc-per-node`` workers with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, watches them, and with ``--max-restarts K``
+restarts the whole group after a failure (``TORCHELASTIC_RESTART_COUNT`` then tells the trainer to
+resume from the latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from . import register_command
+
+LOOPBACK_BACKEND = "torchrig-loopback"
+TORCHRIG_COMMANDS = ("train", "evaluate", "predict", "plot", "doctor", "data", "bench")
+EXIT_USAGE = 2
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work as given; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------- argument parsing
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("processes (as torchrun)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N",
+                   help="workers on this machine: a number, or gpu / cpu / auto (default 1); one per GPU is usual")
+    g.add_argument("--nnodes", default="1", metavar="M",
+                   help="machines taking part, or MIN:MAX for an elastic job with --rdzv-backend c10d (default 1)")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
+                   help="this machine's index, 0 … M-1; 0 is the one at --master-addr (default 0)")
+    g.add_argument("--master-addr", "--master_addr", metavar="A",
+                   help="address of machine 0, reachable from every machine (needed with --nnodes > 1); "
+                        "a single-machine launch uses 127.0.0.1")
+    g.add_argument("--master-port", "--master_port", type=int, metavar="P",
+                   help="TCP port of the rendezvous store on machine 0 (default 29500 with several machines, "
+                        "a free loopback port on one)")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
+                   help="restart the worker group up to K times after a failure; the restarted run resumes "
+                        "from the latest checkpoint (default 0)")
+    g.add_argument("--rdzv-timeout", "--rdzv_timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="how long to wait for every machine to join (default 900)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", metavar="NAME",
+                   help="torchrun rendezvous backend for elastic multi-machine jobs (c10d, etcd); default: static "
+                        "with --master-addr / --master-port / --node-rank")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+                   help="rendezvous endpoint for --rdzv-backend")
+    g.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="job id shared by all machines (with --rdzv-backend)")
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="SECONDS",
+                   help="how often torchrun checks its workers (torchrun's default)")
+    g.add_argument("--log-dir", "--log_dir", metavar="DIR", help="torchrun's per-worker log directory")
+    g.add_argument("--start-method", "--start_method", choices=("spawn", "fork", "forkserver"),
+                   help="how torchrun starts workers (torchrun's default)")
+    n = p.add_argument_group("network (torchrig)")
+    n.add_argument("--ifname", metavar="IFACE",
+                   help="network interface the ranks talk over, e.g. eth0 or ib0: sets GLOO_SOCKET_IFNAME and "
+                        "NCCL_SOCKET_IFNAME (default: loopback on one machine, the system's choice on several)")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun arguments and environment, run nothing")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="what every worker runs: a torchrig sub-command (train, evaluate, …), a script.py with "
+                        "its arguments, python -m MODULE …, or an executable")
+
+
+EPILOG = """examples:
+  torchrig launch --nproc-per-node 4 -- train config.yaml --set epochs=20
+  torchrig launch --nproc-per-node 2 -- my_script.py --lr 0.1
+  # two machines, 8 GPUs each; run on both, with --node-rank 0 on 10.0.0.1 and 1 on the other:
+  torchrig launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+      --nproc-per-node 8 --ifname eth0 -- train config.yaml
+  # elastic: restart after a failure, resuming from the latest checkpoint
+  torchrig launch --nproc-per-node 8 --max-restarts 3 -- train config.yaml
+"""
+
+
+def _strict(parser: argparse.ArgumentParser) -> None:
+    """Make an unknown option before the command an error of ``launch`` (with a suggestion)."""
+    known = [s for a in parser._actions for s in a.option_strings]
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extras = original(args, namespace)
+        if extras:
+            bad = extras[0].split("=")[0]
+            close = ["--nproc-per-node"] if "proc" in bad or bad in ("-n", "--np", "--gpus", "--workers") else \
+                difflib.get_close_matches(bad, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; see torchrig launch --help"
+            parser.error(f"unknown option {bad}{hint} (options for the launched command go after --)")
+        return ns, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+@register_command
+def _register(sub) -> None:
+    p = sub.add_parser("launch", help="start a multi-process / multi-machine run (a front for torchrun)",
+                       description="Start N worker processes on this machine (and M machines), each running the "
+                                   "command after --, with the torchrun environment set. The same command runs "
+                                   "unchanged on one process.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    p.set_defaults(handler=cmd_launch)
+    _strict(p)
+
+
+# ----------------------------------------------------------------------------- building torchrun's argv
+
+def _interfaces() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def _loopback_name() -> Optional[str]:
+    names = _interfaces()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _is_loopback(addr: Optional[str]) -> bool:
+    return addr is None or addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+def worker_command(command: list[str]) -> list[str]:
+    """torchrun's ``training_script [args]`` part (with ``-m`` / ``--no-python`` where needed)."""
+    cmd = list(command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise LaunchError("nothing to launch: put the command after --, e.g. "
+                          "torchrig launch --nproc-per-node 2 -- train --set epochs=3")
+    if cmd[0] == "torchrig" or Path(cmd[0]).name == "torchrig":
+        cmd = cmd[1:] or ["train"]
+    first = cmd[0]
+    if first in TORCHRIG_COMMANDS:
+        return ["-m", "torchrig", *cmd]
+    if Path(first).name.startswith("python") and not first.endswith(".py"):
+        rest = cmd[1:]
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            return ["-m", *rest[1:]]
+        if rest and rest[0].endswith(".py"):
+            return _script(rest)
+        raise LaunchError(f"'{' '.join(cmd[:3])}': give python a script.py or -m MODULE")
+    if first.endswith(".py"):
+        return _script(cmd)
+    if first.startswith("-"):
+        raise LaunchError(f"unknown launch option {first!r} after the command separator; launch options go before --, "
+                          f"the command after it")
+    if os.path.sep in first or Path(first).exists():
+        if not Path(first).exists():
+            raise LaunchError(f"'{first}' does not exist")
+        return ["--no-python", *cmd]
+    import shutil
+
+    if shutil.which(first) is None:
+        close = difflib.get_close_matches(first, TORCHRIG_COMMANDS, n=1)
+        hint = f" Did you mean the torchrig command '{close[0]}'?" if close else ""
+        raise LaunchError(f"'{first}' is not a torchrig command ({', '.join(TORCHRIG_COMMANDS[:5])}), a .py script "
+                          f"or an executable on PATH.{hint}")
+    return ["--no-python", *cmd]
+
+
+def _script(cmd: list[str]) -> list[str]:
+    if not Path(cmd[0]).is_file():
+        raise LaunchError(f"script '{cmd[0]}' does not exist (the path is relative to {os.getcwd()})")
+    return cmd
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {text!r} is not a number or MIN:MAX") from None
+    if a < 1 or b < a:
+        raise LaunchError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return a, b
+
+
+def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """torchrun's argv and the environment variables the launch sets; raises LaunchError on bad input."""
+    cmd = worker_command(args.command_args)
+    nproc = str(args.nproc_per_node)
+    if not (nproc.isdigit() and int(nproc) >= 1) and nproc not in ("auto", "gpu", "cpu", "xpu"):
+        raise LaunchError(f"--nproc-per-node {nproc!r}: give a number >= 1, or gpu / cpu / auto")
+    lo, hi = _nnodes(str(args.nnodes))
+    env: dict[str, str] = {}
+    if args.ifname:
+        names = _interfaces()
+        if names and args.ifname not in names:
+            raise LaunchError(f"--ifname {args.ifname!r}: no such network interface on this machine; "
+                              f"it has {', '.join(names)} (see `ip -brief address`)")
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.ifname
+    if args.max_restarts < 0:
+        raise LaunchError("--max-restarts must be 0 or more")
+    if args.rdzv_timeout <= 0:
+        raise LaunchError("--rdzv-timeout must be positive (seconds)")
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        raise LaunchError(f"--master-port {args.master_port} is not a TCP port (0-65535)")
+    argv = ["--nproc-per-node", nproc, "--max-restarts", str(args.max_restarts)]
+    timeout = str(int(args.rdzv_timeout))
+    if args.rdzv_backend and args.rdzv_backend != "static":  # elastic rendezvous: torchrun's flags as given
+        if not args.rdzv_endpoint:
+            raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
+        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend,
+                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-conf", f"join_timeout={timeout}"]
+        if args.rdzv_id:
+            argv += ["--rdzv-id", args.rdzv_id]
+    elif hi == 1 and _is_loopback(args.master_addr):
+        # One machine: a store bound to 127.0.0.1 only, and gloo / nccl on the loopback interface.
+        port = args.master_port if args.master_port is not None else 0
+        argv += ["--nnodes", "1", "--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--rdzv-conf", f"timeout={timeout}"]
+        lo_name = _loopback_name()
+        if lo_name and not args.ifname:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if var not in os.environ:
+                    env[var] = lo_name
+    else:  # several machines, static rendezvous (torchrun's default)
+        if lo != hi:
+            raise LaunchError(f"--nnodes {args.nnodes} (elastic MIN:MAX) needs --rdzv-backend c10d and --rdzv-endpoint")
+        if not args.master_addr:
+            raise LaunchError(f"--nnodes {hi} needs --master-addr: the address of machine 0 (the one started with "
+                              f"--node-rank 0), reachable from every machine")
+        if not 0 <= args.node_rank < hi:
+            raise LaunchError(f"--node-rank {args.node_rank} is outside 0 … {hi - 1} for --nnodes {hi}")
+        argv += ["--nnodes", str(hi), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                 "--master-port", str(args.master_port if args.master_port is not None else 29500),
+                 "--rdzv-conf", f"timeout={timeout}"]
+    if args.monitor_interval is not None:
+        argv += ["--monitor-interval", str(args.monitor_interval)]
+    if args.log_dir:
+        argv += ["--log-dir", args.log_dir]
+    if args.start_method:
+        argv += ["--start-method", args.start_method]
+    return argv + cmd, env
+
+
+# ----------------------------------------------------------------------------- the loopback rendezvous
+
+def _register_loopback_backend() -> None:
+    """A static rendezvous whose TCP store listens on 127.0.0.1 only (torchrun's own binds every interface)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    if getattr(_register_loopback_backend, "done", False):
+        return
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_BACKEND
+
+        def next_rendezvous(self):
+            # A fresh store for every round: after a restart the workers must not read the keys (peer
+            # addresses) that the previous round's workers left behind.
+            import torch.distributed as dist
+
+            port = self.requested_port if not self._store else 0
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                sock.close()
+                raise LaunchError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror}); another job uses that "
+                                  f"port: pick another --master-port or leave it out") from None
+            sock.listen(1024)
+            self.master_port = sock.getsockname()[1]
+            self._store = dist.TCPStore("127.0.0.1", self.master_port, self.world_size, True, self.timeout,
+                                        master_listen_fd=sock.detach())
+            return super().next_rendezvous()
+
+    def create(params):
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        _, port = parse_rendezvous_endpoint(params.endpoint, 0)
+        timeout = int(params.config.get("timeout", 900))
+        handler = LoopbackRendezvous("127.0.0.1", port, 0, params.max_nodes, params.run_id, timeout)
+        handler.requested_port = port
+        return handler
+
+    registry.register(LOOPBACK_BACKEND, create)
+    _register_loopback_backend.done = True  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- running
+
+def _describe_failures(exc) -> str:
+    lines = []
+    for rank, f in sorted(getattr(exc, "failures", {}).items()):
+        how = f"killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+        lines.append(f"  rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}")
+    return "\n".join(lines)
+
+
+def launch(argv: list[str], env: dict[str, str]) -> int:
+    """Run torchrun in this process (so the loopback rendezvous is available); returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    _register_loopback_backend()
+    os.environ.update(env)
+    targs = parse_args(argv)
+    try:
+        run(targs)
+    except ChildFailedError as exc:
+        restarts = f" after {targs.max_restarts} restart(s)" if targs.max_restarts else ""
+        print(f"torchrig launch: error: the run failed{restarts}; the first error is in the failed worker's output "
+              f"above:\n{_describe_failures(exc)}", file=sys.stderr)
+        codes = [f.exitcode for f in exc.failures.values() if f.exitcode > 0]
+        return codes[0] if codes else 1
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    try:
+        argv, env = build(args)
+    except LaunchError as exc:
+        print(f"torchrig launch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        print(f"{shown + ' ' if shown else ''}{shlex.quote(sys.executable)} -m torch.distributed.run "
+              + " ".join(shlex.quote(a) for a in argv))
+        return 0
+    try:
+        return launch(argv, env)
+    except LaunchError as exc:
+        print(f"torchrig launch: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # rendezvous failures: say what to check
+        if getattr(args, "debug", False):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"torchrig launch: error: the machines did not come together ({type(exc).__name__}: {first}). "
+              f"Check that every machine runs the same command with its own --node-rank, that --master-addr is "
+              f"machine 0's address and port {args.master_port or 29500} is open between them, that --ifname names "
+              f"the interface carrying that address, and --rdzv-timeout ({args.rdzv_timeout:g}s)", file=sys.stderr)
+        return 1
