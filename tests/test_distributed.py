@@ -1,0 +1,175 @@
+"""Distributed training is exact: real 2-rank gloo process groups on CPU against one process.
+
+One pair of worker processes (joined by a ``file://`` init method) runs DDP, DDP with accumulation
+and FSDP2 fits plus evaluation and prediction; the tests compare each with a single process using a
+batch twice as large over the same data order (rank r takes perm[r::2], so the two ranks' batches at a
+step are the single process's batch). Then a DDP run is killed with SIGKILL and resumed, and a
+``torchrig launch --max-restarts 1`` run loses a worker and restarts itself: both end where the
+uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import dist_procs
+import dist_worker as W
+
+pytestmark = pytest.mark.slow
+
+ATOL = 1e-6
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, batch 8 (= 2 ranks × 4): parameters, evaluation and predictions."""
+    from torchrig import Trainer
+
+    threads = torch.get_num_threads()
+    d = tmp_path_factory.mktemp("reference")
+    try:
+        t = Trainer(W.make_model(), **W.settings(d, strategy="none", batch_size=8, threads=None,
+                                                 **{"checkpoint.save_final": False}))
+        t.fit(W.train_data())
+        ex, ey = W.eval_data()
+        return {"params": W.params(t.model), "eval": t.evaluate((ex, ey)), "pred": t.predict(ex)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def equiv(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equiv")
+    results = dist_procs.pair("equiv", out, out / "init-store", timeout=240)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    return out, results
+
+
+def test_global_batch_printed_once(equiv):
+    _, (rank0, rank1) = equiv
+    assert "batch 4/process × 2 × 1 accumulation = 8 global" in rank0.output
+    assert "batch 2/process × 2 × 2 accumulation = 8 global" in rank0.output
+    assert "strategy fsdp" in rank0.output
+    assert "global" not in rank1.output, "only rank 0 prints"
+
+
+def test_ddp_two_ranks_match_one_process_with_double_batch(equiv, reference):
+    out, _ = equiv
+    assert _max_diff(torch.load(out / "ddp.pt"), reference["params"]) < ATOL
+
+
+def test_ddp_accumulation_matches(equiv, reference):
+    out, _ = equiv  # 2 ranks × batch 2 × 2 micro-batches, gradient sync only on the second
+    assert _max_diff(torch.load(out / "ddp_acc.pt"), reference["params"]) < ATOL
+
+
+def test_fsdp_two_ranks_match_one_process(equiv, reference):
+    out, _ = equiv
+    assert _max_diff(torch.load(out / "fsdp.pt"), reference["params"]) < ATOL
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_distributed_evaluation_of_odd_size_set_is_exact(equiv, reference, strategy):
+    out, _ = equiv
+    got = json.loads((out / "eval.json").read_text())[strategy]
+    want = reference["eval"]
+    for key in ("eval", "eval3"):  # eval3: batch 3, so rank 0 runs 7 batches and rank 1 runs 6
+        assert got[key].keys() == want.keys()
+        assert got[key]["accuracy"] == want["accuracy"]  # 37 samples, each counted once
+        assert got[key]["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_distributed_predict_keeps_data_order(equiv, reference, strategy):
+    out, _ = equiv
+    pred = torch.load(out / f"pred_{strategy}.pt")
+    assert pred.shape == reference["pred"].shape == (W.N_EVAL, W.CLASSES)
+    assert torch.allclose(pred, reference["pred"], atol=ATOL)
+
+
+def test_fsdp_checkpoint_is_sharded_and_consolidated(equiv):
+    from torchrig.checkpoint import load_weights
+
+    out, _ = equiv
+    ckpts = out / "fsdp" / "checkpoints"
+    latest = ckpts / "latest"
+    assert os.readlink(latest) == "step-00000024"
+    shards = latest / "sharded"
+    assert (shards / ".metadata").is_file()
+    assert len(list(shards.glob("*.distcp"))) == 2, "one file per rank"
+    meta = json.loads((latest / "meta.json").read_text())
+    assert meta["sharded"] is True and meta["world_size"] == 2
+    model = W.make_model()
+    load_weights(model, latest)  # model.safetensors: plain tensors, one process, no torch.distributed
+    assert _max_diff(W.params(model), torch.load(out / "fsdp.pt")) == 0.0
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(equiv, tmp_path):
+    """The epoch-1 checkpoint of 2 FSDP ranks, resumed by 1 plain process: the same end point."""
+    import shutil
+
+    from torchrig import Trainer
+
+    out, _ = equiv
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "fsdp" / "checkpoints" / "step-00000012", run / "checkpoints" / "step-00000012")
+    threads = torch.get_num_threads()
+    try:
+        t = Trainer(W.make_model(), **W.settings(run, strategy="none", batch_size=8, threads=None,
+                                                 resume=str(run / "checkpoints" / "step-00000012")))
+        t.fit(W.train_data())
+    finally:
+        torch.set_num_threads(threads)
+    assert t.global_step == 24
+    # model weights and SGD momentum both came back from the DCP shards
+    assert _max_diff(W.params(t.model), torch.load(out / "fsdp.pt")) < ATOL
+
+
+def test_exact_resume_after_sigkill_under_ddp(equiv, tmp_path):
+    out, _ = equiv
+    mark = tmp_path / "killed"
+    first = dist_procs.pair("resume", tmp_path, tmp_path / "init-store",
+                            env={"KILL_AT_STEP": 8, "FAULT_MARK": mark})
+    assert first[1].returncode == -9, first[1].output[-3000:]
+    assert mark.read_text().strip() == "killed before step 8"
+    survivor = first[0]
+    assert survivor.returncode == 3, survivor.output[-3000:]
+    assert "lost the connection to another rank" in survivor.stderr
+    assert "group initialized after close: False" in survivor.stderr
+    assert os.readlink(tmp_path / "run" / "checkpoints" / "latest") == "step-00000005"
+
+    second = dist_procs.pair("resume", tmp_path, tmp_path / "init-store", env={"RESUME": 1})
+    for r in second:
+        assert r.returncode == 0, r.output[-3000:]
+    assert "resumed from" in second[0].stdout and "step-00000005 at step 24" in second[0].stdout
+    resumed, uninterrupted = torch.load(tmp_path / "resumed.pt"), torch.load(out / "ddp.pt")
+    assert _max_diff(resumed, uninterrupted) <= 1e-7
+
+
+def test_elastic_restart_after_sigkill_resumes_and_matches(equiv, tmp_path):
+    out, _ = equiv
+    mark, listeners = tmp_path / "killed", tmp_path / "listeners"
+    r = dist_procs.torchrig(["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--",
+                             str(dist_procs.WORKER), "fit", str(tmp_path)], timeout=240,
+                            env={"KILL_AT_STEP": 8, "FAULT_MARK": mark, "LISTEN_REPORT": listeners})
+    assert r.returncode == 0, r.output[-5000:]
+    assert mark.read_text().strip() == "killed before step 8", "the worker was not killed: nothing was tested"
+    assert "restart 1 by torchrun; resumed from" in r.output
+    assert "finished at step 24" in r.stdout
+    assert _max_diff(torch.load(tmp_path / "final.pt"), torch.load(out / "ddp.pt")) <= 1e-7
+    # A single-machine launch listens on loopback only: the rendezvous store and every worker's sockets.
+    addresses = listeners.read_text().split()
+    assert len(addresses) >= 3, addresses  # the store + one gloo listener per worker
+    assert all(a.startswith("127.") for a in addresses), addresses
