@@ -33,7 +33,10 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
 def run_train(cfg: C.Config, out=print) -> dict:
     from ..trainer import Trainer
 
+    from ..runtime import seed_everything
+
     recipe = get_recipe(cfg.recipe)
+    seed_everything(cfg.seed)  # the initial weights come from the seed too (every rank builds the same model)
     model = recipe.build_model(cfg)
     prepare_model(model, cfg)
     data = recipe.build_data(cfg)
