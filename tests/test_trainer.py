@@ -418,3 +418,12 @@ def test_fit_twice_trains_as_long_again(make_trainer, data, run_dir):
     assert trainer.global_step == 20
     assert trainer.optimizers["default"].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
     assert (run_dir / "checkpoints" / "step-00000020").is_dir()
+
+
+def test_gan_skipped_window_counts_once(tmp_path):
+    real = torch.randn(48, 8) * 0.5 + 2
+    real[5] = float("nan")
+    trainer = torchrig.Trainer(gan_models(), optimizer={"G": "adam", "D": "adam"}, step_fn=gan_step,
+                               on_nonfinite="skip", epochs=2, batch_size=8, run_dir=str(tmp_path), **QUIET)
+    trainer.fit(real)
+    assert trainer.skipped_steps == 2 and trainer.global_step == 10  # one window per epoch, two optimizers

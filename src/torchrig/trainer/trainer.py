@@ -380,8 +380,8 @@ class Trainer:
                 scaler.update()
                 if scaler.get_scale() < before:
                     self.skipped_steps += 1  # fp16 overflow: GradScaler skipped this step
-            if not step.stepped:
-                self.skipped_steps = step.skipped_steps
+            if not step.stepped:  # a non-finite window skipped (one count, however many optimizers)
+                self.skipped_steps += 1
                 continue
             self.global_step += 1
             step.global_step = self.global_step
