@@ -98,3 +98,29 @@ def _read(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()
+
+
+def run_many(cmds: list[list[str]], timeout: float, env: Optional[dict] = None,
+             logs: Optional[Path] = None) -> list[Result]:
+    """Run several commands at once (e.g. one launcher per machine); kill all of them on timeout."""
+    logs = logs or Path(os.environ.get("TMPDIR", "/tmp"))
+    procs, files = [], []
+    t0 = time.monotonic()
+    try:
+        for i, cmd in enumerate(cmds):
+            o, e = open(logs / f"cmd{i}.out", "w+"), open(logs / f"cmd{i}.err", "w+")
+            files.append((o, e))
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=_env(env), start_new_session=True))
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{len(cmds)} commands did not finish within {timeout}s:\n"
+                                     + "\n".join(_read(f)[-3000:] for pair_ in files for f in pair_))
+        return [Result(p.returncode, _read(o), _read(e), time.monotonic() - t0) for p, (o, e) in zip(procs, files)]
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for o, e in files:
+            o.close()
+            e.close()

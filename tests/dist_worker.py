@@ -144,7 +144,9 @@ def equiv(out: Path) -> None:
     first = None
     results: dict = {}
     runs = {"ddp": dict(strategy="ddp"), "ddp_acc": dict(strategy="ddp", batch_size=2, accumulate=2),
-            "fsdp": dict(strategy="fsdp", **{"dist.fsdp_min_params": 500, "checkpoint.every_epochs": 1})}
+            "fsdp": dict(strategy="fsdp", **{"dist.fsdp_min_params": 500, "checkpoint.every_epochs": 1}),
+            "fsdp_clip": dict(strategy="fsdp", clip_grad_norm=0.5, **{"dist.fsdp_wrap": ["Linear"]}),
+            "fsdp_bf16": dict(strategy="fsdp", precision="bf16", epochs=1, **{"dist.fsdp_cpu_offload": True})}
     for name, extra in runs.items():
         t = Trainer(make_model(), **settings(out / name, **extra), **_pair_kwargs())
         first = first or t

@@ -78,6 +78,28 @@ def test_fsdp_two_ranks_match_one_process(equiv, reference):
     assert _max_diff(torch.load(out / "fsdp.pt"), reference["params"]) < ATOL
 
 
+def test_fsdp_gradient_clipping_uses_the_norm_over_all_shards(equiv, tmp_path):
+    from torchrig import Trainer
+
+    out, _ = equiv  # every Linear sharded separately; the clip must see the global norm
+    threads = torch.get_num_threads()
+    try:
+        t = Trainer(W.make_model(), **W.settings(tmp_path, strategy="none", batch_size=8, threads=None,
+                                                 clip_grad_norm=0.5, **{"checkpoint.save_final": False}))
+        t.fit(W.train_data())
+    finally:
+        torch.set_num_threads(threads)
+    assert _max_diff(torch.load(out / "fsdp_clip.pt"), W.params(t.model)) < ATOL
+
+
+def test_fsdp_bf16_mixed_precision_trains(equiv):
+    out, (rank0, _) = equiv  # bf16 parameters in compute, fp32 shards and gradient reduction
+    p = torch.load(out / "fsdp_bf16.pt")
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in p.values())
+    assert "precision bf16" in rank0.output
+    assert "fsdp_cpu_offload=true is ignored when training on CPU" in rank0.stderr
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_distributed_evaluation_of_odd_size_set_is_exact(equiv, reference, strategy):
     out, _ = equiv

@@ -17,6 +17,7 @@ to read and write the run directory (a shared file system when the ranks are on 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -119,7 +120,9 @@ def load_model(trainer: "Trainer", path: Path) -> None:
         trainer.print(f"torchrig: checkpoint '{path}' has no state for optimizer '{name}'; it starts fresh")
         del target["optim"][name]
     try:
-        dcp.load(target, checkpoint_id=str(path / SHARDS), no_dist=not runtime.is_initialized())
+        with warnings.catch_warnings():  # one process loading shards is intended, not a mistake to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(target, checkpoint_id=str(path / SHARDS), no_dist=not runtime.is_initialized())
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' does not fit this model or optimizer "
                               f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "

@@ -169,13 +169,17 @@ def collective_error(exc: BaseException, timeout_s: float) -> Optional[Distribut
     """
     if isinstance(exc, DistributedError) or not is_initialized() or dist.get_world_size() < 2:
         return None
+    return explain_collective_failure(exc, timeout_s, dist.get_rank())
+
+
+def explain_collective_failure(exc: BaseException, timeout_s: float, rank: int) -> Optional[DistributedError]:
+    """The message of :func:`collective_error`, from the exception alone (no process group needed)."""
     text = str(exc)
     low = text.lower()
     from_backend = isinstance(exc, getattr(dist, "DistError", ())) or any(
         k in low for k in ("gloo", "nccl", "c10d", "processgroup"))
     if not from_backend:
         return None
-    rank = dist.get_rank()
     detail = text.strip().splitlines()[0][:240] if text.strip() else type(exc).__name__
     if any(k in low for k in _TIMEOUT_MARKS):
         return DistributedError(

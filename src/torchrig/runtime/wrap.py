@@ -85,7 +85,11 @@ def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Op
     if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if dist_cfg is not None and dist_cfg.fsdp_cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        if device.type == "cpu":
+            warnings.warn("dist.fsdp_cpu_offload=true is ignored when training on CPU: the parameters already live "
+                          "in CPU memory (the option moves GPU shards and optimizer state to the host)")
+        else:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
     reshard = True if dist_cfg is None else dist_cfg.fsdp_reshard_after_forward
     names = set(dist_cfg.fsdp_wrap) if dist_cfg is not None else set()
     min_params = dist_cfg.fsdp_min_params if dist_cfg is not None else 0

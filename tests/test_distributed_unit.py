@@ -1,0 +1,237 @@
+"""The distributed set-up's pure parts, without processes: environment detection (torchrun, Slurm,
+explicit init method), error messages, strategies and the launcher's translation to torchrun."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from torchrig import config as C
+from torchrig.cli import build_parser
+from torchrig.cli import launch as L
+from torchrig.runtime import RuntimeSetupError, dist as D, resolve_strategy, wrap_model
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE",
+             "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
+             "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in DIST_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+# ----------------------------------------------------------------------------- detection
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node[03-05,07],gpu1", "node03"), ("gpu-a[1-2]", "gpu-a1"), ("tux[1-3]-ib,x9", "tux1-ib"),
+    ("n1,n2", "n1"), ("single", "single"), ("c[009]", "c009"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert D.first_slurm_host(nodelist) == first
+
+
+def test_single_process_by_default(clean_env):
+    info = D.detect()
+    assert (info.rank, info.world_size, info.source, info.is_distributed) == (0, 1, "single", False)
+
+
+def test_torchrun_environment(clean_env):
+    for k, v in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
+        clean_env.setenv(k, v)
+    info = D.detect()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (3, 8, 1, 4, "torchrun")
+
+
+def test_slurm_step_environment(clean_env):
+    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="8", SLURM_LOCALID="1",
+                     SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="gpu[07-08]",
+                     SLURM_JOB_ID="123456").items():
+        clean_env.setenv(k, v)
+    info = D.detect()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (5, 8, 1, 4, "slurm")
+    assert D.slurm_master() == ("gpu07", 20000 + 123456 % 10000)
+
+
+def test_slurm_batch_script_outside_srun_is_single_process(clean_env):
+    # an sbatch script with --ntasks=8 running plain `python train.py`: the step has one task
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="1").items():
+        clean_env.setenv(k, v)
+    assert D.detect().world_size == 1
+
+
+def test_torchrun_wins_over_slurm_and_explicit_wins_over_both(clean_env):
+    for k, v in dict(SLURM_PROCID="1", SLURM_NTASKS="2", RANK="0", WORLD_SIZE="4").items():
+        clean_env.setenv(k, v)
+    assert D.detect().source == "torchrun"
+    info = D.detect("tcp://10.0.0.1:23456", rank=2, world_size=3)
+    assert (info.rank, info.world_size, info.source) == (2, 3, "init_method")
+
+
+def test_explicit_init_method_needs_rank_and_world_size(clean_env):
+    with pytest.raises(RuntimeSetupError, match="needs dist.rank and dist.world_size"):
+        D.detect("file:///tmp/x")
+
+
+def test_restart_count(clean_env):
+    assert D.restart_count() == 0
+    clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert D.restart_count() == 2
+
+
+def test_helpers_are_no_ops_in_one_process():
+    t = torch.tensor([1.0, 2.0])
+    assert D.get_rank() == 0 and D.get_world_size() == 1 and D.is_main_process()
+    assert torch.equal(D.all_reduce_sum(t), t) and torch.equal(D.all_reduce_max(t), t)
+    assert torch.equal(D.all_reduce_mean(t), t)
+    assert D.broadcast({"a": 1}) == {"a": 1} and D.gather(5) == [5]
+    D.barrier()
+
+
+# ----------------------------------------------------------------------------- error messages
+
+def test_timeout_message_names_the_setting():
+    exc = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+                       "for recv operation to complete")
+    err = D.explain_collective_failure(exc, 5, rank=1)
+    assert isinstance(err, RuntimeSetupError)
+    text = str(err)
+    assert text.startswith("rank 1: a collective operation")
+    assert "dist.timeout=5s" in text and "raise dist.timeout" in text and "other ranks' logs" in text
+
+
+def test_lost_peer_message_suggests_restarts():
+    exc = RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:1234: Connection reset by peer")
+    text = str(D.explain_collective_failure(exc, 1800, rank=0))
+    assert "lost the connection to another rank" in text and "--max-restarts" in text
+
+
+def test_unrelated_errors_are_left_alone():
+    assert D.explain_collective_failure(RuntimeError("DataLoader worker timed out"), 5, 0) is None
+    assert D.explain_collective_failure(ValueError("shape mismatch"), 5, 0) is None
+    assert D.collective_error(RuntimeError("gloo timed out"), 5) is None  # no process group: nothing to explain
+
+
+# ----------------------------------------------------------------------------- strategies
+
+def test_resolve_strategy():
+    cpu = torch.device("cpu")
+    assert resolve_strategy("auto", 1, cpu) == "none"
+    assert resolve_strategy("auto", 2, cpu) == "ddp"
+    assert resolve_strategy("fsdp", 2, cpu) == "fsdp"
+    with pytest.raises(RuntimeSetupError, match="use strategy=ddp"):
+        resolve_strategy("dp", 2, cpu)
+    with pytest.raises(RuntimeSetupError, match="not one of"):
+        resolve_strategy("horovod", 2, cpu)
+
+
+def test_dp_warns_that_ddp_is_the_recommended_path():
+    model = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="strategy=ddp under torchrig launch .* is the recommended path"):
+        assert wrap_model(model, "dp", torch.device("cpu"), C.DistConfig()) is model
+
+
+def test_sync_batchnorm_on_cpu_warns_instead_of_failing_later():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    cfg = C.DistConfig(sync_batchnorm=True)
+    with pytest.warns(UserWarning, match="sync_batchnorm=true is ignored on CPU"):
+        with pytest.raises(RuntimeSetupError, match="needs a process group"):
+            wrap_model(model, "ddp", torch.device("cpu"), cfg)
+    assert isinstance(model[1], nn.BatchNorm1d)
+
+
+def test_ddp_and_fsdp_need_a_process_group():
+    for strategy in ("ddp", "fsdp"):
+        with pytest.raises(RuntimeSetupError, match="torchrig launch"):
+            wrap_model(nn.Linear(2, 2), strategy, torch.device("cpu"), C.DistConfig())
+
+
+# ----------------------------------------------------------------------------- torchrig launch -> torchrun
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["launch", *argv])
+
+
+def test_worker_command_forms(tmp_path, monkeypatch):
+    script = tmp_path / "train_me.py"
+    script.write_text("print('hi')\n")
+    assert L.worker_command(["--", "train", "--set", "epochs=2"]) == ["-m", "torchrig", "train", "--set", "epochs=2"]
+    assert L.worker_command(["torchrig", "evaluate", "--checkpoint", "x"])[:3] == ["-m", "torchrig", "evaluate"]
+    assert L.worker_command([str(script), "--lr", "0.1"]) == [str(script), "--lr", "0.1"]
+    assert L.worker_command(["python", str(script)]) == [str(script)]
+    assert L.worker_command(["python3", "-m", "my.module", "x"]) == ["-m", "my.module", "x"]
+    assert L.worker_command(["/bin/true"]) == ["--no-python", "/bin/true"]
+    with pytest.raises(L.LaunchError, match="nothing to launch"):
+        L.worker_command(["--"])
+    with pytest.raises(L.LaunchError, match="does not exist"):
+        L.worker_command(["nope.py"])
+    with pytest.raises(L.LaunchError, match="Did you mean the torchrig command 'train'"):
+        L.worker_command(["trian"])
+
+
+def test_single_machine_launch_listens_on_loopback(clean_env):
+    clean_env.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    clean_env.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    argv, env = L.build(_args("--nproc-per-node", "2", "--max-restarts", "3", "--", "train"))
+    assert argv[:4] == ["--nproc-per-node", "2", "--max-restarts", "3"]
+    i = argv.index("--rdzv-backend")
+    assert argv[i:i + 4] == ["--rdzv-backend", L.LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
+    assert argv[-3:] == ["-m", "torchrig", "train"]
+    if L._loopback_name():
+        assert env == {"GLOO_SOCKET_IFNAME": L._loopback_name(), "NCCL_SOCKET_IFNAME": L._loopback_name()}
+    argv, _ = L.build(_args("--master-port", "29999", "--", "train"))
+    assert "127.0.0.1:29999" in argv
+
+
+def test_two_machine_launch_is_torchruns_static_rendezvous():
+    iface = L._interfaces()[0] if L._interfaces() else None
+    extra = ["--ifname", iface] if iface else []
+    argv, env = L.build(_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--nproc-per-node",
+                              "8", *extra, "--", "train", "cfg.yaml"))
+    joined = " ".join(argv)
+    assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500" in joined
+    assert "--rdzv-backend" not in argv  # torchrun's default: static
+    if iface:
+        assert env == {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
+
+
+def test_elastic_rendezvous_passes_through():
+    argv, _ = L.build(_args("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
+                            "--rdzv-id", "job7", "--", "train"))
+    joined = " ".join(argv)
+    assert "--nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint head:29400" in joined and "--rdzv-id job7" in joined
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "--", "train"], "needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--", "train"], "outside 0 … 1"),
+    (["--nnodes", "1:3", "--", "train"], "needs --rdzv-backend c10d"),
+    (["--nnodes", "x", "--", "train"], "not a number"),
+    (["--rdzv-backend", "c10d", "--", "train"], "needs --rdzv-endpoint"),
+    (["--nproc-per-node", "0", "--", "train"], "give a number >= 1"),
+    (["--ifname", "definitely-not-an-if", "--", "train"], "no such network interface"),
+    (["--max-restarts", "-1", "--", "train"], "0 or more"),
+])
+def test_launch_errors(argv, message):
+    with pytest.raises(L.LaunchError, match=message):
+        L.build(_args(*argv))
+
+
+def test_dry_run_prints_the_torchrun_command(capsys):
+    assert L.cmd_launch(_args("--dry-run", "--nproc-per-node", "2", "--", "train")) == 0
+    out = capsys.readouterr().out
+    assert "-m torch.distributed.run --nproc-per-node 2" in out and out.rstrip().endswith("-m torchrig train")
+
+
+def test_launch_help_lists_examples(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["launch", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-restarts" in out and "--ifname" in out
