@@ -177,7 +177,10 @@ def resume(out: Path) -> None:
     extra = {"checkpoint.every_steps": 5}
     if os.environ.get("RESUME"):
         extra["resume"] = "latest"
-    t = Trainer(make_model(), step_fn=fault_step, **settings(out / "run", strategy="ddp", **extra), **_pair_kwargs())
+    run = out / "run"
+    if os.environ.get("RANK1_RUN_DIR") and int(os.environ["TEST_RANK"]) == 1:
+        run = Path(os.environ["RANK1_RUN_DIR"])  # as if rank 1 were on a machine without the shared run_dir
+    t = Trainer(make_model(), step_fn=fault_step, **settings(run, strategy="ddp", **extra), **_pair_kwargs())
     try:
         t.fit((x, y))
     except Exception as exc:

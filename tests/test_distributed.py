@@ -172,6 +172,14 @@ def test_exact_resume_after_sigkill_under_ddp(equiv, tmp_path):
     assert "group initialized after close: False" in survivor.stderr
     assert os.readlink(tmp_path / "run" / "checkpoints" / "latest") == "step-00000005"
 
+    # A rank that cannot see the checkpoint (no shared file system) stops every rank with one clear error.
+    apart = dist_procs.pair("resume", tmp_path, tmp_path / "init-store",
+                            env={"RESUME": 1, "RANK1_RUN_DIR": tmp_path / "elsewhere"})
+    for r in apart:
+        assert r.returncode == 3, r.output[-3000:]
+        assert "rank 0 found step-00000005 but rank(s) 1 found none" in r.stderr
+        assert "shared by all machines" in r.stderr
+
     second = dist_procs.pair("resume", tmp_path, tmp_path / "init-store", env={"RESUME": 1})
     for r in second:
         assert r.returncode == 0, r.output[-3000:]

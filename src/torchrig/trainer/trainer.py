@@ -491,7 +491,20 @@ class Trainer:
         return getattr(self, "_saved_step", None)
 
     def _resume(self, spec: str) -> tuple[int, int]:
-        path = resolve(spec, self.run_dir)
+        try:
+            path, problem = resolve(spec, self.run_dir), None
+        except CheckpointError as exc:
+            path, problem = None, exc
+        if self.world_size > 1:  # every rank must resume from the same checkpoint, or none may start
+            seen = runtime.gather(path.name if path is not None else None)
+            if len(set(seen)) > 1:
+                ranks = [r for r, name in enumerate(seen) if name != seen[0]]
+                raise CheckpointError(
+                    f"resume={spec!r}: rank 0 found {seen[0] or 'no checkpoint'} but rank(s) "
+                    f"{', '.join(map(str, ranks))} found {seen[ranks[0]] or 'none'}; every rank reads the checkpoint, "
+                    f"so run_dir must be on a file system shared by all machines (or hold the same copy on each)")
+        if problem is not None:
+            raise problem
         if path is None:  # resume="latest" with nothing saved yet: a fresh start
             return 0, 0
         state, meta, _ = read_checkpoint(path)
