@@ -433,6 +433,9 @@ class Trainer:
                 self._bad_epochs += 1
         if cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0:
             self._save(position=(epoch + 1, 0), metrics=row)
+        if cfg.checkpoint.monitor and val_metrics and self._monitor not in row:  # a typo would keep no best
+            raise C.ConfigError(f"config key 'checkpoint.monitor': {self._monitor!r} is not a logged value; choose "
+                                f"one of {', '.join(k for k in row if k != 'lr')} (the run is saved: resume=latest)")
         return val_metrics
 
     def _should_stop(self) -> bool:
