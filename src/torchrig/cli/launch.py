@@ -348,12 +348,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # rendezvous failures: say what to check
+    except Exception as exc:
         if getattr(args, "debug", False):
             raise
+        from torch.distributed import DistError
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"torchrig launch: error: the machines did not come together ({type(exc).__name__}: {first}). "
-              f"Check that every machine runs the same command with its own --node-rank, that --master-addr is "
-              f"machine 0's address and port {args.master_port or 29500} is open between them, that --ifname names "
-              f"the interface carrying that address, and --rdzv-timeout ({args.rdzv_timeout:g}s)", file=sys.stderr)
+        if isinstance(exc, SignalException):  # torchrun stopped its workers and passes the signal on
+            print(f"torchrig launch: stopped by {exc.sigval.name}; the workers were terminated", file=sys.stderr)
+            return 128 + int(exc.sigval)
+        if isinstance(exc, (DistError, RendezvousError, TimeoutError, ConnectionError)):
+            print(f"torchrig launch: error: the machines did not come together ({type(exc).__name__}: {first}). "
+                  f"Check that every machine runs the same command with its own --node-rank, that --master-addr is "
+                  f"machine 0's address and port {args.master_port or 29500} is open between them, that --ifname "
+                  f"names the interface carrying that address, and --rdzv-timeout ({args.rdzv_timeout:g}s)",
+                  file=sys.stderr)
+            return 1
+        print(f"torchrig launch: error: {type(exc).__name__}: {first} (run with --debug for the traceback)",
+              file=sys.stderr)
         return 1
