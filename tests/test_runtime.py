@@ -16,22 +16,26 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messa
 
 THREADS_SCRIPT = """
 import json, sys, torch, torchrig
-kw = json.loads(sys.argv[1])
-trainer = torchrig.Trainer(torch.nn.Linear(2, 2), run_dir=sys.argv[2], tensorboard=False, **kw)
-print(json.dumps([trainer.threads, torch.get_num_threads(), torch.get_num_interop_threads()]))
+seen = []
+for kw in json.loads(sys.argv[1]):  # Trainers one after the other in a fresh process
+    trainer = torchrig.Trainer(torch.nn.Linear(2, 2), run_dir=sys.argv[2], tensorboard=False, **kw)
+    seen.append([trainer.threads, torch.get_num_threads(), torch.get_num_interop_threads()])
+print(json.dumps(seen))
 """
 
 
-def _threads(tmp_path, kw: dict, **env) -> list:
-    out = subprocess.run([PYTHON, "-c", THREADS_SCRIPT, json.dumps(kw), str(tmp_path)], env=subprocess_env(**env),
+def _threads(tmp_path, kws: list, **env) -> list:
+    out = subprocess.run([PYTHON, "-c", THREADS_SCRIPT, json.dumps(kws), str(tmp_path)], env=subprocess_env(**env),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_torch_thread_num_sets_intra_and_inter_op_threads(tmp_path):
-    assert _threads(tmp_path, {}, TORCH_THREAD_NUM=3) == [3, 3, 3]
+def test_torch_thread_num_and_threads_set_intra_and_inter_op_threads(tmp_path):
+    # TORCH_THREAD_NUM sets both pools; then the `threads` key wins over it (inter-op threads can only be
+    # set once per process, before parallel work, so they stay as first set)
+    assert _threads(tmp_path, [{}, {"threads": 2}], TORCH_THREAD_NUM=3) == [[3, 3, 3], [2, 2, 3]]
 
 
 def test_threads_key_wins_over_the_environment(monkeypatch):
