@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, QUIET, TESTS, AugmentedDataset, TinyNet, make_classification, read_jsonl, subprocess_env
+from conftest import PYTHON, QUIET, TESTS, AugmentedDataset, make_classification, read_jsonl, subprocess_env
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
