@@ -79,18 +79,22 @@ def test_tokenizer_train_encode_save_load(tmp_path):
         WordPieceTokenizer.load(tmp_path / "bad.json")
 
 
+# Wider and dropout-free: a 16-wide post-LN encoder on 60 texts sits on the ln(3) plateau for some seeds.
+E2E_BERT = ["model.options={hidden: 32, layers: 1, heads: 2, dropout: 0.0}"] + TINY_BERT[1:]
+
+
 def test_end_to_end_csv_jsonl_predict(tmp_path, capsys):
-    train = write_csv(tmp_path / "train.csv", texts(60, 0))
+    train = write_csv(tmp_path / "train.csv", texts(150, 0))
     test = write_jsonl(tmp_path / "test.jsonl", texts(12, 1))
     run = tmp_path / "run"
     rc, out, err = cli(["train", "--recipe", "text-classification"]
                        + sets(f"data.path={train}", f"data.test_path={test}", f"run_dir={run}", "epochs=6",
-                              "data.batch_size=8", "optim.lr=0.005", "scheduler.warmup_steps=2", *TINY_BERT), capsys)
+                              "data.batch_size=8", "optim.lr=0.003", "scheduler.warmup_steps=2", *E2E_BERT), capsys)
     assert rc == 0, err
     assert "majority-class baseline" in err and "test: loss" in out
     assert (run / "tokenizer.json").exists()
     summary = json.loads((run / "data_summary.json").read_text())
-    assert summary["labels"] == ["food", "sports", "weather"] and summary["splits"]["val"]["samples"] == 6
+    assert summary["labels"] == ["food", "sports", "weather"] and summary["splits"]["val"]["samples"] == 15
     rc, out, err = cli(["evaluate", "--checkpoint", run / "checkpoints" / "latest", "--json"], capsys)
     assert rc == 0, err
     assert json.loads(out.strip().splitlines()[-1])["accuracy"] >= 0.5  # well above chance (1/3)
@@ -104,8 +108,8 @@ def test_end_to_end_csv_jsonl_predict(tmp_path, capsys):
     rows = list(csv.DictReader(preds.open()))
     assert [r["input"] for r in rows] == ["inputs.txt:1", "inputs.txt:3"]
     assert all(r["prediction"] in ("food", "sports", "weather") for r in rows)
-    assert np.load(tmp_path / "preds.features.pooler.npy").shape == (2, 16)
-    assert np.load(tmp_path / "preds.features.encoder.0.npy").shape[::2] == (2, 16)  # (N, tokens, hidden)
+    assert np.load(tmp_path / "preds.features.pooler.npy").shape == (2, 32)
+    assert np.load(tmp_path / "preds.features.encoder.0.npy").shape[::2] == (2, 32)  # (N, tokens, hidden)
     rc, _, err = cli(["predict", "--checkpoint", run, "--input", test, "--output", tmp_path / "p.json"], capsys)
     assert rc == 0, err
     assert len(json.loads((tmp_path / "p.json").read_text())) == 12
