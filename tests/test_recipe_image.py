@@ -177,3 +177,21 @@ def test_two_rank_ddp(tmp_path):
                               "image.random_crop_padding=1", *TINY_MODEL))
     assert_same_params(p0, p1)
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_timm_model_through_the_recipe(tmp_path, capsys):
+    """timm models resolve by name (pretrained=False, in_chans / num_classes set) and train end to end."""
+    pytest.importorskip("timm", reason="timm is not installed (pip install timm, part of the 'all' extra)")
+    from torchrig.models.vision import build_image_model
+
+    model = build_image_model("timm:resnet10t", num_classes=3, in_channels=1)
+    assert model(torch.zeros(2, 1, 32, 32)).shape == (2, 3)
+    root = make_image_folder(tmp_path / "shapes", per_class=6)
+    run = tmp_path / "run"
+    rc, out, err = cli(["train", "--recipe", "image-classification"]
+                       + sets(f"data.path={root}", "data.val_fraction=0.34", "model.name=timm:resnet10t",
+                              "image.size=32", f"run_dir={run}", "epochs=1", "data.batch_size=6"), capsys)
+    assert rc == 0, err
+    rc, out, err = cli(["evaluate", "--checkpoint", run, "--split", "val", "--json"], capsys)
+    assert rc == 0, err
+    assert 0.0 <= json.loads(out.strip().splitlines()[-1])["accuracy"] <= 1.0
