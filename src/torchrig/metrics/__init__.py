@@ -25,20 +25,41 @@ class Metric:
     higher_is_better = True
 
     def __init__(self) -> None:
-        self.states: dict[str, torch.Tensor] = {}
+        self.states = {}
+
+    # ``states`` maps names to float64 tensors. Python numbers given to ``_add`` (sample counts) wait
+    # in ``_pending`` — no tensor op per training step — and are folded in whenever ``states`` is
+    # read, so every reader (compute, sync, checkpoints) sees exact totals.
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        if self._pending:
+            for key, n in self._pending.items():
+                if key in self._states:
+                    self._states[key] += n
+                else:
+                    self._states[key] = torch.tensor(float(n), dtype=torch.float64)
+            self._pending = {}
+        return self._states
+
+    @states.setter
+    def states(self, value: dict[str, torch.Tensor]) -> None:
+        self._states, self._pending = value, {}
 
     def reset(self) -> None:
         self.states = {}
 
     def _add(self, key: str, value: Union[torch.Tensor, int, float]) -> None:
-        """Add to a float64 state (exact counts); a Python number (a count) needs no tensor of its own."""
-        state = self.states.get(key)
+        """Add to a float64 state (exact counts); a Python number (a count) needs no tensor op."""
+        if not isinstance(value, torch.Tensor):
+            self._pending[key] = self._pending.get(key, 0) + value
+            return
+        if value.requires_grad:
+            value = value.detach()
+        state = self._states.get(key)
         if state is None:
-            self.states[key] = torch.as_tensor(value).detach().to(torch.float64, copy=True)
-        elif not isinstance(value, torch.Tensor):
-            state += value
+            self._states[key] = value.to(torch.float64, copy=True)
         else:  # in place, promoted to float64 by the add itself: one op per update on the training path
-            state += value.detach() if value.device == state.device else value.detach().to(state.device)
+            state += value if value.device == state.device else value.to(state.device)
 
     def update(self, output: Any, target: Any) -> None:
         raise NotImplementedError

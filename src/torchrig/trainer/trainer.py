@@ -732,7 +732,7 @@ class _Window:
         self.samples += n
         if out:
             for k, v in out.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.requires_grad:
                     v = v.detach()
                 self.sums[k] = self.sums[k] + v if k in self.sums else v
 
