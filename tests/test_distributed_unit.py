@@ -17,7 +17,8 @@ from torchrig.runtime import RuntimeSetupError, dist as D, resolve_strategy, wra
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE",
              "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
-             "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "TORCHELASTIC_RESTART_COUNT")
+             "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID",
+             "TORCHELASTIC_RESTART_COUNT")
 
 
 @pytest.fixture
@@ -60,9 +61,15 @@ def test_slurm_step_environment(clean_env):
 
 
 def test_slurm_batch_script_outside_srun_is_single_process(clean_env):
-    # an sbatch script with --ntasks=8 running plain `python train.py`: the step has one task
-    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="1").items():
+    # an sbatch script with --ntasks=8 running plain `python train.py`: no srun step, one process
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_LOCALID="0").items():
         clean_env.setenv(k, v)
+    assert D.detect().world_size == 1
+    clean_env.setenv("SLURM_STEP_ID", str(0xFFFFFFFE))  # the batch step
+    assert D.detect().world_size == 1
+    clean_env.setenv("SLURM_STEP_ID", "0")  # an srun step without SLURM_STEP_NUM_TASKS (old Slurm)
+    assert D.detect().world_size == 8
+    clean_env.setenv("SLURM_STEP_NUM_TASKS", "1")  # srun -n 1
     assert D.detect().world_size == 1
 
 

@@ -1,8 +1,9 @@
 """Process group set-up and the collective helpers a custom step may need.
 
 Ranks come from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``), from Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host of
-``SLURM_JOB_NODELIST``), or from an explicit ``init_method`` (``tcp://host:port``, ``file:///path``).
+``MASTER_PORT``), from an ``srun`` step's (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``,
+first host of the node list), or from an explicit ``init_method`` (``tcp://host:port``,
+``file:///path``).
 All helpers work (as no-ops) when no process group exists, so single-process code calls them freely.
 """
 
@@ -75,14 +76,19 @@ def _leading_int(text: str, default: int) -> int:
 def slurm_info(env: Optional[dict] = None) -> Optional[DistInfo]:
     """Rank and world size of an ``srun`` task (one task per GPU), or None outside a multi-task step.
 
-    ``SLURM_STEP_NUM_TASKS`` (set by ``srun`` for its job step) wins over ``SLURM_NTASKS`` (the
-    allocation's), so a plain ``python train.py`` inside a multi-task ``sbatch`` script is not taken
-    for one rank of a job whose other ranks will never start.
+    Only ``srun`` job steps count: ``SLURM_STEP_NUM_TASKS`` (or a step id) says the process is one task
+    of a step. A plain ``python train.py`` in an ``sbatch`` script or an ``salloc`` shell sees the
+    allocation's ``SLURM_NTASKS`` too, but it is one process whose "peers" would never start.
     """
     env = os.environ if env is None else env
     if "SLURM_PROCID" not in env:
         return None
-    world = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    world = env.get("SLURM_STEP_NUM_TASKS")
+    if world is None:
+        step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+        if step is None or not step.isdigit() or int(step) >= 0xFFFFFFF0:  # no step, or the batch/extern step
+            return None
+        world = env.get("SLURM_NTASKS")
     if world is None or _leading_int(world, 1) <= 1:
         return None
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") \
