@@ -61,8 +61,18 @@ def torchrig(args: list[str], timeout: float = 120, env: Optional[dict] = None,
     return run([*(prefix or []), sys.executable, "-m", "torchrig", *args], timeout, env, cwd)
 
 
-def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None) -> list[Result]:
-    """Two worker processes joined through a ``file://`` init method (no torchrun involved)."""
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
+         init: Optional[str] = None) -> list[Result]:
+    """Two worker processes joined through an explicit init method (``file://STORE`` unless ``init``
+    gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun involved."""
     out.mkdir(parents=True, exist_ok=True)
     if store.exists():
         store.unlink()
@@ -70,7 +80,7 @@ def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optio
     t0 = time.monotonic()
     try:
         for rank in (0, 1):
-            e = _env(dict(env or {}, TEST_INIT=f"file://{store}", TEST_RANK=rank, TEST_WORLD=2))
+            e = _env(dict(env or {}, TEST_INIT=init or f"file://{store}", TEST_RANK=rank, TEST_WORLD=2))
             o, r = open(out / f"{scenario}-{rank}.out", "w+"), open(out / f"{scenario}-{rank}.err", "w+")
             logs.append((o, r))
             procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], stdout=o, stderr=r,

@@ -180,7 +180,8 @@ def test_exact_resume_after_sigkill_under_ddp(equiv, tmp_path):
         assert "rank 0 found step-00000005 but rank(s) 1 found none" in r.stderr
         assert "shared by all machines" in r.stderr
 
-    second = dist_procs.pair("resume", tmp_path, tmp_path / "init-store", env={"RESUME": 1})
+    second = dist_procs.pair("resume", tmp_path, tmp_path / "init-store", env={"RESUME": 1},
+                             init=f"tcp://127.0.0.1:{dist_procs.free_port()}")  # the other explicit init method
     for r in second:
         assert r.returncode == 0, r.output[-3000:]
     assert "resumed from" in second[0].stdout and "step-00000005 at step 24" in second[0].stdout
