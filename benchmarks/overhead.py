@@ -43,12 +43,13 @@ def _arm_hand(p: dict) -> dict:
     model = c.make_model()
     loader = c.make_loader(x, y)
     opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
+    epoch_cpu: list = []
     with open(os.devnull, "w") as stream:
         t0, c0 = time.perf_counter(), time.process_time()
-        epochs = c.hand_loop(model, loader, opt, p["epochs"], stream)
+        epochs = c.hand_loop(model, loader, opt, p["epochs"], stream, cpu_times=epoch_cpu)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"loop_s": total, "loop_cpu_s": cpu, "fit_s": total, "fit_cpu_s": cpu, "outside_loop_s": 0.0,
-            "epoch_s": epochs, "steps": p["epochs"] * len(loader)}
+            "epoch_s": epochs, "epoch_cpu_s": epoch_cpu, "steps": p["epochs"] * len(loader)}
 
 
 def _arm_trainer(p: dict, fast_path: bool, full: bool = False) -> dict:

@@ -26,11 +26,15 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
     """Move tensors nested in tuples, lists and dicts to ``device`` (asynchronously when pinned)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        # Tensors moved inline, without a recursive call each: this runs on every training step.
+        moved = [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor)
+                 else to_device(v, device, non_blocking) for v in batch]
+        if type(batch) is list:
+            return moved
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     if isinstance(batch, dict):
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device, non_blocking) for v in batch]
-        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     return batch
 
 

@@ -91,11 +91,11 @@ class Accuracy(Metric):
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
         _check(output, target, self.name)
         pred = _class_predictions(output)
-        if pred.shape != target.shape and pred.numel() == target.numel():
-            target = target.reshape(pred.shape)  # (N, 1) float targets of a single-logit classifier
         if pred.shape != target.shape:
-            raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
-                              f"targets of shape {tuple(target.shape)} (targets must be class indices)")
+            if pred.numel() != target.numel():
+                raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
+                                  f"targets of shape {tuple(target.shape)} (targets must be class indices)")
+            target = target.reshape(pred.shape)  # (N, 1) float targets of a single-logit classifier
         self._add("correct", (pred == target).sum())
         self._add("total", target.numel())
 

@@ -11,6 +11,7 @@ import torch
 from .device import RuntimeSetupError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+_NO_AUTOCAST = contextlib.nullcontext()  # stateless and reusable: one object, not one per step
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Precision:
 
     def autocast(self):
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
 

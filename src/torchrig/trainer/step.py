@@ -48,10 +48,13 @@ def call_model(model: Callable, inputs: Any) -> Any:
 
 
 def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, (list, tuple)) and batch:  # the usual (inputs, target): the inputs' length
+        batch = batch[0]
+        if isinstance(batch, torch.Tensor) and batch.ndim:
+            return batch.shape[0]
+        return batch_size_of(batch)
     if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_size_of(batch[0])
+        return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, dict) and batch:
         return batch_size_of(next(iter(batch.values())))
     return 1
@@ -127,18 +130,8 @@ class Step:
             self._restore_buffers()
             self.skipped_steps += 1
             return False
-        if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:  # built only when needed
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if scaler is not None and (self.clip_grad_norm or self.clip_grad_value):
-            scaler.unscale_(opt)
-        if self.clip_grad_value:
-            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
-        if self.clip_grad_norm:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm, norm_type=self.clip_norm_type)
-        elif self.want_grad_norm:  # a log step: measure without clipping
-            if scaler is not None:
-                scaler.unscale_(opt)
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=self.clip_norm_type)
+        if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
+            self._clip(opt)
         if scaler is not None:
             scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
         else:
@@ -146,6 +139,18 @@ class Step:
         opt.zero_grad(set_to_none=True)
         self.stepped = True
         return True
+
+    def _clip(self, opt: torch.optim.Optimizer) -> None:
+        """Unscale (fp16), clip by value and/or norm, or only measure the norm on a log step."""
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if self.precision.scaler is not None:
+            self.precision.scaler.unscale_(opt)
+        if self.clip_grad_value:
+            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        if self.clip_grad_norm:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm, norm_type=self.clip_norm_type)
+        elif self.want_grad_norm:  # a log step: measure without clipping
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=self.clip_norm_type)
 
     # -- conveniences --------------------------------------------------------------------------
     def split(self, batch: Any) -> tuple[Any, Any]:

@@ -224,7 +224,7 @@ class Trainer:
 
     def _no_sync(self, skip: bool):
         if not skip or self.world_size == 1:
-            return contextlib.nullcontext()
+            return _NULL_CONTEXT
         stack = contextlib.ExitStack()
         for m in ([self.wrapped] if not self.models or self.wrapped is not self.model else self.models.values()):
             stack.enter_context(runtime.no_sync(m, True))
@@ -714,6 +714,9 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: the loop needs no new object per step
 
 
 class _Window:
