@@ -121,6 +121,57 @@ def hand_loop(model, loader, optimizer, epochs: int, stream, *, on_epoch_end: Op
     return times
 
 
+class AverageMeter:
+    """The seeds' (and the PyTorch ImageNet example's) running average."""
+
+    def __init__(self) -> None:
+        self.val = self.avg = self.sum = 0.0
+        self.count = 0
+
+    def update(self, val: float, n: int = 1) -> None:
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+def hand_loop_seeds(model, loader, optimizer, epochs: int, stream, *, cpu_times: Optional[list] = None) -> list:
+    """The seeds' ``train()`` (the PyTorch ImageNet example): AverageMeters for batch time, data time,
+    loss and top-1 accuracy updated every step (``loss.item()`` each step), a progress line every
+    ``LOG_EVERY`` steps; ``zero_grad(set_to_none=True)``. Returns the epoch wall times (s)."""
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    times = []
+    for epoch in range(epochs):
+        t_epoch, c_epoch = time.perf_counter(), time.thread_time()
+        batch_time, data_time, losses, top1 = AverageMeter(), AverageMeter(), AverageMeter(), AverageMeter()
+        model.train()
+        end = time.perf_counter()
+        for i, (x, y) in enumerate(loader):
+            data_time.update(time.perf_counter() - end)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            n = x.size(0)
+            losses.update(loss.item(), n)
+            top1.update((out.detach().argmax(dim=1) == y).sum().item() * 100.0 / n, n)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            batch_time.update(time.perf_counter() - end)
+            end = time.perf_counter()
+            if (i + 1) % LOG_EVERY == 0:
+                print(f"Epoch: [{epoch}][{i + 1}/{len(loader)}]\tTime {batch_time.val:.3f} ({batch_time.avg:.3f})\t"
+                      f"Data {data_time.val:.3f} ({data_time.avg:.3f})\tLoss {losses.val:.4f} ({losses.avg:.4f})\t"
+                      f"Prec@1 {top1.val:.3f} ({top1.avg:.3f})", file=stream, flush=True)
+        print(f"epoch {epoch + 1}/{epochs} · loss {losses.avg:.4f} · Prec@1 {top1.avg:.3f}", file=stream, flush=True)
+        times.append(time.perf_counter() - t_epoch)
+        if cpu_times is not None:
+            cpu_times.append(time.thread_time() - c_epoch)
+    return times
+
+
 def trainer_kwargs(run_dir: str, epochs: int, *, fast_path: bool, end_of_fit: bool = False) -> dict:
     """The Trainer arm: defaults except the run dir, one thread, and (unless ``end_of_fit``) no plot
     and no per-epoch checkpoints, so that fit times the training loop. Logging stays at its defaults

@@ -3,8 +3,11 @@ and through ``torchrig.Trainer``.
 
 Arms (each run in a fresh process, arms alternated, medians over the runs):
 
-- ``hand``          the loop a PyTorch user writes (``_common.hand_loop``): per-step loss and
-                    accuracy summed as tensors, ``.item()`` + a progress line every 50 steps.
+- ``hand``          a lean hand-written loop (``_common.hand_loop``), the reference for the target:
+                    per-step loss and accuracy summed as tensors, ``.item()`` + a progress line
+                    every 50 steps.
+- ``hand_seeds``    the loop of the seeds / the PyTorch ImageNet example (``_common.hand_loop_seeds``):
+                    AverageMeters for time, data time, loss and accuracy, ``loss.item()`` every step.
 - ``trainer``       ``Trainer.fit`` over the *same* DataLoader with ``fast_path=False``; logging at
                     its defaults (train accuracy every step, progress lines every 50 steps to a file,
                     metrics.jsonl, TensorBoard when installed); ``plot=False`` and no per-epoch
@@ -52,6 +55,23 @@ def _arm_hand(p: dict) -> dict:
             "epoch_s": epochs, "epoch_cpu_s": epoch_cpu, "steps": p["epochs"] * len(loader)}
 
 
+def _arm_hand_seeds(p: dict) -> dict:
+    import torch
+
+    c.pin_threads()
+    x, y = c.make_data()
+    model = c.make_model()
+    loader = c.make_loader(x, y)
+    opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
+    epoch_cpu: list = []
+    with open(os.devnull, "w") as stream:
+        t0, c0 = time.perf_counter(), time.process_time()
+        epochs = c.hand_loop_seeds(model, loader, opt, p["epochs"], stream, cpu_times=epoch_cpu)
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"loop_s": total, "loop_cpu_s": cpu, "fit_s": total, "fit_cpu_s": cpu, "outside_loop_s": 0.0,
+            "epoch_s": epochs, "epoch_cpu_s": epoch_cpu, "steps": p["epochs"] * len(loader)}
+
+
 def _arm_trainer(p: dict, fast_path: bool, full: bool = False) -> dict:
     import torch
 
@@ -77,6 +97,7 @@ def _arm_trainer(p: dict, fast_path: bool, full: bool = False) -> dict:
 
 HANDLERS = {
     "hand": _arm_hand,
+    "hand_seeds": _arm_hand_seeds,
     "trainer": lambda p: _arm_trainer(p, fast_path=False),
     "trainer_fast": lambda p: _arm_trainer(p, fast_path=True),
     "trainer_full": lambda p: _arm_trainer(p, fast_path=True, full=True),
@@ -94,7 +115,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.runs, args.epochs = 1, 1
     params = {"epochs": args.epochs}
-    arms = {"hand": params, "trainer": params, "trainer_fast": params}
+    arms = {"hand": params, "hand_seeds": params, "trainer": params, "trainer_fast": params}
     print(f"{NAME}: {args.runs} runs per arm, {args.epochs} epochs each, fresh processes, alternating", file=sys.stderr)
     runs = c.alternate(Path(__file__), arms, args.runs, warmup=not args.quick)
     if not args.quick:  # every default, for the end-of-fit cost: 3 runs are enough
@@ -132,10 +153,14 @@ def main(argv=None) -> dict:
     print("(medians over runs; ratio = loop wall time / hand loop's; CPU-time ratio = process CPU time in the loop; "
           "epoch ratio = median epoch time, epoch 1 left out)")
     t = arms_out["trainer"]
-    print(f"\nTrainer (same DataLoader, fast_path=False) / hand loop = {ratio:.3f}× wall, "
+    seeds = stats["trainer"]["wall"] / stats["hand_seeds"]["wall"]
+    print(f"\nTrainer (same DataLoader, fast_path=False) / lean hand loop = {ratio:.3f}× wall, "
           f"{t['cpu_ratio_vs_hand']:.3f}× CPU time, {t['epoch_ratio_vs_hand']:.3f}× median epoch  "
           f"(target ≤ {TARGET}×: {c.verdict(ratio, TARGET)})")
-    print(f"Trainer with its defaults (fast path) / hand loop = {arms_out['trainer_fast']['loop_ratio_vs_hand']:.3f}×")
+    print(f"Trainer (same DataLoader, fast_path=False) / the seeds' loop (AverageMeter, loss.item() every step) = "
+          f"{seeds:.3f}× wall ({c.verdict(seeds, TARGET)})")
+    print(f"Trainer with its defaults (fast path) / lean hand loop = "
+          f"{arms_out['trainer_fast']['loop_ratio_vs_hand']:.3f}×")
     full = arms_out.get("trainer_full")
     if full is not None:
         print(f"All defaults (checkpoint each epoch, final checkpoint, plot): fit {full['median_fit_s']:.2f} s, of "
@@ -143,7 +168,7 @@ def main(argv=None) -> dict:
               f"checkpoint, plot)")
     payload = {"target": TARGET, "ratio": ratio, "cpu_ratio": t["cpu_ratio_vs_hand"],
                "epoch_ratio": t["epoch_ratio_vs_hand"],
-               "fast_path_ratio": arms_out["trainer_fast"]["loop_ratio_vs_hand"],
+               "fast_path_ratio": arms_out["trainer_fast"]["loop_ratio_vs_hand"], "ratio_vs_seeds_loop": seeds,
                "meets_target": ratio <= TARGET, "epochs": args.epochs, "steps": steps, "arms": arms_out,
                "workload": {"model": "MLP 64-256-256-10", "samples": c.N_SAMPLES, "batch": c.BATCH,
                             "optimizer": "AdamW", "lr": c.LR, "log_every": c.LOG_EVERY}}
