@@ -43,11 +43,11 @@ def _common(result: dict, name: str) -> None:
 def test_overhead_quick(quick_runs):
     stdout, r = quick_runs["overhead"]
     _common(r, "overhead")
-    assert {"hand", "trainer", "trainer_fast"} <= set(r["arms"])
+    assert {"hand", "hand_seeds", "trainer", "trainer_fast"} <= set(r["arms"])
     for arm in r["arms"].values():
         assert arm["median_loop_s"] > 0 and arm["steps"] == r["steps"] > 0
-    assert r["ratio"] > 0 and r["cpu_ratio"] > 0
-    assert "ratio" in stdout and "Trainer (same DataLoader, fast_path=False) / hand loop" in stdout
+    assert r["ratio"] > 0 and r["cpu_ratio"] > 0 and r["ratio_vs_seeds_loop"] > 0
+    assert "Trainer (same DataLoader, fast_path=False) / lean hand loop" in stdout
 
 
 def test_fastpath_quick(quick_runs):
