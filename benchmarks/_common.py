@@ -218,7 +218,8 @@ def time_trainer_fit(trainer, data) -> dict:
     trainer.fit(data)
     total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"loop_s": wall[0], "loop_cpu_s": cpu[0], "fit_s": total, "fit_cpu_s": total_cpu,
-            "outside_loop_s": total - wall[0], "epoch_s": epoch_times, "epoch_cpu_s": epoch_cpu, "steps": trainer.global_step}
+            "outside_loop_s": total - wall[0], "epoch_s": epoch_times, "epoch_cpu_s": epoch_cpu,
+            "steps": trainer.global_step}
 
 
 # ----------------------------------------------------------------------------- processes and statistics
@@ -302,7 +303,8 @@ def environment() -> dict:
     except OSError:
         load = (float("nan"),) * 3
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"torch": _torch_version(metadata.version("torch")), "python": platform.python_version(), "platform": platform.platform(),
+    return {"torch": _torch_version(metadata.version("torch")), "python": platform.python_version(),
+            "platform": platform.platform(),
             "cpu_cores": cores, "loadavg_1m": round(load[0], 2), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "threads_per_process": 1}
 

@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="runs per arm (fresh processes)")
     ap.add_argument("--epochs", type=int, default=30, help="epochs per run (29 steps each)")
-    ap.add_argument("--quick", action="store_true", help="1 run, 3 epochs, no trainer_defaults arm: proves the script runs")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 run, 3 epochs, no trainer_defaults arm: proves the script runs")
     args = ap.parse_args(argv)
     if args.quick:
         args.runs, args.epochs = 1, 3
