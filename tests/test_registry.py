@@ -329,8 +329,8 @@ def test_trainer_step_scheduler_per_epoch(make_trainer, data, run_dir):
     trainer.fit(data)
     assert trainer.sched_interval == "epoch"
     rows = _lr_rows(run_dir)
-    for r in rows:  # the lr used during epoch e (0-based)
-        assert r["lr"] == pytest.approx(0.1 * 0.1 ** (r["epoch"] // 2))
+    for r in rows:  # the lr used during epoch e (1-based, as printed)
+        assert r["lr"] == pytest.approx(0.1 * 0.1 ** ((r["epoch"] - 1) // 2))
     assert [h["lr"] for h in trainer.history] == pytest.approx([0.1, 0.01, 0.01, 1e-3, 1e-3])
 
 

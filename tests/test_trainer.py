@@ -50,7 +50,7 @@ def test_one_step_per_window_with_max_steps_and_logging(make_trainer, data, run_
     assert len(steps) == trainer.global_step == 6  # 4 per epoch, stopped at 6 in the second epoch
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "samples_per_s" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert [r["epoch"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    assert [r["epoch"] for r in rows] == [1, 1, 1, 1, 2, 2]  # 1-based, as printed
 
 
 # ----------------------------------------------------------------------------- clipping and grad norm

@@ -398,7 +398,7 @@ class Trainer:
                 if self.skipped_steps:
                     values["skipped_steps"] = self.skipped_steps
                 t_last = now
-                logger.log(self.global_step, values, epoch=epoch)
+                logger.log(self.global_step, values, epoch=epoch + 1)  # 1-based, as printed
                 logger.progress(i, values)
             if ckpt_every and self.global_step % ckpt_every == 0:
                 self._save(position=(epoch, i))
@@ -421,7 +421,7 @@ class Trainer:
                 sch.step()
         row["lr"] = self._lr()
         self.history.append(dict(row, epoch=epoch + 1, step=self.global_step))
-        self.logger.log(self.global_step, row, epoch=epoch)
+        self.logger.log(self.global_step, row, epoch=epoch + 1)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, float))
         self.print(f"epoch {epoch + 1}/{cfg.epochs} · step {self.global_step} · {shown}")
         if self._monitor and self._monitor in row:
