@@ -264,10 +264,21 @@ def alternate(script: Path, arms: dict[str, dict], runs: int, *, warmup: bool = 
     for r in range(runs):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            _note_load()
             out[name].append(run_child(script, name, arms[name], timeout))
         if progress:
             print(f"  round {r + 1}/{runs} done", file=sys.stderr, flush=True)
     return out
+
+
+_LOADS: list = []  # 1-minute load average seen before each timed run: how busy the shared cores were
+
+
+def _note_load() -> None:
+    try:
+        _LOADS.append(os.getloadavg()[0])
+    except OSError:
+        pass
 
 
 def median(values: Sequence[float]) -> float:
@@ -306,7 +317,9 @@ def environment() -> dict:
     return {"torch": _torch_version(metadata.version("torch")), "python": platform.python_version(),
             "platform": platform.platform(),
             "cpu_cores": cores, "loadavg_1m": round(load[0], 2), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "threads_per_process": 1}
+            "threads_per_process": 1,
+            "loadavg_during_runs": {"min": round(min(_LOADS), 2), "median": round(median(_LOADS), 2),
+                                    "max": round(max(_LOADS), 2)} if _LOADS else None}
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

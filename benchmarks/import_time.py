@@ -76,6 +76,7 @@ def main(argv=None) -> dict:
     for r in range(runs):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            c._note_load()
             out, wall = _run(CHILD.format(stmt=STATEMENTS[name]))
             data[name]["import_s"].append(out["import_s"])
             data[name]["process_s"].append(wall)

@@ -18,7 +18,7 @@ Arms (each run in a fresh process, arms alternated, medians over the runs):
 
 "loop" is the time of the epochs (batches, steps, logging, end-of-epoch work); "fit" adds the
 set-up at the start of ``fit`` (loaders, logger, TensorBoard writer) and the end (final checkpoint,
-plots). Usage: ``python benchmarks/overhead.py [--runs 7] [--epochs 20] [--quick]``.
+plots). Usage: ``python benchmarks/overhead.py [--runs 15] [--epochs 20] [--quick]``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ HANDLERS = {
 # ----------------------------------------------------------------------------- parent
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=7, help="timed runs per arm (fresh processes)")
+    ap.add_argument("--runs", type=int, default=15, help="timed runs per arm (fresh processes)")
     ap.add_argument("--epochs", type=int, default=20, help="epochs per run (29 steps each)")
     ap.add_argument("--quick", action="store_true",
                     help="1 run, 1 epoch, no warm-up, no trainer_full arm: proves the script runs")

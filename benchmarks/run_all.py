@@ -80,8 +80,13 @@ def main(argv=None) -> Path:
     lines = ["# Benchmark summary", ""]
     if env:
         note = " (quick mode: smoke run, not a measurement)" if args.quick else ""
+        loads = [json.loads((folder / f"{n}.json").read_text())["environment"].get("loadavg_during_runs")
+                 for n in BENCHMARKS if (folder / f"{n}.json").exists()]
+        loads = [x for x in loads if x]
+        busy = (f"; load average during the runs {min(x['min'] for x in loads):.1f}–{max(x['max'] for x in loads):.1f}"
+                if loads else "")
         lines += [f"torch {env['torch']}, Python {env['python']}, {env['cpu_cores']} CPU cores shared with other "
-                  f"work, 1 thread per process; {env['time']}{note}.", ""]
+                  f"work{busy}, 1 thread per process; {env['time']}{note}.", ""]
     lines += ["| benchmark | compared | measured (medians) | target | result |", "| --- | --- | --- | --- | --- |"]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
     lines += ["", "Method and details: docs/performance.md; raw numbers: the JSON files beside this one.", ""]
