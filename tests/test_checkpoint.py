@@ -148,8 +148,8 @@ def test_unknown_monitor_fails_after_saving(make_trainer, data, run_dir):
     trainer = make_trainer(epochs=3, metrics=["accuracy"], monitor="val/acc")
     with pytest.raises(ConfigError) as err:
         trainer.fit(data, val_data=data)
-    assert "config key 'checkpoint.monitor': 'val/acc' is not a logged value; choose one of train/accuracy, " \
-           "val/loss, val/accuracy (the run is saved: resume=latest)" in str(err.value)
+    assert "config key 'checkpoint.monitor': 'val/acc' is not a logged value; choose one of train/loss, " \
+           "train/accuracy, val/loss, val/accuracy (the run is saved: resume=latest)" in str(err.value)
     assert resolve("latest", run_dir).name == "step-00000005"
 
 

@@ -284,6 +284,7 @@ class Trainer:
         self._monitor, self._mode = monitor, mode
         self._best, self._bad_epochs = None, 0
         start_epoch, start_batch = 0, 0
+        self._restored_window: Optional[dict] = None
         resume = cfg.resume
         restarts = runtime.restart_count()
         if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
@@ -313,6 +314,7 @@ class Trainer:
                 else:
                     for m in self.train_metrics:
                         m.reset()
+                self._window = _Window.restore(self._restored_window if skip else None)
                 done = self._run_epoch(batches, epoch, epoch_len, skip, total_steps)
                 if not done:  # max_steps reached mid-epoch
                     stopped = "max_steps"
@@ -349,7 +351,7 @@ class Trainer:
         for m in self.models.values():
             m.train()
         logger.start_epoch(epoch, cfg.epochs, epoch_len, initial=start)
-        acc = _Window()
+        acc = self._window
         it = iter(batches)
         i = start
         t_last = time.perf_counter()
@@ -411,7 +413,8 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
-        row = {f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states}
+        row = self._window.epoch_means(self.world_size, self.device) if getattr(self, "_window", None) else {}
+        row.update({f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states})
         val_metrics: dict = {}
         if val_data is not None and (epoch + 1) % max(1, cfg.eval_every_epochs) == 0:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
@@ -453,6 +456,7 @@ class Trainer:
             "tracker": {"best": self._best, "bad_epochs": self._bad_epochs},
             # summed over ranks; on resume rank 0 takes the sums and the other ranks start from zero
             "train_metrics": {m.name: dict(m.states) for m in self._synced(self.train_metrics)},
+            "window": self._window.state(self.world_size, self.device) if getattr(self, "_window", None) else None,
             "rng": runtime.rng_state(),
         }
 
@@ -537,6 +541,7 @@ class Trainer:
         self.step.skipped_steps = self.skipped_steps
         tracker = state.get("tracker", {})
         self._best, self._bad_epochs = tracker.get("best"), int(tracker.get("bad_epochs", 0))
+        self._restored_window = state.get("window")
         for m in self.train_metrics:
             if m.name in state.get("train_metrics", {}):
                 m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
@@ -722,13 +727,15 @@ _NULL_CONTEXT = contextlib.nullcontext()  # reusable: the loop needs no new obje
 class _Window:
     """Running sums between two log steps; ``.item()`` happens only in ``flush``."""
 
-    __slots__ = ("sums", "count", "samples", "wait")
+    __slots__ = ("sums", "count", "samples", "wait", "epoch_sums", "epoch_count")
 
     def __init__(self) -> None:
         self.sums: dict[str, Any] = {}
         self.count = 0
         self.samples = 0
         self.wait = 0.0
+        self.epoch_sums: dict[str, float] = {}  # folded in at each flush, so per step costs nothing extra
+        self.epoch_count = 0
 
     def add(self, out: Optional[dict], n: int) -> None:
         self.count += 1
@@ -739,14 +746,52 @@ class _Window:
                     v = v.detach()
                 self.sums[k] = self.sums[k] + v if k in self.sums else v
 
+    def state(self, world_size: int, device: Optional[torch.device] = None) -> dict:
+        """Logged-value sums for a checkpoint, averaged over ranks (every rank must call it)."""
+        flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
+        flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
+        flat = _mean_over_ranks(flat, world_size, device)
+        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": self.count,
+                "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
+                "epoch_count": self.epoch_count}
+
+    @classmethod
+    def restore(cls, state: Optional[dict]) -> "_Window":
+        """A window that goes on from a checkpoint's sums, so resumed logs match an unbroken run."""
+        w = cls()
+        if state:
+            w.sums, w.count = dict(state["sums"]), int(state["count"])
+            w.epoch_sums, w.epoch_count = dict(state["epoch_sums"]), int(state["epoch_count"])
+        return w
+
+    def _fold(self) -> dict:
+        """Interval sums as floats, added to the epoch totals."""
+        sums = {k: float(v) for k, v in self.sums.items()}
+        for k, v in sums.items():
+            self.epoch_sums[k] = self.epoch_sums.get(k, 0.0) + v
+        self.epoch_count += self.count
+        return sums
+
+    def epoch_means(self, world_size: int, device: Optional[torch.device] = None) -> dict:
+        """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
+        self._fold()
+        self.sums, self.count = {}, 0
+        values = {f"train/{k}": v / max(1, self.epoch_count) for k, v in self.epoch_sums.items()}
+        return _mean_over_ranks(values, world_size, device)
+
     def flush(self, elapsed: float, world_size: int, device: Optional[torch.device] = None) -> dict:
-        values = {f"train/{k}": float(v) / max(1, self.count) for k, v in self.sums.items()}
-        if world_size > 1 and values:  # the mean over ranks (every rank runs the same number of micro-batches)
-            keys = sorted(values)
-            mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64,
-                                                        device=device)).tolist()
-            values = dict(zip(keys, mean))
+        values = {f"train/{k}": v / max(1, self.count) for k, v in self._fold().items()}
+        values = _mean_over_ranks(values, world_size, device)
         values["samples_per_s"] = self.samples * world_size / max(elapsed, 1e-9)
         values["data_wait"] = self.wait / max(elapsed, 1e-9)
         self.sums, self.count, self.samples, self.wait = {}, 0, 0, 0.0
         return values
+
+
+def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:
+    """The mean over ranks (every rank runs the same number of micro-batches); all ranks must call it."""
+    if world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device))
+    return dict(zip(keys, mean.tolist()))
