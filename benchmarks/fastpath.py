@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
@@ -40,7 +41,7 @@ def _tiny_mlp():
     return nn.Sequential(nn.Linear(c.N_FEATURES, 32), nn.ReLU(), nn.Linear(32, c.N_CLASSES))
 
 
-def _arm(p: dict, fast: bool) -> dict:
+def _arm(p: dict, fast: bool, workers: Any = 0) -> dict:
     import torch
     from torch.utils.data import TensorDataset
 
@@ -50,7 +51,7 @@ def _arm(p: dict, fast: bool) -> dict:
 
     x, y = c.make_data(p.get("samples", c.N_SAMPLES))
     data = TensorDataset(x, y)
-    kw = dict(batch_size=p["batch"], seed=0, rank=0, world_size=1, device=torch.device("cpu"), num_workers=0,
+    kw = dict(batch_size=p["batch"], seed=0, rank=0, world_size=1, device=torch.device("cpu"), num_workers=workers,
               fast_path=fast)
     # the data part alone: iterate the same batches the loop gets, without training
     batches = prepare_train(data, **kw)
@@ -66,7 +67,7 @@ def _arm(p: dict, fast: bool) -> dict:
         devnull = open(os.devnull, "w")
         saved, sys.stderr = sys.stderr, devnull
         try:
-            trainer = torchrig.Trainer(model, optimizer="sgd", lr=0.05, num_workers=0,
+            trainer = torchrig.Trainer(model, optimizer="sgd", lr=0.05, num_workers=workers,
                                        **dict(c.trainer_kwargs(run_dir, p["epochs"], fast_path=fast),
                                               batch_size=p["batch"]))
             timing = c.time_trainer_fit(trainer, data)
@@ -78,7 +79,8 @@ def _arm(p: dict, fast: bool) -> dict:
             "data_batch_us": data_s / n * 1e6, "params_sha256": digest}
 
 
-HANDLERS = {"fast": lambda p: _arm(p, True), "dataloader": lambda p: _arm(p, False)}
+HANDLERS = {"fast": lambda p: _arm(p, True), "dataloader": lambda p: _arm(p, False),
+            "dataloader_auto": lambda p: _arm(p, False, "auto")}
 
 
 def _measure(batch: int, epochs: int, runs: int, quick: bool) -> dict:

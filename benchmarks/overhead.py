@@ -44,7 +44,7 @@ def _arm_hand(p: dict) -> dict:
     c.pin_threads()
     x, y = c.make_data()
     model = c.make_model()
-    loader = c.make_loader(x, y)
+    loader = c.make_loader(x, y, batch_size=p.get("batch", c.BATCH))
     opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
     epoch_cpu: list = []
     with open(os.devnull, "w") as stream:
@@ -61,7 +61,7 @@ def _arm_hand_seeds(p: dict) -> dict:
     c.pin_threads()
     x, y = c.make_data()
     model = c.make_model()
-    loader = c.make_loader(x, y)
+    loader = c.make_loader(x, y, batch_size=p.get("batch", c.BATCH))
     opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
     epoch_cpu: list = []
     with open(os.devnull, "w") as stream:
@@ -80,14 +80,14 @@ def _arm_trainer(p: dict, fast_path: bool, full: bool = False) -> dict:
 
     x, y = c.make_data()
     model = c.make_model()
-    loader = c.make_loader(x, y)
+    loader = c.make_loader(x, y, batch_size=p.get("batch", c.BATCH))
     opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
     with tempfile.TemporaryDirectory() as run_dir:
         devnull = open(os.devnull, "w")
         saved, sys.stderr = sys.stderr, devnull  # progress lines go to /dev/null, as the hand loop's do
         try:
-            trainer = torchrig.Trainer(model, optimizer=opt,
-                                       **c.trainer_kwargs(run_dir, p["epochs"], fast_path=fast_path, end_of_fit=full))
+            kw = c.trainer_kwargs(run_dir, p["epochs"], fast_path=fast_path, end_of_fit=full)
+            trainer = torchrig.Trainer(model, optimizer=opt, **dict(kw, batch_size=p.get("batch", c.BATCH)))
             result = c.time_trainer_fit(trainer, loader)
         finally:
             sys.stderr = saved
@@ -108,13 +108,15 @@ HANDLERS = {
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15, help="timed runs per arm (fresh processes)")
-    ap.add_argument("--epochs", type=int, default=20, help="epochs per run (29 steps each)")
+    ap.add_argument("--epochs", type=int, default=20, help="epochs per run (29 steps each at batch 64)")
+    ap.add_argument("--batch", type=int, default=c.BATCH,
+                    help="batch size (64; larger batches show how the fixed per-step cost fades)")
     ap.add_argument("--quick", action="store_true",
                     help="1 run, 1 epoch, no warm-up, no trainer_full arm: proves the script runs")
     args = ap.parse_args(argv)
     if args.quick:
         args.runs, args.epochs = 1, 1
-    params = {"epochs": args.epochs}
+    params = {"epochs": args.epochs, "batch": args.batch}
     arms = {"hand": params, "hand_seeds": params, "trainer": params, "trainer_fast": params}
     print(f"{NAME}: {args.runs} runs per arm, {args.epochs} epochs each, fresh processes, alternating", file=sys.stderr)
     runs = c.alternate(Path(__file__), arms, args.runs, warmup=not args.quick)
@@ -170,9 +172,9 @@ def main(argv=None) -> dict:
                "epoch_ratio": t["epoch_ratio_vs_hand"],
                "fast_path_ratio": arms_out["trainer_fast"]["loop_ratio_vs_hand"], "ratio_vs_seeds_loop": seeds,
                "meets_target": ratio <= TARGET, "epochs": args.epochs, "steps": steps, "arms": arms_out,
-               "workload": {"model": "MLP 64-256-256-10", "samples": c.N_SAMPLES, "batch": c.BATCH,
+               "workload": {"model": "MLP 64-256-256-10", "samples": c.N_SAMPLES, "batch": args.batch,
                             "optimizer": "AdamW", "lr": c.LR, "log_every": c.LOG_EVERY}}
-    path = c.write_result(NAME, payload, quick=args.quick)
+    path = c.write_result(NAME if args.batch == c.BATCH else f"{NAME}_batch{args.batch}", payload, quick=args.quick)
     print(f"wrote {path}")
     return payload
 

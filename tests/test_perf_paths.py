@@ -96,5 +96,5 @@ def test_tensorboard_rows_hold_every_value(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/accuracy", "lr", "samples_per_s"} <= tags
-    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert {2, 4, 6, 8} <= {e.step for e in acc.Scalars("train/loss")}  # every log step
     assert acc.Scalars("train/accuracy")[-1].value == pytest.approx(trainer.history[-1]["train/accuracy"])

@@ -40,7 +40,9 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
 
 def _seed_worker_sample(seed: int, epoch: int, index: int) -> None:
     s = (seed * 1_000_003 + epoch * 7_919 + index) % (2**63 - 1)
-    torch.manual_seed(s)
+    # The CPU generator is the one a worker's transforms draw from (workers never use CUDA):
+    # seeding it alone costs 1 µs, torch.manual_seed (every device type) about 90 µs per sample.
+    torch.default_generator.manual_seed(s)
     random.seed(s)
     np.random.seed(s % (2**32))
 
