@@ -34,9 +34,11 @@ def _row(name: str, r: dict) -> list:
         parts = []
         for b, x in r.get("by_batch", {str(r["batch"]): r}).items():
             a = x["arms"]
+            auto = (f"; vs the Trainer's default DataLoader {x['ratio_vs_default_loader']:.1f}×"
+                    if x.get("ratio_vs_default_loader") else "")
             parts.append(f"batch {b}: {x['ratio']:.2f}× ({a['dataloader']['median_step_us']:.0f} vs "
-                         f"{a['fast']['median_step_us']:.0f} µs/step; data alone {x['data_ratio']:.0f}×)")
-        return [name, "DataLoader path / fast path, time per training step (tiny MLP)",
+                         f"{a['fast']['median_step_us']:.0f} µs/step; data alone {x['data_ratio']:.0f}×{auto})")
+        return [name, "DataLoader path (num_workers=0) / fast path, time per training step (tiny MLP)",
                 "; ".join(parts) + f"; same parameters: {r['same_parameters']}",
                 f"≥ {r['target']}× (headline: batch {r['batch']})", ok]
     if name == "import_time":
