@@ -149,28 +149,30 @@ def main(argv=None) -> dict:
                           "epoch_ratio_vs_hand": ratios["epoch"]}
         rows.append([name, len(rs), rs[0]["steps"], st["wall"], st["wall"] / steps * 1e6, ratios["wall"],
                      f"{100 * c.spread([r['loop_s'] for r in rs]):.1f}%", ratios["cpu"], ratios["epoch"], fit, outside])
-    ratio = arms_out["trainer"]["loop_ratio_vs_hand"]
-    print(c.table(["arm", "runs", "steps", "loop s", "µs/step", "ratio", "spread", "CPU-time ratio",
-                   "epoch ratio", "fit s", "fit − loop s"], rows))
-    print("(medians over runs; ratio = loop wall time / hand loop's; CPU-time ratio = process CPU time in the loop; "
-          "epoch ratio = median epoch time, epoch 1 left out)")
     t = arms_out["trainer"]
-    seeds = stats["trainer"]["wall"] / stats["hand_seeds"]["wall"]
-    print(f"\nTrainer (same DataLoader, fast_path=False) / lean hand loop = {ratio:.3f}× wall, "
-          f"{t['cpu_ratio_vs_hand']:.3f}× CPU time, {t['epoch_ratio_vs_hand']:.3f}× median epoch  "
+    # The verdict uses process CPU time: on cores shared with other work it is the stable measure of
+    # the work each loop does (wall time also counts the time other processes held the core).
+    ratio = t["cpu_ratio_vs_hand"]
+    print(c.table(["arm", "runs", "steps", "loop s", "µs/step", "wall ratio", "spread", "CPU-time ratio",
+                   "epoch ratio", "fit s", "fit − loop s"], rows))
+    print("(medians over runs; wall ratio = loop wall time / hand loop's; CPU-time ratio = process CPU time in the "
+          "loop, all threads; epoch ratio = median epoch wall time, epoch 1 left out)")
+    seeds = stats["trainer"]["cpu"] / stats["hand_seeds"]["cpu"]
+    print(f"\nTrainer (same DataLoader, fast_path=False) / lean hand loop = {ratio:.3f}× CPU time "
+          f"({t['loop_ratio_vs_hand']:.3f}× wall, {t['epoch_ratio_vs_hand']:.3f}× median epoch)  "
           f"(target ≤ {TARGET}×: {c.verdict(ratio, TARGET)})")
     print(f"Trainer (same DataLoader, fast_path=False) / the seeds' loop (AverageMeter, loss.item() every step) = "
-          f"{seeds:.3f}× wall ({c.verdict(seeds, TARGET)})")
+          f"{seeds:.3f}× CPU time ({c.verdict(seeds, TARGET)})")
     print(f"Trainer with its defaults (fast path) / lean hand loop = "
-          f"{arms_out['trainer_fast']['loop_ratio_vs_hand']:.3f}×")
+          f"{arms_out['trainer_fast']['cpu_ratio_vs_hand']:.3f}× CPU time")
     full = arms_out.get("trainer_full")
     if full is not None:
         print(f"All defaults (checkpoint each epoch, final checkpoint, plot): fit {full['median_fit_s']:.2f} s, of "
               f"which {full['median_fit_s'] - full['median_loop_s']:.2f} s outside the epochs (set-up, final "
               f"checkpoint, plot)")
-    payload = {"target": TARGET, "ratio": ratio, "cpu_ratio": t["cpu_ratio_vs_hand"],
+    payload = {"target": TARGET, "ratio": ratio, "cpu_ratio": ratio, "wall_ratio": t["loop_ratio_vs_hand"],
                "epoch_ratio": t["epoch_ratio_vs_hand"],
-               "fast_path_ratio": arms_out["trainer_fast"]["loop_ratio_vs_hand"], "ratio_vs_seeds_loop": seeds,
+               "fast_path_ratio": arms_out["trainer_fast"]["cpu_ratio_vs_hand"], "ratio_vs_seeds_loop": seeds,
                "meets_target": ratio <= TARGET, "epochs": args.epochs, "steps": steps, "arms": arms_out,
                "workload": {"model": "MLP 64-256-256-10", "samples": c.N_SAMPLES, "batch": args.batch,
                             "optimizer": "AdamW", "lr": c.LR, "log_every": c.LOG_EVERY}}
