@@ -33,11 +33,14 @@ class Metric:
     @property
     def states(self) -> dict[str, torch.Tensor]:
         if self._pending:
+            # a new count lives beside the metric's other states (on the GPU for a GPU run), so that
+            # one all-reduce backend (NCCL) can sum them all
+            device = next(iter(self._states.values())).device if self._states else None
             for key, n in self._pending.items():
                 if key in self._states:
                     self._states[key] += n
                 else:
-                    self._states[key] = torch.tensor(float(n), dtype=torch.float64)
+                    self._states[key] = torch.tensor(float(n), dtype=torch.float64, device=device)
             self._pending = {}
         return self._states
 
