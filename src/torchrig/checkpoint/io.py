@@ -105,16 +105,20 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
                               f"use another checkpoint (RUN_DIR/checkpoints/) or retrain") from None
 
 
-def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """``model.load_state_dict`` with a message that lists missing and unexpected keys."""
-    expected = set(model.state_dict().keys())
-    got = set(state.keys())
-    missing, unexpected = sorted(expected - got), sorted(got - expected)
+def check_keys(saved: set, expected: set, source: str) -> None:
+    """Raise a CheckpointError listing missing and unexpected keys, if any."""
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if missing or unexpected:
         def show(keys: list) -> str:
             return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "") if keys else "none"
         raise CheckpointError(f"{source} does not match the model: missing keys: {show(missing)}; "
                               f"unexpected keys: {show(unexpected)}. Was it saved from a different model or config?")
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """``model.load_state_dict`` with a message that lists missing and unexpected keys."""
+    got = set(state.keys())
+    check_keys(got, set(model.state_dict().keys()), source)
     own = model.state_dict()
     bad = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in sorted(got)
            if state[k].shape != own[k].shape]

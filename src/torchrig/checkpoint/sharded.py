@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import runtime
-from .io import CheckpointError, load_weights_file
+from .io import CheckpointError, check_keys, load_weights_file
 
 if TYPE_CHECKING:  # the trainer layer sits above checkpoint; only its attributes are used here
     from ..trainer import Trainer
@@ -143,9 +143,4 @@ def _plain(value: Any) -> Any:
 
 
 def _check_keys(saved: set, expected: set, path: Path) -> None:
-    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
-    if missing or unexpected:
-        def show(keys: list) -> str:
-            return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "") if keys else "none"
-        raise CheckpointError(f"checkpoint '{path}' does not match the model: missing keys: {show(missing)}; "
-                              f"unexpected keys: {show(unexpected)}. Was it saved from a different model or config?")
+    check_keys(saved, expected, f"checkpoint '{path}'")
