@@ -38,7 +38,8 @@ TARGET = 1.03
 
 
 # ----------------------------------------------------------------------------- child arms
-def _arm_hand(p: dict) -> dict:
+def _arm_hand_loop(p: dict, loop) -> dict:
+    """A hand-written arm: ``loop`` is ``c.hand_loop`` (lean) or ``c.hand_loop_seeds`` (AverageMeter)."""
     import torch
 
     c.pin_threads()
@@ -49,24 +50,7 @@ def _arm_hand(p: dict) -> dict:
     epoch_cpu: list = []
     with open(os.devnull, "w") as stream:
         t0, c0 = time.perf_counter(), time.process_time()
-        epochs = c.hand_loop(model, loader, opt, p["epochs"], stream, cpu_times=epoch_cpu)
-        total, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"loop_s": total, "loop_cpu_s": cpu, "fit_s": total, "fit_cpu_s": cpu, "outside_loop_s": 0.0,
-            "epoch_s": epochs, "epoch_cpu_s": epoch_cpu, "steps": p["epochs"] * len(loader)}
-
-
-def _arm_hand_seeds(p: dict) -> dict:
-    import torch
-
-    c.pin_threads()
-    x, y = c.make_data()
-    model = c.make_model()
-    loader = c.make_loader(x, y, batch_size=p.get("batch", c.BATCH))
-    opt = torch.optim.AdamW(model.parameters(), lr=c.LR)
-    epoch_cpu: list = []
-    with open(os.devnull, "w") as stream:
-        t0, c0 = time.perf_counter(), time.process_time()
-        epochs = c.hand_loop_seeds(model, loader, opt, p["epochs"], stream, cpu_times=epoch_cpu)
+        epochs = loop(model, loader, opt, p["epochs"], stream, cpu_times=epoch_cpu)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"loop_s": total, "loop_cpu_s": cpu, "fit_s": total, "fit_cpu_s": cpu, "outside_loop_s": 0.0,
             "epoch_s": epochs, "epoch_cpu_s": epoch_cpu, "steps": p["epochs"] * len(loader)}
@@ -96,8 +80,8 @@ def _arm_trainer(p: dict, fast_path: bool, full: bool = False) -> dict:
 
 
 HANDLERS = {
-    "hand": _arm_hand,
-    "hand_seeds": _arm_hand_seeds,
+    "hand": lambda p: _arm_hand_loop(p, c.hand_loop),
+    "hand_seeds": lambda p: _arm_hand_loop(p, c.hand_loop_seeds),
     "trainer": lambda p: _arm_trainer(p, fast_path=False),
     "trainer_fast": lambda p: _arm_trainer(p, fast_path=True),
     "trainer_full": lambda p: _arm_trainer(p, fast_path=True, full=True),
