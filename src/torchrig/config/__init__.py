@@ -113,6 +113,7 @@ class DistConfig:
     fsdp_min_params: int = 0  # or shard every module with at least this many parameters
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
+    requeue: bool = False  # Slurm: `scontrol requeue` the job after a signal's checkpoint
 
 
 @dataclass
@@ -179,7 +180,8 @@ class Config:
     epochs: int = 10
     max_steps: Optional[int] = None  # cap on optimizer steps
     run_dir: str = "runs/default"
-    resume: Optional[str] = None  # "latest", a checkpoint directory, or None
+    resume: Optional[str] = None  # "latest", "best", a checkpoint directory, or None
+    resume_weights_only: bool = False  # load only the weights of `resume`; fresh optimizer and schedule
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     precision: str = "fp32"  # fp32, bf16, fp16
     threads: Optional[int] = None  # CPU threads; env TORCH_THREAD_NUM also honoured

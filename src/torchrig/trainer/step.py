@@ -20,7 +20,21 @@ LABEL_KEYS = ("labels", "label", "target", "targets", "y")
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; the message names the optimizer step."""
+    """The loss or the gradients became NaN or infinite; the message names the optimizer step."""
+
+
+def _total_norm(params: list, norm_type: float) -> torch.Tensor:
+    """The norm of all gradients together (a plain tensor also for FSDP2's sharded gradients)."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _finite(norm: torch.Tensor) -> bool:
+    # One scalar read per optimizer step; on CPU it is a plain memory load.
+    return math.isfinite(norm.item())
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -88,7 +102,6 @@ class Step:
         self.grad_norm: Optional[torch.Tensor] = None
         self.want_grad_norm = False     # set by the loop on log steps
         self.stepped = False
-        self.skipped_steps = 0
         self._nonfinite: Optional[torch.Tensor] = None
         self._losses: list = []
 
@@ -115,36 +128,52 @@ class Step:
         scaled.backward(retain_graph=retain_graph)
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
-        """At the end of a window: unscale, clip, step, zero_grad. Returns whether a step was taken."""
+        """At the end of a window: unscale, check, clip, step, zero_grad. Returns whether a step was taken.
+
+        Nothing non-finite is applied: a NaN / inf loss (this rank's) or gradient norm (the same on
+        every rank, since it is measured after the gradients were all-reduced) skips the step or
+        raises, as ``on_nonfinite`` says. Under fp16 the GradScaler finds inf gradients itself and
+        lowers its scale instead (the usual fp16 overflow, counted as a skipped step).
+        """
         if not self.sync_gradients:
             return False
         opt = self.optimizers[name] if name is not None else self.optimizer
         scaler = self.precision.scaler
         if self._nonfinite is not None and bool(self._nonfinite):
-            if self.on_nonfinite == "error":
-                raise NonFiniteLossError(
-                    f"loss is not finite at optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, "
-                    f"batch {self.batch_index + 1}); the last checkpoint is intact. Lower optim.lr, set "
-                    f"clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
-            opt.zero_grad(set_to_none=True)
-            self._restore_buffers()
-            self.skipped_steps += 1
-            return False
-        if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
-            self._clip(opt)
+            return self._reject(opt, "loss is not finite")
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None:
+            if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
+                scaler.unscale_(opt)
+                self._clip(params)
             scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
         else:
+            if self.clip_grad_value:
+                torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+            norm = _total_norm(params, self.clip_norm_type)
+            if not _finite(norm):
+                return self._reject(opt, "gradients are not finite (the loss is)")
+            if self.clip_grad_norm:
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
+            self.grad_norm = norm
             opt.step()
         opt.zero_grad(set_to_none=True)
         self.stepped = True
         return True
 
-    def _clip(self, opt: torch.optim.Optimizer) -> None:
-        """Unscale (fp16), clip by value and/or norm, or only measure the norm on a log step."""
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if self.precision.scaler is not None:
-            self.precision.scaler.unscale_(opt)
+    def _reject(self, opt: torch.optim.Optimizer, what: str) -> bool:
+        """A non-finite window: raise (``on_nonfinite=error``) or drop its gradients and skip it."""
+        if self.on_nonfinite == "error":
+            raise NonFiniteLossError(
+                f"{what} at optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, "
+                f"batch {self.batch_index + 1}); the step was not applied and the last checkpoint is intact. "
+                f"Lower optim.lr, set clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
+        opt.zero_grad(set_to_none=True)
+        self._restore_buffers()
+        return False
+
+    def _clip(self, params: list) -> None:
+        """Clip unscaled fp16 gradients by value and/or norm, or only measure the norm on a log step."""
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
         if self.clip_grad_norm:

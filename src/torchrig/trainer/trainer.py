@@ -272,6 +272,7 @@ class Trainer:
                     self.schedulers[k] = sch
         total_steps += self.global_step  # a second fit() of this Trainer trains as long again
         self._stop_position = None
+        self.resumed_from: Optional[Path] = None
         self.train_metrics = self._metric_objects()
         self.step = self._make_step(self.train_metrics)
         monitor = cfg.checkpoint.monitor
@@ -291,10 +292,16 @@ class Trainer:
             resume = "latest"
         if resume:
             start_epoch, start_batch = self._resume(resume)
-            if restarts > 0 and getattr(self, "resumed_from", None) is not None:
+            if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
         if self.ckpt is not None and self.is_main:
             self.ckpt.clean_partial()
+        if self.resumed_from is not None and (self.global_step >= total_steps or start_epoch >= cfg.epochs
+                                              or self._should_stop()):
+            self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
+                       f"({self.resumed_from.name}); nothing to train. To train further, raise epochs or "
+                       f"max_steps, or start a new run")
+            return {}
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
         global_batch = cfg.data.batch_size * self.world_size * A
@@ -304,6 +311,7 @@ class Trainer:
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
         val_metrics: dict = {}
         stopped = ""
+        self._signals = runtime.StopSignal(self.world_size).install()
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 self.epoch = epoch
@@ -315,19 +323,26 @@ class Trainer:
                     for m in self.train_metrics:
                         m.reset()
                 self._window = _Window.restore(self._restored_window if skip else None)
-                done = self._run_epoch(batches, epoch, epoch_len, skip, total_steps)
-                if not done:  # max_steps reached mid-epoch
-                    stopped = "max_steps"
+                stopped = self._run_epoch(batches, epoch, epoch_len, skip, total_steps)
+                if stopped:  # max_steps reached mid-epoch, or a signal
                     break
                 val_metrics = self._end_epoch(epoch, val_data)
                 if self._should_stop():
                     stopped = "early_stop"
                     break
+                if self._signals.check_now():
+                    stopped = "signal"
+                    break
                 if self.global_step >= total_steps:
                     break
+            if stopped != "signal" and self._signals.check_now():
+                stopped = "signal"
+            if stopped == "signal":
+                self._stop_by_signal()
             if cfg.checkpoint.save_final:
                 self._save(final=True, metrics=val_metrics)
         finally:
+            self._signals.uninstall()
             self.logger.close()
         if self.is_main and cfg.log.plot and self.run_dir is not None:
             try:
@@ -341,8 +356,8 @@ class Trainer:
                        f"for {cfg.early_stop_patience} epochs)")
         return val_metrics
 
-    def _run_epoch(self, batches, epoch: int, epoch_len: int, start: int, total_steps: int) -> bool:
-        """One epoch from micro-batch ``start``; returns False if ``max_steps`` stopped it early."""
+    def _run_epoch(self, batches, epoch: int, epoch_len: int, start: int, total_steps: int) -> str:
+        """One epoch from micro-batch ``start``; returns why it stopped early ("max_steps", "signal") or ""."""
         cfg, step, logger = self.cfg, self.step, self.logger
         A, log_every, device = cfg.accumulate, cfg.log.every_steps, self.device
         ckpt_every = cfg.checkpoint.every_steps
@@ -404,12 +419,15 @@ class Trainer:
                 logger.progress(i, values)
             if ckpt_every and self.global_step % ckpt_every == 0:
                 self._save(position=(epoch, i))
-            if self.global_step >= total_steps:
+            signalled = self._signals.check()
+            if self.global_step >= total_steps or signalled:
                 self._stop_position = (epoch, i)
                 logger.end_epoch()
-                return i >= epoch_len
+                if signalled:
+                    return "signal"
+                return "" if i >= epoch_len else "max_steps"
         logger.end_epoch()
-        return True
+        return ""
 
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
@@ -440,6 +458,22 @@ class Trainer:
             raise C.ConfigError(f"config key 'checkpoint.monitor': {self._monitor!r} is not a logged value; choose "
                                 f"one of {', '.join(k for k in row if k != 'lr')} (the run is saved: resume=latest)")
         return val_metrics
+
+    def _stop_by_signal(self) -> None:
+        """Save where the loop stopped, say how to continue, requeue on Slurm, and exit 128 + signal."""
+        signum = self._signals.check_now()
+        if self._last_saved_step() != self.global_step:
+            self._save(position=self._stop_position or (self.epoch + 1, 0))
+        name = runtime.signal_name(signum)
+        where = self.run_dir / "checkpoints" / f"step-{self.global_step:08d}"
+        message = (f"stopped by {name} at step {self.global_step}; checkpoint {where}; "
+                   f"continue with --set resume=latest")
+        self.print(message)
+        if self.cfg.dist.requeue and self.is_main:
+            line = runtime.requeue_slurm_job()
+            if line:
+                self.print(line)
+        raise runtime.RunStopped(signum, self.global_step, message)
 
     def _should_stop(self) -> bool:
         p = self.cfg.early_stop_patience
@@ -478,6 +512,7 @@ class Trainer:
             position = getattr(self, "_stop_position", None) or (self.epoch + 1, 0)
             if self._last_saved_step() == self.global_step:
                 return None
+        self._check_finite_parameters()
         if self.strategy == "fsdp":
             from ..checkpoint import sharded
 
@@ -493,6 +528,23 @@ class Trainer:
                               metrics=metrics)
         self._saved_step = self.global_step
         return path
+
+    def _check_finite_parameters(self) -> None:
+        """Refuse to write a checkpoint whose weights hold NaN / inf (collective: every rank calls it)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in runtime.unwrap(self.model).parameters()]
+        bad = torch.zeros(1, device=self.device)
+        for t in local:
+            if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
+                bad.fill_(1)
+                break
+        if self.world_size > 1:
+            bad = runtime.all_reduce_max(bad)
+        if bad.item():
+            last = self._last_saved_step()
+            raise NonFiniteLossError(
+                f"the model's parameters hold NaN or inf at step {self.global_step}; no checkpoint was written"
+                + (f" (the last one, step {last}, is intact)" if last is not None else "")
+                + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
 
     def _last_saved_step(self) -> Optional[int]:
         return getattr(self, "_saved_step", None)
@@ -512,9 +564,23 @@ class Trainer:
                     f"so run_dir must be on a file system shared by all machines (or hold the same copy on each)")
         if problem is not None:
             raise problem
+        if path is None and str(spec) == "best":
+            raise CheckpointError(f"resume='best': {self.run_dir / 'checkpoints'} has no best checkpoint (one is "
+                                  f"kept when checkpoint.monitor names a validation value and keep_best >= 1); "
+                                  f"use resume=latest or a checkpoint directory")
         if path is None:  # resume="latest" with nothing saved yet: a fresh start
             return 0, 0
+        if self.cfg.resume_weights_only:
+            return self._load_weights_only(path)
+        if not (path / "state.pt").exists():
+            raise CheckpointError(f"checkpoint '{path}' has no training state (state.pt), so it cannot resume "
+                                  f"exactly; set resume_weights_only=true to load its weights and start a fresh "
+                                  f"optimizer and schedule, or resume from another checkpoint")
         state, meta, _ = read_checkpoint(path)
+        missing = [k for k in ("counters", "rng", "optimizers") if k not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint '{path}' state.pt lacks {', '.join(missing)}, so it cannot resume "
+                                  f"exactly; set resume_weights_only=true to load its weights only")
         if self.strategy == "fsdp" or (path / "sharded").exists():
             from ..checkpoint import sharded
 
@@ -557,6 +623,20 @@ class Trainer:
                        f"resuming at the start of epoch {epoch + 1} (mid-epoch position depends on world size)")
             batch = 0
         return epoch, batch
+
+    def _load_weights_only(self, path: Path) -> tuple[int, int]:
+        """``resume_weights_only=true``: the checkpoint's weights, a fresh optimizer, schedule and step 0."""
+        full = load_weights_file(path)
+        model = runtime.unwrap(self.model)
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint import state_dict as dsd
+
+            dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+        else:
+            load_into(model, full, source=f"checkpoint '{path}'")
+        self.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
+                   f"(resume_weights_only=true)")
+        return 0, 0
 
     # ------------------------------------------------------------------------------ evaluate / predict
     def _eval_model(self) -> nn.Module:
