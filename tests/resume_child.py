@@ -55,9 +55,9 @@ def main() -> None:
     if pause:
         real_save = trainer._save
 
-        def save(position=None, metrics=None, final=False):
-            path = real_save(position=position, metrics=metrics, final=final)
-            epoch_end = position is not None and position[1] == 0
+        def save(metrics=None, final=False):
+            path = real_save(metrics=metrics, final=final)
+            epoch_end = trainer.state.batch_in_epoch == 0 and not final
             if path is not None and f"{trainer.global_step}{'e' if epoch_end else ''}" == pause:
                 (run_dir / "paused").write_text(str(path))
                 time.sleep(600)

@@ -2,8 +2,9 @@
 
     python tests/signal_child.py RUN_DIR [KEY=VALUE ...]
 
-Each optimizer step sleeps ``STEP_SLEEP`` seconds (env, default 0.02) so that a signal lands mid-run;
-after the first step each rank touches ``RUN_DIR/ready-RANK``. Distributed pairs get ``TEST_INIT``,
+Each optimizer step sleeps ``STEP_SLEEP`` seconds (env, default 0.02) so that a signal lands mid-run
+(``STUCK_SLEEP`` from the second step on, to play a stuck step);
+in the second step each rank touches ``RUN_DIR/ready-RANK``. Distributed pairs get ``TEST_INIT``,
 ``TEST_RANK`` and ``TEST_WORLD`` (a ``file://`` rendezvous). ``KEY=VALUE`` arguments are Trainer keywords.
 """
 
@@ -44,14 +45,15 @@ def main() -> None:
         key, value = item.split("=", 1)
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     pause = float(os.environ.get("STEP_SLEEP", "0.02"))
+    stuck = float(os.environ.get("STUCK_SLEEP", "0"))  # from the second step on: a step that never ends
     rank = int(os.environ.get("TEST_RANK", "0"))
 
     def slow_step(step, batch):
         out = default_step(step, batch)
         if step.sync_gradients:
-            time.sleep(pause)
-            if step.global_step == 0:
+            if step.global_step == 1:  # in the second step: one checkpointable step is done
                 (run_dir / f"ready-{rank}").touch()
+            time.sleep(stuck if stuck and step.global_step >= 1 else pause)
         return out
 
     torch.manual_seed(0)

@@ -135,11 +135,11 @@ def test_best_k_by_monitored_metric(make_trainer, data, run_dir, mode, best_epoc
 def test_monitor_defaults_to_first_validation_metric(make_trainer, data, run_dir):
     trainer = make_trainer(epochs=2, metrics=["accuracy"])
     trainer.fit(data, val_data=data)
-    assert (trainer._monitor, trainer._mode) == ("val/accuracy", "max")
+    assert (trainer.monitor.name, trainer.monitor.mode) == ("val/accuracy", "max")
     assert (run_dir / "checkpoints" / "best").is_symlink()
     trainer = make_trainer(epochs=1, metrics=[], run_dir=str(run_dir) + "2")
     trainer.fit(data, val_data=data)
-    assert (trainer._monitor, trainer._mode) == ("val/loss", "min")
+    assert (trainer.monitor.name, trainer.monitor.mode) == ("val/loss", "min")
 
 
 def test_unknown_monitor_fails_after_saving(make_trainer, data, run_dir):
@@ -268,7 +268,7 @@ run_dir = sys.argv[1]
 mgr = CheckpointManager(run_dir, keep_last=2)
 for step in range(1, 10_000):
     weights = {f"w{i}": torch.full((1024, 1024), float(step)) for i in range(12)}  # 48 MB
-    mgr.save(step, weights, {"counters": {"global_step": step}}, {"epochs": 1}, {"step": step})
+    mgr.write(step, weights, {"counters": {"global_step": step}}, {"epochs": 1}, {"step": step})
 """
 
 

@@ -47,9 +47,9 @@ def _train(run_dir, stop_at=None, model=None, data=None, **kw):
     if stop_at is not None:
         real = trainer._save
 
-        def save(position=None, metrics=None, final=False):
-            path = real(position=position, metrics=metrics, final=final)
-            tag = f"{trainer.global_step}{'e' if position is not None and position[1] == 0 else ''}"
+        def save(metrics=None, final=False):
+            path = real(metrics=metrics, final=final)
+            tag = f"{trainer.global_step}{'e' if trainer.state.batch_in_epoch == 0 and not final else ''}"
             if path is not None and tag == stop_at:
                 raise Interrupted(tag)
             return path
@@ -179,7 +179,7 @@ def test_resume_restores_best_tracking_and_skipped_steps(tmp_path):
     out, trainer = _train(tmp_path / "run", data=data, on_nonfinite="skip")
     _assert_bitwise(ref, out)
     assert trainer.skipped_steps == ref_trainer.skipped_steps == 3
-    assert trainer._best == ref_trainer._best
+    assert trainer.monitor.best == ref_trainer.monitor.best
     assert all(torch.isfinite(v).all() for v in out.values())  # skipped windows leave no NaN in BatchNorm stats
 
 

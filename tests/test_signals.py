@@ -109,7 +109,7 @@ def test_ctrl_c_with_dataloader_workers_is_the_same_every_time(tmp_path):
 @pytest.mark.slow
 def test_second_ctrl_c_exits_at_once(tmp_path):
     run = tmp_path / "run"
-    proc = _start(run, env={"STEP_SLEEP": "3"})
+    proc = _start(run, env={"STUCK_SLEEP": "3"})
     _wait_for(run / "ready-0", proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
@@ -200,3 +200,17 @@ def test_cli_train_sigterm_then_resume(tmp_path):
     assert f"resumed at step {step}" in done.stderr
     state, meta, _ = read_checkpoint(resolve("latest", run))
     assert state["counters"]["epoch"] == 2 and state["counters"]["batch_in_epoch"] == 0  # both epochs done
+
+
+@pytest.mark.slow
+def test_a_stuck_step_exits_after_stop_timeout(tmp_path):
+    """torchrun's SIGTERM to the survivors of a failed group must not wait for a step that never ends."""
+    run = tmp_path / "run"
+    proc = _start(run, "dist.stop_timeout=1.5", env={"STUCK_SLEEP": "120"})
+    _wait_for(run / "ready-0", proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc, timeout=30)
+    assert code == 143 and time.monotonic() - t0 < 10
+    assert "torchrig: no progress for 2s after SIGTERM (a step, or a peer, is stuck); exiting without a " \
+           "checkpoint (dist.stop_timeout)" in err

@@ -246,8 +246,8 @@ def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monke
 
     logged = []
     original = RunLogger.log
-    monkeypatch.setattr(RunLogger, "log", lambda self, step, values, epoch=None: (
-        logged.append(dict(values)), original(self, step, values, epoch))[1])
+    monkeypatch.setattr(RunLogger, "log", lambda self, step, values, epoch=None, kind=None: (
+        logged.append(dict(values)), original(self, step, values, epoch, kind))[1])
     trainer = make_trainer(log_every=1, epochs=2, metrics=["accuracy"])
     trainer.fit(data, val_data=data)
     assert logged and all(type(v) in (float, int) for row in logged for v in row.values())
@@ -266,20 +266,20 @@ def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monke
 
 def test_logged_loss_holds_no_graph(make_trainer, data):
     trainer = make_trainer(log_every=1000)  # values accumulate between log steps
-    from torchrig.trainer import trainer as T
+    from torchrig.trainer.logger import MetricsLogger as T
 
     windows = []
-    real = T._Window.add
+    real = T.record
 
     def spy(self, out, n):
         real(self, out, n)
         windows.append(self)
 
-    T._Window.add, restore = spy, real
+    T.record, restore = spy, real
     try:
         trainer.fit(data)
     finally:
-        T._Window.add = restore
+        T.record = restore
     sums = windows[-1].sums
     assert all(not (isinstance(v, torch.Tensor) and v.requires_grad) for v in sums.values())
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .io import (CheckpointError, fsync_dir, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic,
-                 write_json_atomic)
+from .io import (CheckpointError, fsync_dir, load_into, load_weights_file, safe_torch_load, safe_torch_save,
+                 save_weights, write_bytes_atomic, write_json_atomic)
 
 PREFIX = "step-"
 
@@ -64,13 +64,23 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, monitor: Optional[str] = None,
-                 mode: str = "max"):
+    """The checkpoints of one run directory: ``{name: Stateful}`` mappings saved and loaded whole.
+
+    ``save(step, states)`` / ``load(path, states)`` take the same mapping: ``"model"`` (an
+    ``nn.Module``), ``"optimizers"`` (name -> optimizer) and any other objects with ``state_dict`` /
+    ``load_state_dict``. The model goes to ``model.safetensors``, everything else to ``state.pt``;
+    with ``sharded=True`` (FSDP2) model and optimizer shards go to ``sharded/`` through DCP as well.
+    Several ranks: every rank calls ``save`` (some ``state_dict`` calls are collectives); only the
+    one with ``writes=True`` writes, except the shards, which every rank writes.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
+                 sharded: bool = False):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.keep_best = keep_best
-        self.monitor = monitor
-        self.mode = mode
+        self.writes, self.sharded = writes, sharded
+        self.last_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
         self.index_path = self.dir / "index.json"
         self.index: dict[str, Any] = {"checkpoints": [], "best": []}
         if self.index_path.exists():
@@ -91,8 +101,58 @@ class CheckpointManager:
                 if p.name != keep:
                     shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
-             metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
+    # -- Stateful objects ---------------------------------------------------------------------------
+    def save(self, step: int, states: dict[str, Any], *, config: Optional[dict], meta: dict,
+             metrics: Optional[dict] = None) -> Optional[Path]:
+        """Checkpoint ``step`` of ``states``; its directory (None on ranks that write no directory)."""
+        model, optimizers = states["model"], states["optimizers"]
+        others = {k: v for k, v in states.items() if k not in ("model", "optimizers")}
+        if self.sharded:
+            from . import sharded
+
+            path = sharded.save(self, step, model, optimizers, others, config, meta, metrics)
+        else:
+            state = {k: v.state_dict() for k, v in others.items()}  # on every rank: some are collectives
+            state["optimizers"] = {k: o.state_dict() for k, o in optimizers.items()}
+            path = self.write(step, model.state_dict(), state, config, meta, metrics) if self.writes else None
+        self.last_step = step
+        return path
+
+    def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print) -> dict:
+        """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta."""
+        if not (path / "state.pt").exists():
+            raise CheckpointError(f"checkpoint '{path}' has no training state (state.pt), so it cannot resume "
+                                  f"exactly; set resume_weights_only=true to load its weights and start a fresh "
+                                  f"optimizer and schedule, or resume from another checkpoint")
+        state, meta, _ = read_checkpoint(path)
+        missing = [k for k in ("counters", "rng", "optimizers") if k not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint '{path}' state.pt lacks {', '.join(missing)}, so it cannot resume "
+                                  f"exactly; set resume_weights_only=true to load its weights only")
+        model, optimizers = states["model"], states["optimizers"]
+        if self.sharded or (path / "sharded").exists():
+            from . import sharded
+
+            sharded.load(model, optimizers, path, print_fn)
+        else:
+            load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
+        try:
+            for k, opt in optimizers.items():
+                if k in state["optimizers"]:
+                    opt.load_state_dict(state["optimizers"][k])
+            for k, obj in states.items():
+                if k not in ("model", "optimizers") and k in state:
+                    obj.load_state_dict(state[k])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint '{path}' optimizer/scheduler state does not fit this run ({exc}); "
+                                  f"was it made with a different optimizer or model?") from None
+        self.last_step = int(state["counters"].get("global_step", meta.get("step", 0)))
+        return meta
+
+    # -- directories --------------------------------------------------------------------------------
+    def write(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
+              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
+        """Write checkpoint directory ``step`` atomically and make it ``latest``."""
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"{PREFIX}{step:08d}"
         tmp = self.dir / f".tmp-{name}-{os.getpid()}"
@@ -131,25 +191,22 @@ class CheckpointManager:
         if name in self.index["checkpoints"]:
             self.index["checkpoints"].remove(name)
         self.index["checkpoints"].append(name)
-        self._track_best(name, metrics or {})
         self._prune()
         write_json_atomic(self.index_path, self.index)
         return final
 
-    def _track_best(self, name: str, metrics: dict) -> None:
-        if not self.monitor or self.keep_best <= 0 or self.monitor not in metrics:
-            return
-        value = float(metrics[self.monitor])
-        if math.isnan(value):
+    def track_best(self, name: str, value: float, mode: str) -> None:
+        """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
+        if not self.writes or self.keep_best <= 0 or math.isnan(value):
             return
         best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]
-        best.sort(key=lambda b: b["value"], reverse=(self.mode == "max"))
+        best.sort(key=lambda b: b["value"], reverse=(mode == "max"))
         self.index["best"] = best[: self.keep_best]
         if self.index["best"] and self.index["best"][0]["name"] == name:
             _link(name, self.dir / "best")
-
-    def best_value(self) -> Optional[float]:
-        return self.index["best"][0]["value"] if self.index["best"] else None
+            fsync_dir(self.dir)
+        self._prune()
+        write_json_atomic(self.index_path, self.index)
 
     def _prune(self) -> None:
         keep = set(self.index["checkpoints"][-max(1, self.keep_last):])

@@ -16,18 +16,17 @@ to read and write the run directory (a shared file system when the ranks are on 
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .. import runtime
 from .io import CheckpointError, check_keys, load_weights_file
 
-if TYPE_CHECKING:  # the trainer layer sits above checkpoint; only its attributes are used here
-    from ..trainer import Trainer
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
 
 SHARDS = "sharded"
 
@@ -54,43 +53,38 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save(trainer: "Trainer", position: tuple[int, int], metrics: Optional[dict] = None,
-         final: bool = False) -> Optional[Path]:
+def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimizers: dict, others: dict,
+         config: Optional[dict], meta: dict, metrics: Optional[dict] = None) -> Optional[Path]:
     """Write a checkpoint from every rank; returns its directory (on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    model = runtime.unwrap(trainer.model)
-    weights = full_weights(model)                             # collective: gathers the full tensors on rank 0
-    shards = _sharded_state(model, trainer.optimizers)        # local: this rank's pieces
-    state = trainer._state(position)                          # collective (train metrics are summed over ranks)
-    state["optimizers"] = {}                                  # in sharded/, by parameter name
-    trainer._saved_step = trainer.global_step
-    if not trainer.is_main:
-        tmp = runtime.broadcast(None)                         # rank 0 names its temporary directory
+    weights = full_weights(model)                         # collective: gathers the full tensors on rank 0
+    shards = _sharded_state(model, optimizers)            # local: this rank's pieces
+    state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
+    state["optimizers"] = {}                              # in sharded/, by parameter name
+    if not manager.writes:
+        tmp = runtime.broadcast(None)                     # rank 0 names its temporary directory
         if tmp is None:
             raise CheckpointError("rank 0 failed to start writing the checkpoint; see its log")
         dcp.save(shards, checkpoint_id=str(Path(tmp) / SHARDS))
-        final_path = runtime.broadcast(None)                  # rank 0 renamed it into place
+        final_path = runtime.broadcast(None)              # rank 0 renamed it into place
         return Path(final_path) if final_path else None
 
     def write_shards(tmp: Path) -> None:
         runtime.broadcast(str(tmp))
-        dcp.save(shards, checkpoint_id=str(tmp / SHARDS))     # returns once every rank's file is written
+        dcp.save(shards, checkpoint_id=str(tmp / SHARDS))  # returns once every rank's file is written
 
-    meta = {"step": trainer.global_step, "epoch": position[0], "batch_in_epoch": position[1], "final": final,
-            "torch": torch.__version__, "world_size": trainer.world_size, "precision": trainer.precision.name,
-            "sharded": True, "strategy": "fsdp"}
+    meta = dict(meta, sharded=True, strategy="fsdp")
     path = None
     try:
-        path = trainer.ckpt.save(trainer.global_step, weights, state, _plain(dataclasses.asdict(trainer.cfg)), meta,
-                                 metrics=metrics, extra_writer=write_shards)
+        path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards)
     finally:
         runtime.broadcast(str(path) if path is not None else "")
     return path
 
 
-def load_model(trainer: "Trainer", path: Path) -> None:
-    """Load model and optimizer state of checkpoint ``path`` into the trainer, at any world size.
+def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print) -> None:
+    """Load model and optimizer state of checkpoint ``path``, at any world size.
 
     With ``sharded/`` (an FSDP checkpoint) every rank reads the pieces it needs through DCP, for an
     FSDP model as for a plain one. Without it (a checkpoint from a DDP or single-process run loaded
@@ -98,7 +92,6 @@ def load_model(trainer: "Trainer", path: Path) -> None:
     then comes from ``state.pt`` as usual.
     """
     dsd = _dsd()
-    model = runtime.unwrap(trainer.model)
     path = Path(path)
     if not (path / SHARDS).exists():
         full = load_weights_file(path)
@@ -113,11 +106,11 @@ def load_model(trainer: "Trainer", path: Path) -> None:
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
                               f"checkpoint, or its model.safetensors for the weights alone") from None
-    target = _sharded_state(model, trainer.optimizers)
+    target = _sharded_state(model, optimizers)
     _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path)
     missing_optim = [name for name in target["optim"] if not any(k.startswith(f"optim.{name}.") for k in saved)]
     for name in missing_optim:  # a different optimizer set-up: keep those fresh, say so
-        trainer.print(f"torchrig: checkpoint '{path}' has no state for optimizer '{name}'; it starts fresh")
+        print_fn(f"torchrig: checkpoint '{path}' has no state for optimizer '{name}'; it starts fresh")
         del target["optim"][name]
     try:
         with warnings.catch_warnings():  # one process loading shards is intended, not a mistake to warn about
@@ -128,7 +121,7 @@ def load_model(trainer: "Trainer", path: Path) -> None:
                               f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "
                               f"was it saved from a different model or optimizer?") from None
     dsd.set_model_state_dict(model, target["model"])
-    for name, opt in trainer.optimizers.items():
+    for name, opt in optimizers.items():
         if name in target["optim"]:
             dsd.set_optimizer_state_dict(model, opt, target["optim"][name])
 

@@ -114,6 +114,7 @@ class DistConfig:
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
     requeue: bool = False  # Slurm: `scontrol requeue` the job after a signal's checkpoint
+    stop_timeout: float = 10.0  # seconds without progress after a stop signal before exiting uncheckpointed
 
 
 @dataclass

@@ -66,3 +66,26 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, self._shard_size() - self.skip)
+
+
+def padding_batches(local_batches: int, device: torch.device) -> int:
+    """Extra forward passes this rank must make so that every rank makes as many as the busiest one.
+
+    Evaluation shards hold every sample once, so they differ by up to one batch between ranks. That
+    is harmless for DDP (evaluation calls the bare module), but every FSDP forward all-gathers the
+    parameters, and a rank with one batch less would leave the others waiting forever. Collective.
+    """
+    from .. import runtime
+
+    most = runtime.all_reduce_max(torch.tensor([local_batches], device=device))
+    return int(most.item()) - local_batches
+
+
+def unshard(parts: list, world_size: int) -> list:
+    """Per-rank evaluation shards back in data order (rank r holds samples r, r+W, r+2W …)."""
+    total = sum(len(p) for p in parts)
+    order: list = [None] * total
+    for r, part in enumerate(parts):
+        for j, item in enumerate(part):
+            order[r + j * world_size] = item
+    return order

@@ -10,7 +10,10 @@ ranks agree through one tiny all-reduce of a CPU integer per step on a gloo grou
 asynchronously at step k and read at step k+1: it never touches the accelerator, so it adds no
 device-to-host synchronisation, and it has a whole step to complete in the background.
 
-A second signal while the first is being handled exits at once (no checkpoint). DataLoader workers
+A second signal while the first is being handled exits at once (no checkpoint), and so does a process
+that makes no progress (no micro-batch, no evaluation batch) for ``stop_timeout`` seconds after the
+signal: a step stuck on a dead peer, which is how torchrun's SIGTERM finds the survivors when another
+worker failed, must not hold the launcher until its SIGKILL. DataLoader workers
 forked after :meth:`install` inherit the handler, which does nothing in a process other than the one
 that installed it, so a Ctrl-C sent to the whole process group cannot kill a worker under the loop.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -49,9 +54,11 @@ def signal_name(signum: int) -> str:
 class StopSignal:
     """Records SIGTERM / SIGINT / SIGUSR1 during ``fit`` and lets every rank agree on when to stop."""
 
-    def __init__(self, world_size: int = 1):
+    def __init__(self, world_size: int = 1, stop_timeout: float = 10.0):
         self.received = 0            # the first signal's number, 0 if none
         self.world_size = world_size
+        self.stop_timeout = stop_timeout
+        self.beat = time.perf_counter()  # the loop's last sign of progress (set per micro-batch)
         self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
         self._group: Any = None
@@ -62,8 +69,6 @@ class StopSignal:
     # -- handlers ----------------------------------------------------------------------------
     def install(self) -> "StopSignal":
         """Install the handlers (main thread only; elsewhere signals keep their old behaviour)."""
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return self
         for name in HANDLED:
@@ -76,7 +81,10 @@ class StopSignal:
         return self
 
     def uninstall(self) -> None:
-        self.settle()
+        try:
+            self.settle()
+        except Exception:  # a failed group (a peer died): the error that ended the loop is already on its way
+            pass
         for num, previous in self._previous.items():
             try:
                 signal.signal(num, previous if previous is not None else signal.SIG_DFL)
@@ -95,6 +103,19 @@ class StopSignal:
         sys.stderr.write(f"\ntorchrig: {signal_name(signum)} received; stopping after the current optimizer "
                          f"step with a checkpoint (send it again to exit at once)\n")
         sys.stderr.flush()
+        threading.Thread(target=self._watch, args=(signum,), daemon=True, name="torchrig-stop-watch").start()
+
+    def _watch(self, signum: int) -> None:
+        """Exit at once if the loop stops making progress before the ranks agree to stop."""
+        self.beat = max(self.beat, time.perf_counter())
+        while not self._agreed and self._previous:
+            idle = time.perf_counter() - self.beat
+            if idle > self.stop_timeout:
+                sys.stderr.write(f"torchrig: no progress for {idle:.0f}s after {signal_name(signum)} (a step, or a "
+                                 f"peer, is stuck); exiting without a checkpoint (dist.stop_timeout)\n")
+                sys.stderr.flush()
+                os._exit(128 + signum)
+            time.sleep(0.2)
 
     # -- agreement ---------------------------------------------------------------------------
     def check(self) -> int:
@@ -105,12 +126,13 @@ class StopSignal:
         all-reduce result, so all of them stop after the same step).
         """
         if self.world_size == 1:
+            self._agreed = self.received
             return self.received
         if self._agreed:
             return self._agreed
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            pending.wait()
             self._agreed = int(self._flag.item())  # a CPU tensor: no device synchronisation
             if self._agreed:
                 return self._agreed
@@ -121,6 +143,7 @@ class StopSignal:
     def check_now(self) -> int:
         """A blocking agreement (at epoch ends and the end of the loop): every rank must call it."""
         if self.world_size == 1:
+            self._agreed = self.received
             return self.received
         self.settle()
         if not self._agreed:
@@ -132,8 +155,8 @@ class StopSignal:
     def settle(self) -> None:
         """Wait for an all-reduce still in flight (before leaving the loop, so none is left behind)."""
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            pending.wait()
             self._agreed = self._agreed or int(self._flag.item())
 
 

@@ -55,12 +55,14 @@ class RunLogger:
                                            "pip install tensorboard or set log.tensorboard=false") from None
 
     # -- records -----------------------------------------------------------------------------
-    def log(self, step: int, values: dict, epoch: Optional[int] = None) -> None:
+    def log(self, step: int, values: dict, epoch: Optional[int] = None, kind: Optional[str] = None) -> None:
         if not self.enabled:
             return
-        row = {"step": step}
+        row: dict[str, Any] = {"step": step}
         if epoch is not None:
             row["epoch"] = epoch
+        if kind is not None:
+            row["kind"] = kind  # "interval" or "epoch"
         row.update({k: v for k, v in values.items() if v is not None})
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row, default=float) + "\n")

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .state import TrainState
+
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
 
 
@@ -75,12 +77,19 @@ def batch_size_of(batch: Any) -> int:
 
 
 class Step:
-    """What a step function sees. One object per ``fit``; the loop updates its counters."""
+    """What a step function sees, and the owner of each optimizer step's bookkeeping.
+
+    One object per ``fit``. The loop calls :meth:`begin_window` before the first micro-batch of an
+    accumulation window (the micro-batches of one optimizer step), the step function for each
+    micro-batch, and :meth:`end_window` after the last: GradScaler update, skip counting, the step
+    counter and per-step schedulers live there, in one place.
+    """
 
     def __init__(self, *, model: nn.Module, models: dict, optimizers: dict, loss_fn: Optional[Callable],
                  precision: Any, device: torch.device, clip_grad_norm: Optional[float] = None,
                  clip_norm_type: float = 2.0, clip_grad_value: Optional[float] = None,
-                 on_nonfinite: str = "error", metrics: Optional[list] = None):
+                 on_nonfinite: str = "error", metrics: Optional[list] = None, state: Optional[TrainState] = None,
+                 schedulers: Optional[dict] = None, scheduler_interval: str = "step"):
         self.model = model              # what to call (DDP / FSDP wrapped); the user's module otherwise
         self.models = models            # name -> wrapped sub-model, for nn.ModuleDict models (GANs)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
@@ -92,9 +101,11 @@ class Step:
         self.clip_grad_value = clip_grad_value
         self.on_nonfinite = on_nonfinite
         self.metrics = metrics or []
-        # counters, set by the loop
+        self.state = state if state is not None else TrainState()
+        self.schedulers = schedulers or {}
+        self.per_step_schedulers = list(self.schedulers.values()) if scheduler_interval == "step" else []
+        # where the loop is
         self.epoch = 0
-        self.global_step = 0           # optimizer steps done
         self.batch_index = 0           # micro-batch index in the epoch
         self.window_size = 1           # micro-batches in the current accumulation window
         self.sync_gradients = True     # True on the last micro-batch of a window
@@ -103,7 +114,38 @@ class Step:
         self.want_grad_norm = False     # set by the loop on log steps
         self.stepped = False
         self._nonfinite: Optional[torch.Tensor] = None
-        self._losses: list = []
+        self._buffers: list = []
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.global_step
+
+    # -- the accumulation window -----------------------------------------------------------------
+    def begin_window(self, size: int) -> None:
+        """Before the first of the ``size`` micro-batches of one optimizer step."""
+        self.window_size = size
+        self._nonfinite = None
+        self.grad_norm = None
+        self.stepped = False
+        if self.on_nonfinite == "skip":  # a skipped window must not leave NaN in BatchNorm running stats
+            self._buffers = [b.detach().clone() for b in self.model.buffers()]
+
+    def end_window(self) -> bool:
+        """After the window's last micro-batch: count the optimizer step (or the skip); True if taken."""
+        scaler = self.precision.scaler
+        if scaler is not None and self.stepped:
+            before = scaler.get_scale()
+            scaler.update()
+            if scaler.get_scale() < before:
+                self.state.skipped_steps += 1  # fp16 overflow: GradScaler skipped this step
+        if not self.stepped:  # a non-finite window skipped (one count, however many optimizers)
+            self.state.skipped_steps += 1
+            return False
+        self.state.global_step += 1
+        for sch in self.per_step_schedulers:
+            sch.step()
+        return True
 
     # -- the primitives ----------------------------------------------------------------------
     @property
@@ -197,16 +239,9 @@ class Step:
         for m in self.metrics:
             m.update(out, target)
 
-    def _begin_window(self) -> None:
-        self._nonfinite = None
-        self.grad_norm = None
-        self.stepped = False
-        if self.on_nonfinite == "skip":  # a skipped window must not leave NaN in BatchNorm running stats
-            self._buffers = [b.detach().clone() for b in self.model.buffers()]
-
     @torch.no_grad()
     def _restore_buffers(self) -> None:
-        for b, saved in zip(self.model.buffers(), getattr(self, "_buffers", [])):
+        for b, saved in zip(self.model.buffers(), self._buffers):
             b.copy_(saved)
 
 

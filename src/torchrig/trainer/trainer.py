@@ -1,9 +1,11 @@
 """``Trainer``: fit / evaluate / predict for a plain ``nn.Module``.
 
 Reading order: ``__init__`` sets up the runtime (device, threads, seed, process group, precision,
-wrapping), ``fit`` prepares data, schedules and resume state, and ``_run_epoch`` is the loop: fetch
-a batch, run the step function, and at the end of each accumulation window do the bookkeeping
-(schedule, log, checkpoint). The step itself is ``step.default_step``.
+wrapping); ``fit`` runs named phases: prepare the data, build the schedules, set up the run (metrics,
+step, callbacks, checkpoints, logs), restore a checkpoint, loop over epochs, finish. ``_run_epoch``
+is the loop: fetch a batch, run the step function, and at the end of each accumulation window let
+the step count the optimizer step, then log and maybe checkpoint. The step itself is
+``step.default_step``; a checkpoint is the ``{name: Stateful}`` mapping of ``_states``.
 """
 
 from __future__ import annotations
@@ -15,52 +17,23 @@ import functools
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from .. import config as C
 from .. import runtime
-from ..checkpoint import CheckpointError, CheckpointManager, load_into, load_weights_file, read_checkpoint, resolve
-from ..data import prepare_eval, prepare_train, to_device
-from ..metrics import MeanValue, Metric, get_metric, higher_is_better
-from . import registry
+from ..checkpoint import CheckpointError, CheckpointManager, load_into, load_weights_file, resolve
+from ..data import prepare_train, to_device
+from ..metrics import Metric, get_metric
+from . import build, inference, registry
+from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
+from .logger import MetricsLogger
+from .options import resolve_options
 from .progress import RunLogger
-from .step import NonFiniteLossError, Step, batch_size_of, call_model, default_eval_step, default_step, split_batch
-
-# Trainer keyword -> config key, for the keywords that are not top-level config keys.
-KWARG_KEYS = {
-    "lr": "optim.lr", "weight_decay": "optim.weight_decay", "momentum": "optim.momentum",
-    "nesterov": "optim.nesterov", "betas": "optim.betas", "group_lr": "optim.group_lr",
-    "batch_size": "data.batch_size", "eval_batch_size": "data.eval_batch_size",
-    "num_workers": "data.num_workers", "pin_memory": "data.pin_memory", "shuffle": "data.shuffle",
-    "drop_last": "data.drop_last", "fast_path": "data.fast_path",
-    "checkpoint_every": "checkpoint.every_steps", "checkpoint_every_epochs": "checkpoint.every_epochs",
-    "keep_last": "checkpoint.keep_last", "keep_best": "checkpoint.keep_best", "monitor": "checkpoint.monitor",
-    "monitor_mode": "checkpoint.mode", "log_every": "log.every_steps", "progress": "log.progress",
-    "tensorboard": "log.tensorboard", "plot": "log.plot", "strategy": "dist.strategy",
-    "sync_batchnorm": "dist.sync_batchnorm", "backend": "dist.backend", "init_method": "dist.init_method",
-    "rank": "dist.rank", "world_size": "dist.world_size", "dist_timeout": "dist.timeout",
-    "find_unused_parameters": "dist.find_unused_parameters", "static_graph": "dist.static_graph",
-    "bucket_cap_mb": "dist.bucket_cap_mb", "fsdp_wrap": "dist.fsdp_wrap", "warmup_steps": "scheduler.warmup_steps",
-    "scheduler_interval": "scheduler.interval", "channels_last": "model.channels_last", "compile": "model.compile",
-}
-
-
-def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
-    top = {f.name for f in dataclasses.fields(cfg)}
-    for key, value in kwargs.items():
-        dotted = KWARG_KEYS.get(key, key)
-        if dotted not in top and dotted == key:
-            import difflib
-
-            options = sorted(top | set(KWARG_KEYS))
-            close = difflib.get_close_matches(key, options, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise TypeError(f"Trainer got an unexpected keyword argument '{key}'{hint}")
-        C._set_path(cfg, dotted, value if not isinstance(value, str) else value)
-    C.validate(cfg)
+from .state import Group, MetricStates, RNGState, ScalerState, TrainState
+from .step import NonFiniteLossError, Step, batch_size_of, default_step
 
 
 def _explain_collective_errors(method: Callable) -> Callable:
@@ -79,6 +52,18 @@ def _explain_collective_errors(method: Callable) -> Callable:
     return wrapper
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What one ``fit`` call will do."""
+
+    batches: Any
+    epoch_len: int        # micro-batches per epoch (on this rank)
+    steps_per_epoch: int  # optimizer steps per epoch
+    total_steps: int      # the global step at which this fit ends
+    val_data: Any = None
+    start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from
+
+
 class Trainer:
     """Train, evaluate and predict with the user's model, data and optimizer, unchanged.
 
@@ -86,55 +71,49 @@ class Trainer:
     keyword is a config key (see ``torchrig.config.Config``) or a short alias (``lr``,
     ``batch_size``, ``strategy`` …). ``step_fn(step, batch) -> dict`` replaces the training step for
     models that are not "one loss, one optimizer"; ``eval_fn`` and ``predict_fn`` likewise.
+    ``callbacks`` are plain objects with any of the hooks listed in ``torchrig.trainer.callbacks``.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any = None, *, loss: Any = None, metrics: Any = None,
-                 scheduler: Any = None, step_fn: Optional[Callable] = None, eval_fn: Optional[Callable] = None,
-                 predict_fn: Optional[Callable] = None, config: Optional[C.Config] = None, **kwargs: Any):
+                 scheduler: Any = None, callbacks: Optional[list] = None, step_fn: Optional[Callable] = None,
+                 eval_fn: Optional[Callable] = None, predict_fn: Optional[Callable] = None,
+                 config: Optional[C.Config] = None, **kwargs: Any):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs an nn.Module, got {type(model).__name__}")
-        cfg = copy.deepcopy(config) if config is not None else C.Config()
-        objects: dict[str, Any] = {}
-        for key, value in (("optimizer", optimizer), ("loss", loss), ("scheduler", scheduler), ("metrics", metrics)):
-            if value is None:
-                continue
-            if key == "optimizer" and isinstance(value, str):
-                kwargs["optim.name"] = value
-            elif key == "loss" and isinstance(value, str):
-                kwargs["loss"] = value
-            elif key == "scheduler" and (isinstance(value, str)):
-                kwargs["scheduler.name"] = value
-            elif key == "metrics" and isinstance(value, (list, tuple)) and all(isinstance(m, str) for m in value):
-                kwargs["metrics"] = list(value)
-            else:
-                objects[key] = value
-        dotted = {k: kwargs.pop(k) for k in list(kwargs) if "." in k}
-        _apply_kwargs(cfg, kwargs)
-        for k, v in dotted.items():
-            C._set_path(cfg, k, v)
-        self.cfg = C.validate(cfg)
+        given = {"optimizer": optimizer, "loss": loss, "scheduler": scheduler, "metrics": metrics}
+        self.cfg, self._objects = resolve_options(config, given, kwargs)
         self.model = model
         self.step_fn = step_fn or default_step
-        self.eval_fn = eval_fn
-        self.predict_fn = predict_fn
-        self._objects = objects
+        self.eval_fn, self.predict_fn = eval_fn, predict_fn
+        self.callbacks = Callbacks(callbacks)
+        self._run_callbacks = self.callbacks  # with early stopping and best-checkpoint tracking during fit
+        self.state = TrainState()
+        self.history: list[dict] = []
+        self.schedulers: dict[str, Any] = {}
+        self.sched_interval = "step"
+        self.train_metrics: list[Metric] = []
+        self.step: Optional[Step] = None
+        self.monitor = Monitor(None)
+        self.early_stopping = EarlyStopping(self.monitor, None)
+        self.checkpoints: Optional[CheckpointManager] = None
+        self.metrics_log: Optional[MetricsLogger] = None
+        self.resumed_from: Optional[Path] = None
+        self.plots: list = []
+        self._signals = runtime.StopSignal()
         self._owns_group = False
         try:
             self._setup_runtime()
-            self._setup_model_and_optim()
-            self.loss_fn = registry.build_loss(objects.get("loss", cfg.loss), cfg.label_smoothing)
+            self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
+                                                          self.precision.dtype)
+            self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
+                                                     self.strategy, self.device)
+            self.loss_fn = registry.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
             raise
-        self.history: list[dict] = []
-        self.global_step = 0
-        self.epoch = 0
-        self.skipped_steps = 0
 
-    # ------------------------------------------------------------------------------ setup
     def _setup_runtime(self) -> None:
-        cfg = self.cfg
-        d = cfg.dist
+        cfg, d = self.cfg, self.cfg.dist
         self.dist_info = runtime.detect(d.init_method, d.rank, d.world_size)
         self.device = runtime.select_device(cfg.device, self.dist_info.local_rank)
         self._owns_group = runtime.init_process_group(self.dist_info, self.device, d.backend, d.init_method, d.timeout)
@@ -146,59 +125,14 @@ class Trainer:
         runtime.seed_everything(cfg.seed)
         self.precision = runtime.make_precision(cfg.precision, self.device)
         self.strategy = runtime.resolve_strategy(d.strategy, self.world_size, self.device)
-
-    def _setup_model_and_optim(self) -> None:
-        cfg = self.cfg
-        model = self.model.to(self.device)
-        if cfg.model.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        dtype = self.precision.dtype
-        if isinstance(model, nn.ModuleDict) and self.strategy in ("ddp", "fsdp", "dp"):
-            # Several networks (a GAN): wrap each so that each forward does its own gradient sync.
-            self.models = {k: runtime.wrap_model(m, self.strategy, self.device, cfg.dist, dtype) for k, m in model.items()}
-            self.wrapped = model
-        else:
-            self.wrapped = runtime.wrap_model(model, self.strategy, self.device, cfg.dist, dtype)
-            self.models = dict(model.items()) if isinstance(model, nn.ModuleDict) else {}
-        if cfg.model.compile:
-            self.wrapped = torch.compile(self.wrapped)
-        self.optimizers = self._build_optimizers(self._objects.get("optimizer"))
-
-    def _build_optimizers(self, spec: Any) -> dict[str, torch.optim.Optimizer]:
-        cfg, o = self.cfg, self.cfg.optim
-        base = runtime.unwrap(self.model)
-
-        def by_name(name: str, module: nn.Module) -> torch.optim.Optimizer:
-            return registry.build_optimizer(name, module, o.lr, weight_decay=o.weight_decay, momentum=o.momentum,
-                                            nesterov=o.nesterov, betas=o.betas, eps=o.eps, group_lr=o.group_lr,
-                                            device=self.device, options=o.options)
-
-        def one(key: str, value: Any) -> torch.optim.Optimizer:
-            module = base[key] if isinstance(base, nn.ModuleDict) and key in base else base
-            if isinstance(value, str):
-                return by_name(value, module)
-            if isinstance(value, torch.optim.Optimizer):
-                if self.strategy == "fsdp":
-                    raise runtime.RuntimeSetupError(
-                        "strategy 'fsdp' replaces the parameters with sharded ones, so an optimizer built before "
-                        "the Trainer cannot be used; pass the optimizer by name or as a factory "
-                        "(a callable taking the parameters)")
-                return value
-            if callable(value):
-                return value(module.parameters())
-            raise TypeError(f"optimizer {key!r} must be a name, a torch.optim.Optimizer or a callable(params), "
-                            f"got {type(value).__name__}")
-
-        if spec is None:
-            return {"default": by_name(cfg.optim.name, base)}
-        if isinstance(spec, dict):
-            return {k: one(k, v) for k, v in spec.items()}
-        return {"default": one("default", spec)}
+        self.state.world_size = self.world_size
 
     # ------------------------------------------------------------------------------ helpers
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run_dir)
+    run_dir = property(lambda self: Path(self.cfg.run_dir))
+    global_step = property(lambda self: self.state.global_step, doc="optimizer steps taken")
+    skipped_steps = property(lambda self: self.state.skipped_steps, doc="windows not applied (non-finite / overflow)")
+    epoch = property(lambda self: self.state.epoch, doc="0-based epoch of the next micro-batch")
+    logger = property(lambda self: self.metrics_log.out if self.metrics_log else None)
 
     def _loader_kwargs(self, eval_: bool = False) -> dict:
         d = self.cfg.data
@@ -214,7 +148,8 @@ class Trainer:
         return Step(model=self.wrapped, models=self.models, optimizers=self.optimizers, loss_fn=self.loss_fn,
                     precision=self.precision, device=self.device, clip_grad_norm=c.clip_grad_norm,
                     clip_norm_type=c.clip_norm_type, clip_grad_value=c.clip_grad_value,
-                    on_nonfinite=c.on_nonfinite, metrics=metrics)
+                    on_nonfinite=c.on_nonfinite, metrics=metrics, state=self.state, schedulers=self.schedulers,
+                    scheduler_interval=self.sched_interval)
 
     def _metric_objects(self) -> list[Metric]:
         specs = self._objects.get("metrics", self.cfg.metrics)
@@ -235,8 +170,8 @@ class Trainer:
 
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
-        if getattr(self, "logger", None) is not None:
-            self.logger.print(text)
+        if self.metrics_log is not None and self.metrics_log.out.enabled:
+            self.metrics_log.out.print(text)
         elif self.is_main:
             print(text, flush=True)
 
@@ -244,6 +179,24 @@ class Trainer:
     @_explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
+        plan = self._prepare_data(train_data, val_data)
+        self._build_schedules(plan)
+        self._set_up_run(val_data)
+        if self._restore(plan):
+            return {}
+        self.callbacks.call("on_fit_start", self)
+        try:
+            val_metrics, stopped = self._loop(plan)
+        except BaseException as exc:
+            self.callbacks.call("on_exception", self, exc)
+            raise
+        finally:
+            self._signals.uninstall()
+            self.metrics_log.out.close()
+        self._finish(stopped)
+        return val_metrics
+
+    def _prepare_data(self, train_data: Any, val_data: Any) -> _Plan:
         cfg = self.cfg
         batches = prepare_train(train_data, **self._loader_kwargs())
         batches.set_epoch(0)
@@ -251,100 +204,97 @@ class Trainer:
         if epoch_len == 0:
             raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
                              f"drop_last={cfg.data.drop_last}); lower data.batch_size")
-        A = cfg.accumulate
-        steps_per_epoch = math.ceil(epoch_len / A)
-        total_steps = cfg.epochs * steps_per_epoch
+        steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
+        total = cfg.epochs * steps_per_epoch
         if cfg.max_steps is not None:
-            total_steps = min(total_steps, cfg.max_steps)
-        s = cfg.scheduler
-        self.schedulers: dict[str, Any] = {}
-        self.sched_interval = s.interval or "step"
-        user_sched = self._objects.get("scheduler")
-        if user_sched is not None:
-            self.schedulers = user_sched if isinstance(user_sched, dict) else {"default": user_sched}
-        else:
-            for k, opt in self.optimizers.items():
-                sch, self.sched_interval = registry.build_scheduler(
-                    s.name, opt, interval=s.interval, total_steps=total_steps, epochs=cfg.epochs,
-                    step_size=s.step_size, gamma=s.gamma, milestones=s.milestones, warmup_steps=s.warmup_steps,
-                    min_lr=s.min_lr, max_lr=s.max_lr, pct_start=s.pct_start)
-                if sch is not None:
-                    self.schedulers[k] = sch
-        total_steps += self.global_step  # a second fit() of this Trainer trains as long again
-        self._stop_position = None
-        self.resumed_from: Optional[Path] = None
+            total = min(total, cfg.max_steps)
+        return _Plan(batches, epoch_len, steps_per_epoch, total, val_data)
+
+    def _build_schedules(self, plan: _Plan) -> None:
+        self.schedulers, self.sched_interval = build.build_schedulers(
+            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
+        plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+
+    def _set_up_run(self, val_data: Any) -> None:
+        """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
+        cfg = self.cfg
         self.train_metrics = self._metric_objects()
         self.step = self._make_step(self.train_metrics)
-        monitor = cfg.checkpoint.monitor
-        if monitor is None and val_data is not None:
-            first = self.train_metrics[0].name if self.train_metrics else "loss"
-            monitor = f"val/{first}"
-        mode = cfg.checkpoint.mode or ("max" if monitor and higher_is_better(monitor) else "min")
-        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best, monitor, mode) \
-            if self.is_main or self.strategy == "fsdp" else None
-        self._monitor, self._mode = monitor, mode
-        self._best, self._bad_epochs = None, 0
-        start_epoch, start_batch = 0, 0
-        self._restored_window: Optional[dict] = None
+        name = cfg.checkpoint.monitor
+        if name is None and val_data is not None:
+            name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
+        self.monitor = Monitor(name, cfg.checkpoint.mode)
+        self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
+        best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
+        self._run_callbacks = Callbacks([self.early_stopping, best, *self.callbacks.items])
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best,
+                                             writes=self.is_main, sharded=self.strategy == "fsdp")
+        self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
+                                         self.world_size, self.device)
+        self.resumed_from = None
+
+    def _restore(self, plan: _Plan) -> bool:
+        """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
+        cfg = self.cfg
         resume = cfg.resume
         restarts = runtime.restart_count()
         if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
             resume = "latest"
         if resume:
-            start_epoch, start_batch = self._resume(resume)
+            plan.start = self._resume(resume)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.ckpt is not None and self.is_main:
-            self.ckpt.clean_partial()
-        if self.resumed_from is not None and (self.global_step >= total_steps or start_epoch >= cfg.epochs
-                                              or self._should_stop()):
+        if self.is_main:
+            self.checkpoints.clean_partial()
+        if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
+                                              or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
                        f"({self.resumed_from.name}); nothing to train. To train further, raise epochs or "
                        f"max_steps, or start a new run")
-            return {}
-        self.logger = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
-                                tensorboard=cfg.log.tensorboard)
-        global_batch = cfg.data.batch_size * self.world_size * A
+            return True
+        self.metrics_log.out = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
+                                         tensorboard=cfg.log.tensorboard)
+        A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
-                   f"{A} accumulation = {global_batch} global · {steps_per_epoch} steps/epoch"
+                   f"{A} accumulation = {cfg.data.batch_size * self.world_size * A} global · "
+                   f"{plan.steps_per_epoch} steps/epoch"
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
+        self._signals = runtime.StopSignal(self.world_size, cfg.dist.stop_timeout).install()
+        return False
+
+    def _loop(self, plan: _Plan) -> tuple[dict, str]:
+        """Epochs until the end, ``max_steps``, early stop or a signal; returns (last val metrics, why stopped)."""
         val_metrics: dict = {}
-        stopped = ""
-        self._signals = runtime.StopSignal(self.world_size).install()
-        try:
-            for epoch in range(start_epoch, cfg.epochs):
-                self.epoch = epoch
-                batches.set_epoch(epoch)
-                skip = start_batch if epoch == start_epoch else 0
-                if skip:
-                    batches.skip_batches(skip)
-                else:
-                    for m in self.train_metrics:
-                        m.reset()
-                self._window = _Window.restore(self._restored_window if skip else None)
-                stopped = self._run_epoch(batches, epoch, epoch_len, skip, total_steps)
-                if stopped:  # max_steps reached mid-epoch, or a signal
-                    break
-                val_metrics = self._end_epoch(epoch, val_data)
-                if self._should_stop():
-                    stopped = "early_stop"
-                    break
-                if self._signals.check_now():
-                    stopped = "signal"
-                    break
-                if self.global_step >= total_steps:
-                    break
-            if stopped != "signal" and self._signals.check_now():
-                stopped = "signal"
-            if stopped == "signal":
-                self._stop_by_signal()
-            if cfg.checkpoint.save_final:
-                self._save(final=True, metrics=val_metrics)
-        finally:
-            self._signals.uninstall()
-            self.logger.close()
-        if self.is_main and cfg.log.plot and self.run_dir is not None:
+        start_epoch, start_batch = plan.start
+        for epoch in range(start_epoch, self.cfg.epochs):
+            skip = start_batch if epoch == start_epoch else 0
+            plan.batches.set_epoch(epoch)
+            if skip:
+                plan.batches.skip_batches(skip)
+            else:
+                for m in self.train_metrics:
+                    m.reset()
+            self.metrics_log.start_epoch(resumed=bool(skip))
+            stopped = self._run_epoch(plan, epoch, skip)
+            if stopped:  # max_steps reached mid-epoch, or a signal
+                return val_metrics, stopped
+            val_metrics = self._end_epoch(epoch, plan.val_data)
+            if self.early_stopping.should_stop:
+                return val_metrics, "early_stop"
+            if self._signals.check_now():
+                return val_metrics, "signal"
+            if self.global_step >= plan.total_steps:
+                break
+        return val_metrics, "signal" if self._signals.check_now() else ""
+
+    def _finish(self, stopped: str) -> None:
+        """The signal's exit, or the final checkpoint, the end-of-run plot and the callbacks' end."""
+        if stopped == "signal":
+            self._stop_by_signal()
+        if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.global_step:
+            self._save(final=True)
+        if self.is_main and self.cfg.log.plot:
             try:
                 from .plot import plot_run
 
@@ -352,87 +302,77 @@ class Trainer:
             except Exception as exc:  # plotting is a convenience: never fail a finished run on it
                 self.print(f"torchrig: no plots written ({exc})")
         if stopped == "early_stop":
-            self.print(f"torchrig: early stop after epoch {self.epoch + 1} ({self._monitor} did not improve "
-                       f"for {cfg.early_stop_patience} epochs)")
-        return val_metrics
+            self.print(f"torchrig: early stop after epoch {self.epoch} ({self.monitor.name} did not improve "
+                       f"for {self.cfg.early_stop_patience} epochs)")
+        self._run_callbacks.call("on_fit_end", self)
 
-    def _run_epoch(self, batches, epoch: int, epoch_len: int, start: int, total_steps: int) -> str:
+    def _run_epoch(self, plan: _Plan, epoch: int, start: int) -> str:
         """One epoch from micro-batch ``start``; returns why it stopped early ("max_steps", "signal") or ""."""
-        cfg, step, logger = self.cfg, self.step, self.logger
-        A, log_every, device = cfg.accumulate, cfg.log.every_steps, self.device
+        cfg, step, log, out = self.cfg, self.step, self.metrics_log, self.metrics_log.out
+        A, device, epoch_len = cfg.accumulate, self.device, plan.epoch_len
         ckpt_every = cfg.checkpoint.every_steps
-        scaler = self.precision.scaler
+        on_step_end = self._run_callbacks.hooks["on_step_end"]
         self.wrapped.train()
         for m in self.models.values():
             m.train()
-        logger.start_epoch(epoch, cfg.epochs, epoch_len, initial=start)
-        acc = self._window
-        it = iter(batches)
+        out.start_epoch(epoch, cfg.epochs, epoch_len, initial=start)
+        it = iter(plan.batches)
         i = start
-        t_last = time.perf_counter()
+        self.state.epoch, self.state.batch_in_epoch = epoch, i
         while i < epoch_len:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
             except StopIteration:
                 break
-            acc.wait += time.perf_counter() - t0
+            now = time.perf_counter()
+            log.wait += now - t0
+            self._signals.beat = now  # progress, for a stop signal's watchdog
             batch = to_device(batch, device)
             w_start = (i // A) * A
-            step.window_size = min(A, epoch_len - w_start)
+            if i == w_start:
+                step.begin_window(min(A, epoch_len - w_start))
+                step.want_grad_norm = log.should_log(self.global_step + 1)
             step.sync_gradients = i == w_start + step.window_size - 1
             step.epoch, step.batch_index = epoch, i
-            if i == w_start:
-                step._begin_window()
-                step.want_grad_norm = log_every > 0 and (self.global_step + 1) % log_every == 0
             with self._no_sync(not step.sync_gradients):
-                out = self.step_fn(step, batch)
-            acc.add(out, batch_size_of(batch))
+                values = self.step_fn(step, batch)
+            log.record(values, batch_size_of(batch))
             i += 1
-            logger.advance()
-            if not step.sync_gradients:
+            self.state.batch_in_epoch = i
+            out.advance()
+            if not step.sync_gradients or not step.end_window():
                 continue
-            if scaler is not None and step.stepped:
-                before = scaler.get_scale()
-                scaler.update()
-                if scaler.get_scale() < before:
-                    self.skipped_steps += 1  # fp16 overflow: GradScaler skipped this step
-            if not step.stepped:  # a non-finite window skipped (one count, however many optimizers)
-                self.skipped_steps += 1
-                continue
-            self.global_step += 1
-            step.global_step = self.global_step
-            if self.sched_interval == "step":
-                for sch in self.schedulers.values():
-                    sch.step()
-            if log_every and self.global_step % log_every == 0:
-                now = time.perf_counter()
-                values = acc.flush(now - t_last, self.world_size, self.device)
-                values.update({f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states})
-                values["lr"] = self._lr()
-                if step.grad_norm is not None:
-                    values["grad_norm"] = float(step.grad_norm)
-                if self.skipped_steps:
-                    values["skipped_steps"] = self.skipped_steps
-                t_last = now
-                logger.log(self.global_step, values, epoch=epoch + 1)  # 1-based, as printed
-                logger.progress(i, values)
+            for fn in on_step_end:
+                fn(self, values)
+            if log.should_log(self.global_step):
+                self._log_interval(epoch, i)
             if ckpt_every and self.global_step % ckpt_every == 0:
-                self._save(position=(epoch, i))
+                self._save()
             signalled = self._signals.check()
-            if self.global_step >= total_steps or signalled:
-                self._stop_position = (epoch, i)
-                logger.end_epoch()
-                if signalled:
-                    return "signal"
-                return "" if i >= epoch_len else "max_steps"
-        logger.end_epoch()
+            if self.global_step >= plan.total_steps or signalled:
+                out.end_epoch()
+                return "signal" if signalled else ("" if i >= epoch_len else "max_steps")
+        out.end_epoch()
         return ""
+
+    def _log_interval(self, epoch: int, batch: int) -> None:
+        extra = {f"train/{m.name}": m.compute() for m in MetricStates(self.train_metrics, self.rank,
+                                                                      self.world_size).synced() if m.states}
+        extra["lr"] = self._lr()
+        if self.step.grad_norm is not None:
+            extra["grad_norm"] = float(self.step.grad_norm)
+        if self.skipped_steps:
+            extra["skipped_steps"] = self.skipped_steps
+        values = self.metrics_log.flush(self.global_step, epoch + 1, extra)  # epochs 1-based, as printed
+        self.metrics_log.out.progress(batch, values)
+        self._run_callbacks.call("on_log", self, values, "interval")
 
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
-        row = self._window.epoch_means(self.world_size, self.device) if getattr(self, "_window", None) else {}
-        row.update({f"train/{m.name}": m.compute() for m in self._synced(self.train_metrics) if m.states})
+        row = self.metrics_log.epoch_means()
+        synced = MetricStates(self.train_metrics, self.rank, self.world_size).synced()
+        row.update({f"train/{m.name}": m.compute() for m in synced if m.states})
         val_metrics: dict = {}
         if val_data is not None and (epoch + 1) % max(1, cfg.eval_every_epochs) == 0:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
@@ -441,29 +381,21 @@ class Trainer:
             for sch in self.schedulers.values():
                 sch.step()
         row["lr"] = self._lr()
+        self.state.epoch, self.state.batch_in_epoch = epoch + 1, 0
         self.history.append(dict(row, epoch=epoch + 1, step=self.global_step))
-        self.logger.log(self.global_step, row, epoch=epoch + 1)
+        self.metrics_log.log_epoch(self.global_step, epoch + 1, row)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, float))
         self.print(f"epoch {epoch + 1}/{cfg.epochs} · step {self.global_step} · {shown}")
-        if self._monitor and self._monitor in row:
-            value = row[self._monitor]
-            better = self._best is None or (value > self._best if self._mode == "max" else value < self._best)
-            if better:
-                self._best, self._bad_epochs = value, 0
-            else:
-                self._bad_epochs += 1
+        self._run_callbacks.call("on_log", self, row, "epoch")
         if cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0:
-            self._save(position=(epoch + 1, 0), metrics=row)
-        if cfg.checkpoint.monitor and val_metrics and self._monitor not in row:  # a typo would keep no best
-            raise C.ConfigError(f"config key 'checkpoint.monitor': {self._monitor!r} is not a logged value; choose "
-                                f"one of {', '.join(k for k in row if k != 'lr')} (the run is saved: resume=latest)")
+            self._save(metrics=row)
         return val_metrics
 
     def _stop_by_signal(self) -> None:
         """Save where the loop stopped, say how to continue, requeue on Slurm, and exit 128 + signal."""
         signum = self._signals.check_now()
-        if self._last_saved_step() != self.global_step:
-            self._save(position=self._stop_position or (self.epoch + 1, 0))
+        if self.checkpoints.last_step != self.global_step:
+            self._save()
         name = runtime.signal_name(signum)
         where = self.run_dir / "checkpoints" / f"step-{self.global_step:08d}"
         message = (f"stopped by {name} at step {self.global_step}; checkpoint {where}; "
@@ -475,58 +407,31 @@ class Trainer:
                 self.print(line)
         raise runtime.RunStopped(signum, self.global_step, message)
 
-    def _should_stop(self) -> bool:
-        p = self.cfg.early_stop_patience
-        return bool(p) and self._bad_epochs >= p
-
     # ------------------------------------------------------------------------------ checkpoints
-    def _state(self, position: tuple[int, int]) -> dict:
+    def _states(self) -> dict[str, Any]:
+        """Everything a checkpoint holds, as Stateful objects (the model and optimizers first)."""
         return {
-            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
-            "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
-            "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
-            "counters": {"global_step": self.global_step, "epoch": position[0], "batch_in_epoch": position[1],
-                         "skipped_steps": self.skipped_steps, "world_size": self.world_size},
-            "tracker": {"best": self._best, "bad_epochs": self._bad_epochs},
-            # summed over ranks; on resume rank 0 takes the sums and the other ranks start from zero
-            "train_metrics": {m.name: dict(m.states) for m in self._synced(self.train_metrics)},
-            "window": self._window.state(self.world_size, self.device) if getattr(self, "_window", None) else None,
-            "rng": runtime.rng_state(),
+            "model": runtime.unwrap(self.model),
+            "optimizers": self.optimizers,
+            "schedulers": Group(self.schedulers),
+            "scaler": ScalerState(self.precision.scaler),
+            "counters": self.state,
+            "tracker": self.early_stopping,
+            "train_metrics": MetricStates(self.train_metrics, self.rank, self.world_size),
+            "window": self.metrics_log,
+            "callbacks": self.callbacks,
+            "rng": RNGState(),
         }
 
-    def _synced(self, metrics: list) -> list:
-        """Copies of ``metrics`` with states summed over ranks (the originals keep their local sums)."""
-        if self.world_size == 1:
-            return metrics
-        out = []
-        for m in metrics:
-            c = copy.copy(m)
-            c.states = dict(m.states)
-            c.sync()
-            out.append(c)
-        return out
-
-    def _save(self, position: Optional[tuple[int, int]] = None, metrics: Optional[dict] = None,
-              final: bool = False) -> Optional[Path]:
-        if position is None:  # final: where the run stopped
-            position = getattr(self, "_stop_position", None) or (self.epoch + 1, 0)
-            if self._last_saved_step() == self.global_step:
-                return None
+    def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
+        """A checkpoint of this instant (collective: every rank calls it)."""
         self._check_finite_parameters()
-        if self.strategy == "fsdp":
-            from ..checkpoint import sharded
-
-            return sharded.save(self, position, metrics, final)
-        state = self._state(position)  # on every rank: it sums the train metrics over ranks
-        self._saved_step = self.global_step
-        if not self.is_main:
-            return None
-        weights = runtime.unwrap(self.model).state_dict()
-        meta = {"step": self.global_step, "epoch": position[0], "batch_in_epoch": position[1], "final": final,
-                "torch": torch.__version__, "world_size": self.world_size, "precision": self.precision.name}
-        path = self.ckpt.save(self.global_step, weights, state, C.to_dict(self.cfg), meta,
-                              metrics=metrics)
-        self._saved_step = self.global_step
+        meta = {"step": self.global_step, "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
+                "final": final, "torch": torch.__version__,
+                "world_size": self.world_size, "precision": self.precision.name}
+        path = self.checkpoints.save(self.global_step, self._states(), config=C.to_dict(self.cfg), meta=meta,
+                                     metrics=metrics)
+        self._run_callbacks.call("on_save", self, path, metrics)
         return path
 
     def _check_finite_parameters(self) -> None:
@@ -540,16 +445,34 @@ class Trainer:
         if self.world_size > 1:
             bad = runtime.all_reduce_max(bad)
         if bad.item():
-            last = self._last_saved_step()
+            last = self.checkpoints.last_step
             raise NonFiniteLossError(
                 f"the model's parameters hold NaN or inf at step {self.global_step}; no checkpoint was written"
                 + (f" (the last one, step {last}, is intact)" if last is not None else "")
                 + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
 
-    def _last_saved_step(self) -> Optional[int]:
-        return getattr(self, "_saved_step", None)
-
     def _resume(self, spec: str) -> tuple[int, int]:
+        """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
+        path = self._find_checkpoint(spec)
+        if path is None:  # resume="latest" with nothing saved yet: a fresh start
+            return 0, 0
+        if self.cfg.resume_weights_only:
+            return self._load_weights_only(path)
+        self.checkpoints.load(path, self._states(), print_fn=self.print)
+        for opt in self.optimizers.values():
+            opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
+        self.resumed_from = path
+        saved_world = self.state.world_size
+        self.state.world_size = self.world_size
+        epoch, batch = self.state.epoch, self.state.batch_in_epoch
+        if batch and saved_world != self.world_size:
+            self.print(f"torchrig: checkpoint was saved with {saved_world} process(es), now {self.world_size}; "
+                       f"resuming at the start of epoch {epoch + 1} (mid-epoch position depends on world size)")
+            batch = 0
+        return epoch, batch
+
+    def _find_checkpoint(self, spec: str) -> Optional[Path]:
+        """The checkpoint directory ``spec`` names, the same on every rank (or an error on all of them)."""
         try:
             path, problem = resolve(spec, self.run_dir), None
         except CheckpointError as exc:
@@ -568,61 +491,7 @@ class Trainer:
             raise CheckpointError(f"resume='best': {self.run_dir / 'checkpoints'} has no best checkpoint (one is "
                                   f"kept when checkpoint.monitor names a validation value and keep_best >= 1); "
                                   f"use resume=latest or a checkpoint directory")
-        if path is None:  # resume="latest" with nothing saved yet: a fresh start
-            return 0, 0
-        if self.cfg.resume_weights_only:
-            return self._load_weights_only(path)
-        if not (path / "state.pt").exists():
-            raise CheckpointError(f"checkpoint '{path}' has no training state (state.pt), so it cannot resume "
-                                  f"exactly; set resume_weights_only=true to load its weights and start a fresh "
-                                  f"optimizer and schedule, or resume from another checkpoint")
-        state, meta, _ = read_checkpoint(path)
-        missing = [k for k in ("counters", "rng", "optimizers") if k not in state]
-        if missing:
-            raise CheckpointError(f"checkpoint '{path}' state.pt lacks {', '.join(missing)}, so it cannot resume "
-                                  f"exactly; set resume_weights_only=true to load its weights only")
-        if self.strategy == "fsdp" or (path / "sharded").exists():
-            from ..checkpoint import sharded
-
-            sharded.load_model(self, path)
-        else:
-            load_into(runtime.unwrap(self.model), load_weights_file(path), source=f"checkpoint '{path}'")
-        try:
-            for k, opt in self.optimizers.items():
-                if k in state.get("optimizers", {}):
-                    opt.load_state_dict(state["optimizers"][k])
-                    opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-            for k, sch in self.schedulers.items():
-                if k in state.get("schedulers", {}):
-                    sch.load_state_dict(state["schedulers"][k])
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint '{path}' optimizer/scheduler state does not fit this run ({exc}); "
-                                  f"was it made with a different optimizer or model?") from None
-        if self.precision.scaler is not None and state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
-        counters = state.get("counters", {})
-        self.global_step = int(counters.get("global_step", meta.get("step", 0)))
-        self.step.global_step = self.global_step
-        self.skipped_steps = int(counters.get("skipped_steps", 0))
-        self.step.skipped_steps = self.skipped_steps
-        tracker = state.get("tracker", {})
-        self._best, self._bad_epochs = tracker.get("best"), int(tracker.get("bad_epochs", 0))
-        self._restored_window = state.get("window")
-        for m in self.train_metrics:
-            if m.name in state.get("train_metrics", {}):
-                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
-                            for k, v in state["train_metrics"][m.name].items()}
-        if "rng" in state:
-            runtime.set_rng_state(state["rng"])
-        self._saved_step = self.global_step
-        self.resumed_from = path
-        saved_world = counters.get("world_size", self.world_size)
-        epoch, batch = int(counters.get("epoch", 0)), int(counters.get("batch_in_epoch", 0))
-        if batch and saved_world != self.world_size:
-            self.print(f"torchrig: checkpoint was saved with {saved_world} process(es), now {self.world_size}; "
-                       f"resuming at the start of epoch {epoch + 1} (mid-epoch position depends on world size)")
-            batch = 0
-        return epoch, batch
+        return path
 
     def _load_weights_only(self, path: Path) -> tuple[int, int]:
         """``resume_weights_only=true``: the checkpoint's weights, a fresh optimizer, schedule and step 0."""
@@ -639,96 +508,12 @@ class Trainer:
         return 0, 0
 
     # ------------------------------------------------------------------------------ evaluate / predict
-    def _eval_model(self) -> nn.Module:
-        # DDP adds nothing to a forward without backward, and ranks may see different batch counts.
-        return self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
-
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        modules = [self.wrapped, *self.models.values()]
-        was = [m.training for m in modules]
-        for m in modules:
-            m.eval()
-        try:
-            with torch.inference_mode():
-                yield
-        finally:
-            for m, w in zip(modules, was):
-                m.train(w)
-
-    def _padding(self, local_batches: int) -> int:
-        """Extra forward passes this rank must make so that every rank makes the same number.
-
-        Evaluation shards hold every sample once, so they differ by up to one batch between ranks. That
-        is harmless for DDP (evaluation calls the bare module), but every FSDP forward all-gathers the
-        parameters, and a rank with one batch less would leave the others waiting forever.
-        """
-        if self.strategy != "fsdp" or self.world_size == 1:
-            return 0
-        most = runtime.all_reduce_max(torch.tensor([local_batches], device=self.device))
-        return int(most.item()) - local_batches
-
-    def _dummy_batch(self, data: Any, last: Any) -> Any:
-        """A batch to feed padding forwards: this rank's last one, or the data's first when the rank has none."""
-        if last is not None:
-            return last
-        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
-        return to_device(next(iter(one)), self.device)
-
-    def _sync_results(self, means: dict, metrics: list) -> dict:
-        """Sum every metric state over ranks; ranks that saw no sample of a state contribute zeros."""
-        if self.world_size > 1:
-            def layout(m: Metric) -> dict:
-                return {k: tuple(v.shape) for k, v in m.states.items()}
-
-            mine = {("mean", name): layout(m) for name, m in means.items()}
-            mine.update({("metric", i): layout(m) for i, m in enumerate(metrics)})
-            union: dict[tuple, dict] = {}
-            for part in runtime.gather(mine):
-                for key, shapes in part.items():
-                    union.setdefault(key, {}).update(shapes)
-            for (kind, name), shapes in union.items():
-                m = means.setdefault(name, MeanValue(name)) if kind == "mean" else metrics[name]
-                for k, shape in shapes.items():
-                    m.states.setdefault(k, torch.zeros(shape, dtype=torch.float64, device=self.device))
-        results = {}
-        for m in [means[k] for k in sorted(means)] + metrics:
-            m.sync()
-            if m.states:
-                results[m.name] = m.compute()
-        return dict(sorted(results.items(), key=lambda kv: kv[0] != "loss"))  # loss first, as before
-
     @_explain_collective_errors
     def evaluate(self, data: Any) -> dict:
         """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
-        batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
-        metrics = self._metric_objects()
-        means: dict[str, MeanValue] = {}
-        step = self._make_step(metrics)
-        step.model = self._eval_model()
-        fn = self.eval_fn or default_eval_step
-        pad = self._padding(len(batches))
-        batch = None
-        with self._eval_mode():
-            for batch in batches:
-                batch = to_device(batch, self.device)
-                n = batch_size_of(batch)
-                out = fn(step, batch)
-                if isinstance(out, dict):  # a custom eval step: batch means to average per sample
-                    for k, v in out.items():
-                        means.setdefault(k, MeanValue(k)).update(torch.as_tensor(v, dtype=torch.float64), n)
-                    continue
-                output, target, loss = out
-                if loss is not None:
-                    means.setdefault("loss", MeanValue("loss")).update(loss.float(), n)
-                if target is not None:
-                    step.update_metrics(output, target)
-            if pad:
-                dummy, step.metrics = self._dummy_batch(data, batch), []
-                for _ in range(pad):  # results discarded: every sample still counts once
-                    fn(step, dummy)
-                step.metrics = metrics
-        return self._sync_results(means, metrics)
+        results = inference.evaluate(self, data)
+        self.callbacks.call("on_eval_end", self, results)
+        return results
 
     @_explain_collective_errors
     def predict(self, data: Any, activation: str = "auto") -> Any:
@@ -737,55 +522,7 @@ class Trainer:
         ``activation="auto"`` turns logits into probabilities for the named classification losses
         (softmax for cross_entropy / nll, sigmoid for bce_with_logits); ``"none"`` keeps raw outputs.
         """
-        batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
-        step = self._make_step([])
-        step.model = self._eval_model()
-        act = self._activation(activation)
-        outputs = []
-
-        def run(batch: Any) -> Any:
-            if self.predict_fn is not None:
-                return self.predict_fn(step, batch)
-            inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) == 1 else split_batch(batch)[0]
-            with step.autocast():
-                out = call_model(step.model, inputs)
-            return act(out.float()) if isinstance(out, torch.Tensor) else out
-
-        pad = self._padding(len(batches))
-        batch = None
-        with self._eval_mode():
-            for batch in batches:
-                batch = to_device(batch, self.device)
-                out = run(batch)
-                outputs.append(out.cpu() if isinstance(out, torch.Tensor) else out)
-            if pad:
-                dummy = self._dummy_batch(data, batch)
-                for _ in range(pad):  # FSDP: keep the ranks' forwards in step; outputs discarded
-                    run(dummy)
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            local = torch.cat(outputs)
-        else:
-            local = [x for o in outputs for x in (o if isinstance(o, list) else [o])]
-        if self.world_size == 1:
-            return local
-        parts = runtime.gather(local)
-        total = sum(len(p) for p in parts)
-        order = [None] * total
-        for r, part in enumerate(parts):  # rank r holds samples r, r+W, r+2W, …
-            for j, item in enumerate(part):
-                order[r + j * self.world_size] = item
-        tensors = any(isinstance(p, torch.Tensor) for p in parts)  # a rank without samples sends []
-        return torch.stack(order) if tensors and total else order
-
-    def _activation(self, name: str) -> Callable:
-        loss = self.cfg.loss if "loss" not in self._objects else None
-        if name == "auto":
-            name = {"cross_entropy": "softmax", "nll": "exp", "bce_with_logits": "sigmoid"}.get(loss or "", "none")
-        table = {"softmax": lambda t: t.softmax(dim=-1), "sigmoid": torch.sigmoid, "exp": torch.exp,
-                 "none": lambda t: t}
-        if name not in table:
-            raise ValueError(f"activation {name!r} is not one of auto, {', '.join(table)}")
-        return table[name]
+        return inference.predict(self, data, activation)
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -802,76 +539,3 @@ class Trainer:
 
 
 _NULL_CONTEXT = contextlib.nullcontext()  # reusable: the loop needs no new object per step
-
-
-class _Window:
-    """Running sums between two log steps; ``.item()`` happens only in ``flush``."""
-
-    __slots__ = ("sums", "count", "samples", "wait", "epoch_sums", "epoch_count")
-
-    def __init__(self) -> None:
-        self.sums: dict[str, Any] = {}
-        self.count = 0
-        self.samples = 0
-        self.wait = 0.0
-        self.epoch_sums: dict[str, float] = {}  # folded in at each flush, so per step costs nothing extra
-        self.epoch_count = 0
-
-    def add(self, out: Optional[dict], n: int) -> None:
-        self.count += 1
-        self.samples += n
-        if out:
-            for k, v in out.items():
-                if isinstance(v, torch.Tensor) and v.requires_grad:
-                    v = v.detach()
-                self.sums[k] = self.sums[k] + v if k in self.sums else v
-
-    def state(self, world_size: int, device: Optional[torch.device] = None) -> dict:
-        """Logged-value sums for a checkpoint, averaged over ranks (every rank must call it)."""
-        flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
-        flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
-        flat = _mean_over_ranks(flat, world_size, device)
-        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": self.count,
-                "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
-                "epoch_count": self.epoch_count}
-
-    @classmethod
-    def restore(cls, state: Optional[dict]) -> "_Window":
-        """A window that goes on from a checkpoint's sums, so resumed logs match an unbroken run."""
-        w = cls()
-        if state:
-            w.sums, w.count = dict(state["sums"]), int(state["count"])
-            w.epoch_sums, w.epoch_count = dict(state["epoch_sums"]), int(state["epoch_count"])
-        return w
-
-    def _fold(self) -> dict:
-        """Interval sums as floats, added to the epoch totals."""
-        sums = {k: float(v) for k, v in self.sums.items()}
-        for k, v in sums.items():
-            self.epoch_sums[k] = self.epoch_sums.get(k, 0.0) + v
-        self.epoch_count += self.count
-        return sums
-
-    def epoch_means(self, world_size: int, device: Optional[torch.device] = None) -> dict:
-        """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
-        self._fold()
-        self.sums, self.count = {}, 0
-        values = {f"train/{k}": v / max(1, self.epoch_count) for k, v in self.epoch_sums.items()}
-        return _mean_over_ranks(values, world_size, device)
-
-    def flush(self, elapsed: float, world_size: int, device: Optional[torch.device] = None) -> dict:
-        values = {f"train/{k}": v / max(1, self.count) for k, v in self._fold().items()}
-        values = _mean_over_ranks(values, world_size, device)
-        values["samples_per_s"] = self.samples * world_size / max(elapsed, 1e-9)
-        values["data_wait"] = self.wait / max(elapsed, 1e-9)
-        self.sums, self.count, self.samples, self.wait = {}, 0, 0, 0.0
-        return values
-
-
-def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:
-    """The mean over ranks (every rank runs the same number of micro-batches); all ranks must call it."""
-    if world_size == 1 or not values:
-        return values
-    keys = sorted(values)
-    mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device))
-    return dict(zip(keys, mean.tolist()))

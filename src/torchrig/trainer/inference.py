@@ -1,0 +1,151 @@
+"""One inference loop for ``evaluate`` and ``predict``: every sample once, in data order, on every rank.
+
+Each rank runs its shard of the data under ``inference_mode`` and the model's eval mode. Under FSDP
+the ranks also make the same number of forward passes (extra passes on a dummy batch, discarded),
+because each forward all-gathers parameters. ``evaluate`` then sums metric states over ranks;
+``predict`` gathers the outputs and puts them back in data order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .. import runtime
+from ..data import padding_batches, prepare_eval, to_device, unshard
+from ..metrics import MeanValue, Metric
+from .step import Step, batch_size_of, call_model, default_eval_step, split_batch
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+ACTIVATIONS: dict[str, Callable] = {"softmax": lambda t: t.softmax(dim=-1), "sigmoid": torch.sigmoid,
+                                    "exp": torch.exp, "none": lambda t: t}
+
+
+@contextlib.contextmanager
+def _eval_mode(trainer: "Trainer"):
+    modules = [trainer.wrapped, *trainer.models.values()]
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        for m, w in zip(modules, was):
+            m.train(w)
+
+
+def run(trainer: "Trainer", data: Any, metrics: list, forward: Callable[[Step, Any], Any],
+        consume: Callable[[Step, Any, Any], None]) -> None:
+    """``consume(step, batch, forward(step, batch))`` for each batch of this rank's shard."""
+    batches = prepare_eval(data, **trainer._loader_kwargs(eval_=True))
+    step = trainer._make_step(metrics)
+    # DDP adds nothing to a forward without backward, and ranks may see different batch counts.
+    step.model = trainer.wrapped if trainer.strategy == "fsdp" else runtime.unwrap(trainer.wrapped)
+    pad = padding_batches(len(batches), trainer.device) if trainer.strategy == "fsdp" and trainer.world_size > 1 else 0
+    batch = None
+    with _eval_mode(trainer):
+        for batch in batches:
+            batch = to_device(batch, trainer.device)
+            consume(step, batch, forward(step, batch))
+            trainer._signals.beat = time.perf_counter()  # progress, for a stop signal's watchdog
+        if pad:
+            dummy = batch if batch is not None else _first_batch(trainer, data)
+            step.metrics = []
+            for _ in range(pad):  # results discarded: every sample still counts once
+                forward(step, dummy)
+
+
+def _first_batch(trainer: "Trainer", data: Any) -> Any:
+    """A batch for padding forwards on a rank that has no sample: the data's first."""
+    one = prepare_eval(data, **dict(trainer._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
+    return to_device(next(iter(one)), trainer.device)
+
+
+def evaluate(trainer: "Trainer", data: Any) -> dict:
+    """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
+    metrics = trainer._metric_objects()
+    means: dict[str, MeanValue] = {}
+    fn = trainer.eval_fn or default_eval_step
+
+    def consume(step: Step, batch: Any, out: Any) -> None:
+        n = batch_size_of(batch)
+        if isinstance(out, dict):  # a custom eval step: batch means to average per sample
+            for k, v in out.items():
+                means.setdefault(k, MeanValue(k)).update(torch.as_tensor(v, dtype=torch.float64), n)
+            return
+        output, target, loss = out
+        if loss is not None:
+            means.setdefault("loss", MeanValue("loss")).update(loss.float(), n)
+        step.update_metrics(output, target)
+
+    run(trainer, data, metrics, fn, consume)
+    return _sync_results(trainer, means, metrics)
+
+
+def _sync_results(trainer: "Trainer", means: dict, metrics: list) -> dict:
+    """Sum every metric state over ranks; ranks that saw no sample of a state contribute zeros."""
+    if trainer.world_size > 1:
+        def layout(m: Metric) -> dict:
+            return {k: tuple(v.shape) for k, v in m.states.items()}
+
+        mine = {("mean", name): layout(m) for name, m in means.items()}
+        mine.update({("metric", i): layout(m) for i, m in enumerate(metrics)})
+        union: dict[tuple, dict] = {}
+        for part in runtime.gather(mine):
+            for key, shapes in part.items():
+                union.setdefault(key, {}).update(shapes)
+        for (kind, name), shapes in union.items():
+            m = means.setdefault(name, MeanValue(name)) if kind == "mean" else metrics[name]
+            for k, shape in shapes.items():
+                m.states.setdefault(k, torch.zeros(shape, dtype=torch.float64, device=trainer.device))
+    results = {}
+    for m in [means[k] for k in sorted(means)] + metrics:
+        m.sync()
+        if m.states:
+            results[m.name] = m.compute()
+    return dict(sorted(results.items(), key=lambda kv: kv[0] != "loss"))  # loss first
+
+
+def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
+    """Model outputs for every sample, in data order, on every rank (CPU tensors)."""
+    act = activation_for(trainer, activation)
+    outputs: list = []
+
+    def forward(step: Step, batch: Any) -> Any:
+        if trainer.predict_fn is not None:
+            return trainer.predict_fn(step, batch)
+        inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) == 1 else split_batch(batch)[0]
+        with step.autocast():
+            out = call_model(step.model, inputs)
+        return act(out.float()) if isinstance(out, torch.Tensor) else out
+
+    def consume(step: Step, batch: Any, out: Any) -> None:
+        outputs.append(out.cpu() if isinstance(out, torch.Tensor) else out)
+
+    run(trainer, data, [], forward, consume)
+    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+        local = torch.cat(outputs)
+    else:
+        local = [x for o in outputs for x in (o if isinstance(o, list) else [o])]
+    if trainer.world_size == 1:
+        return local
+    parts = runtime.gather(local)
+    order = unshard(parts, trainer.world_size)
+    tensors = any(isinstance(p, torch.Tensor) for p in parts)  # a rank without samples sends []
+    return torch.stack(order) if tensors and order else order
+
+
+def activation_for(trainer: "Trainer", name: str) -> Callable:
+    """``auto``: probabilities for the named classification losses, raw outputs otherwise."""
+    loss = trainer.cfg.loss if "loss" not in trainer._objects else None
+    if name == "auto":
+        name = {"cross_entropy": "softmax", "nll": "exp", "bce_with_logits": "sigmoid"}.get(loss or "", "none")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not one of auto, {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]

@@ -1,0 +1,112 @@
+"""The metrics logger: what the loop logs, when, and the sums behind it.
+
+Two kinds of rows reach ``metrics.jsonl`` (and TensorBoard) through :class:`~.progress.RunLogger`,
+told apart by their ``kind`` field:
+
+* ``interval`` rows every ``log.every_steps`` optimizer steps: the means of the step function's values
+  (``train/loss`` …) over the micro-batches since the previous row, samples/s, data-wait fraction,
+  the train metrics so far, lr, grad norm;
+* ``epoch`` rows at each epoch's end: means over the whole epoch, validation values, lr.
+
+Per micro-batch, :meth:`MetricsLogger.record` only adds tensors (no ``.item()``); values are read on
+the host at log steps. The sums are Stateful, so a resumed run logs what an unbroken one would.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from .. import runtime
+from .progress import RunLogger
+
+
+class MetricsLogger:
+    def __init__(self, out: RunLogger, every_steps: int, world_size: int = 1,
+                 device: Optional[torch.device] = None):
+        self.out, self.every_steps = out, every_steps
+        self.world_size, self.device = world_size, device
+        self.sums: dict[str, Any] = {}         # logging interval: running sums (tensors stay tensors)
+        self.count = 0                          # micro-batches in the interval
+        self.samples = 0
+        self.wait = 0.0                         # seconds spent waiting for data in the interval
+        self.epoch_sums: dict[str, float] = {}  # folded in at each flush, so per step costs nothing extra
+        self.epoch_count = 0
+        self._t_last = time.perf_counter()
+
+    # -- per micro-batch ------------------------------------------------------------------------
+    def should_log(self, global_step: int) -> bool:
+        return bool(self.every_steps) and global_step % self.every_steps == 0
+
+    def record(self, out: Optional[dict], n: int) -> None:
+        self.count += 1
+        self.samples += n
+        if out:
+            for k, v in out.items():
+                if isinstance(v, torch.Tensor) and v.requires_grad:
+                    v = v.detach()
+                self.sums[k] = self.sums[k] + v if k in self.sums else v
+
+    def start_epoch(self, resumed: bool) -> None:
+        """A new epoch starts from empty sums, unless it goes on from a checkpoint's."""
+        if not resumed:
+            self.sums, self.count, self.epoch_sums, self.epoch_count = {}, 0, {}, 0
+        self._t_last = time.perf_counter()
+
+    # -- rows -------------------------------------------------------------------------------------
+    def flush(self, step: int, epoch: int, extra: dict) -> dict:
+        """An interval row: means since the last row, throughput, and ``extra`` (metrics, lr …)."""
+        now = time.perf_counter()
+        elapsed = max(now - self._t_last, 1e-9)
+        values = {f"train/{k}": v / max(1, self.count) for k, v in self._fold().items()}
+        values = _mean_over_ranks(values, self.world_size, self.device)
+        values["samples_per_s"] = self.samples * self.world_size / elapsed
+        values["data_wait"] = self.wait / elapsed
+        values.update(extra)
+        self.sums, self.count, self.samples, self.wait, self._t_last = {}, 0, 0, 0.0, now
+        self.out.log(step, values, epoch=epoch, kind="interval")
+        return values
+
+    def epoch_means(self) -> dict:
+        """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
+        self._fold()
+        self.sums, self.count = {}, 0
+        values = {f"train/{k}": v / max(1, self.epoch_count) for k, v in self.epoch_sums.items()}
+        return _mean_over_ranks(values, self.world_size, self.device)
+
+    def log_epoch(self, step: int, epoch: int, row: dict) -> None:
+        self.out.log(step, row, epoch=epoch, kind="epoch")
+
+    def _fold(self) -> dict:
+        """Interval sums as floats, added to the epoch totals."""
+        sums = {k: float(v) for k, v in self.sums.items()}
+        for k, v in sums.items():
+            self.epoch_sums[k] = self.epoch_sums.get(k, 0.0) + v
+        self.epoch_count += self.count
+        return sums
+
+    # -- Stateful ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Logged-value sums for a checkpoint, averaged over ranks (collective: every rank calls it)."""
+        flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
+        flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
+        flat = _mean_over_ranks(flat, self.world_size, self.device)
+        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": self.count,
+                "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
+                "epoch_count": self.epoch_count}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if state:
+            self.sums, self.count = dict(state["sums"]), int(state["count"])
+            self.epoch_sums, self.epoch_count = dict(state["epoch_sums"]), int(state["epoch_count"])
+
+
+def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:
+    """The mean over ranks (every rank runs the same number of micro-batches); all ranks must call it."""
+    if world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device))
+    return dict(zip(keys, mean.tolist()))

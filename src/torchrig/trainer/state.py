@@ -1,0 +1,105 @@
+"""What a run is at a given instant, as Stateful objects a checkpoint saves and restores.
+
+Every object here has ``state_dict()`` / ``load_state_dict()``, like a module or an optimizer, so the
+checkpoint manager saves a plain ``{name: object}`` mapping and knows nothing of the Trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from .. import runtime
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The loop's counters. ``epoch`` / ``batch_in_epoch`` say where the next micro-batch comes from."""
+
+    global_step: int = 0       # optimizer steps taken (skipped ones not counted)
+    epoch: int = 0             # 0-based epoch of the next micro-batch
+    batch_in_epoch: int = 0    # micro-batches of that epoch already consumed
+    skipped_steps: int = 0     # windows not applied: non-finite values, or fp16 overflow
+    world_size: int = 1        # processes when saved: a mid-epoch position depends on it
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:
+                setattr(self, f.name, int(state[f.name]))
+
+
+class RNGState:
+    """The Python, NumPy, torch CPU and CUDA generators of this process."""
+
+    def state_dict(self) -> dict:
+        return runtime.rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        runtime.set_rng_state(state)
+
+
+class Group:
+    """A name -> Stateful mapping saved as one entry (the optimizers, the schedulers)."""
+
+    def __init__(self, items: dict[str, Any]):
+        self.items = items
+
+    def state_dict(self) -> dict:
+        return {k: v.state_dict() for k, v in self.items.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in self.items.items():
+            if k in state:
+                v.load_state_dict(state[k])
+
+
+class ScalerState:
+    """The fp16 GradScaler's scale and growth tracker (None without one)."""
+
+    def __init__(self, scaler: Any):
+        self.scaler = scaler
+
+    def state_dict(self) -> Any:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+class MetricStates:
+    """The train metrics' running states, summed over ranks when saved.
+
+    On resume rank 0 takes the sums and the other ranks start from zero, so the next sum over ranks
+    is what an unbroken run would have. Loaded states go to the device the metric lives on.
+    """
+
+    def __init__(self, metrics: list, rank: int, world_size: int):
+        self.metrics, self.rank, self.world_size = metrics, rank, world_size
+
+    def synced(self) -> list:
+        """Copies of the metrics with states summed over ranks (collective; the originals keep their own)."""
+        if self.world_size == 1:
+            return self.metrics
+        out = []
+        for m in self.metrics:
+            c = copy.copy(m)
+            c.states = dict(m.states)
+            c.sync()
+            out.append(c)
+        return out
+
+    def state_dict(self) -> dict:
+        return {m.name: dict(m.states) for m in self.synced()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for m in self.metrics:
+            if m.name in state:
+                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
+                            for k, v in state[m.name].items()}
