@@ -223,6 +223,15 @@ _FACTORIES: dict[str, Callable[[], Metric]] = {
 METRIC_NAMES = tuple(_FACTORIES)
 
 
+def get_metrics(specs: Any) -> list[Metric]:
+    """Fresh metric objects for a name, a Metric, or a list of them (Metric objects are copied)."""
+    import copy
+
+    if isinstance(specs, (str, Metric)):
+        specs = [specs]
+    return [get_metric(copy.deepcopy(s) if isinstance(s, Metric) else s) for s in specs]
+
+
 def get_metric(spec: Union[str, Metric]) -> Metric:
     """A metric object from a name (``accuracy``, ``top5``, ``top_k=3``, ``f1_weighted``, …) or as given."""
     if isinstance(spec, Metric):

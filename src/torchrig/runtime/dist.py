@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -289,3 +290,20 @@ def gather(obj: Any) -> list:
     out: list = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def explain_collective_errors(method: Callable) -> Callable:
+    """Decorate a method of an object with ``cfg.dist.timeout``: a backend's low-level failure of a
+    collective (a timeout, a lost peer) becomes one clear error."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            err = collective_error(exc, self.cfg.dist.timeout)
+            if err is None:
+                raise
+            raise err from exc
+
+    return wrapper

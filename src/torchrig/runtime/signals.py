@@ -36,9 +36,11 @@ HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 class RunStopped(SystemExit):
     """Raised by ``fit`` after a signal's checkpoint is saved; its exit code is ``128 + signum``."""
 
-    def __init__(self, signum: int, step: int, message: str):
+    def __init__(self, signum: int, step: int, checkpoints: Any):
         super().__init__(128 + signum)
-        self.signum, self.step, self.message = signum, step, message
+        self.signum, self.step = signum, step
+        self.message = (f"stopped by {signal_name(signum)} at step {step}; checkpoint "
+                        f"{checkpoints}/step-{step:08d}; continue with --set resume=latest")
 
     def __str__(self) -> str:
         return self.message

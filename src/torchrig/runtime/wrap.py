@@ -122,6 +122,19 @@ def no_sync(model: nn.Module, skip: bool):
     return contextlib.nullcontext()
 
 
+_NULL = contextlib.nullcontext()  # reusable: the training loop needs no new object per micro-batch
+
+
+def no_sync_all(models: list, skip: bool, world_size: int):
+    """``no_sync`` of several wrapped models at once (a GAN's networks), or a no-op context."""
+    if not skip or world_size == 1:
+        return _NULL
+    stack = contextlib.ExitStack()
+    for m in models:
+        stack.enter_context(no_sync(m, True))
+    return stack
+
+
 @contextlib.contextmanager
 def _fsdp_no_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)

@@ -33,6 +33,15 @@ class TrainState:
             if f.name in state:
                 setattr(self, f.name, int(state[f.name]))
 
+    def resume_at(self, world_size: int) -> tuple[int, int, str]:
+        """Where a resumed run goes on: (epoch, micro-batch, a note when that moved to the epoch's start)."""
+        saved, self.world_size = self.world_size, world_size
+        if self.batch_in_epoch and saved != world_size:
+            return self.epoch, 0, (f"torchrig: checkpoint was saved with {saved} process(es), now {world_size}; "
+                                   f"resuming at the start of epoch {self.epoch + 1} (mid-epoch position depends "
+                                   f"on world size)")
+        return self.epoch, self.batch_in_epoch, ""
+
 
 class RNGState:
     """The Python, NumPy, torch CPU and CUDA generators of this process."""
@@ -103,3 +112,15 @@ class MetricStates:
             if m.name in state:
                 m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
                             for k, v in state[m.name].items()}
+
+
+@dataclasses.dataclass
+class FitPlan:
+    """What one ``fit`` call will do."""
+
+    batches: Any
+    epoch_len: int        # micro-batches per epoch (on this rank)
+    steps_per_epoch: int  # optimizer steps per epoch
+    total_steps: int      # the global step at which this fit ends
+    val_data: Any = None
+    start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .. import runtime
 from .state import TrainState
 
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
@@ -32,6 +33,17 @@ def _total_norm(params: list, norm_type: float) -> torch.Tensor:
         return torch.zeros(())
     norm = torch.nn.utils.get_total_norm(grads, norm_type)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def finite_parameters(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter is finite, on every rank (collective with several ranks; FSDP shards too)."""
+    bad = torch.zeros(1, device=device)
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
+            bad.fill_(1)
+            break
+    return not runtime.all_reduce_max(bad).item()
 
 
 def _finite(norm: torch.Tensor) -> bool:

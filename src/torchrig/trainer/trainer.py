@@ -10,10 +10,6 @@ the step count the optimizer step, then log and maybe checkpoint. The step itsel
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import functools
 import math
 import time
 from pathlib import Path
@@ -24,44 +20,16 @@ from torch import nn
 
 from .. import config as C
 from .. import runtime
-from ..checkpoint import CheckpointError, CheckpointManager, load_into, load_weights_file, resolve
+from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
 from ..data import prepare_train, to_device
-from ..metrics import Metric, get_metric
+from ..metrics import Metric, get_metrics
 from . import build, inference, registry
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .logger import MetricsLogger
 from .options import resolve_options
 from .progress import RunLogger
-from .state import Group, MetricStates, RNGState, ScalerState, TrainState
-from .step import NonFiniteLossError, Step, batch_size_of, default_step
-
-
-def _explain_collective_errors(method: Callable) -> Callable:
-    """Turn a backend's low-level failure of a collective (a timeout, a lost peer) into one clear error."""
-
-    @functools.wraps(method)
-    def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except RuntimeError as exc:
-            err = runtime.collective_error(exc, self.cfg.dist.timeout)
-            if err is None:
-                raise
-            raise err from exc
-
-    return wrapper
-
-
-@dataclasses.dataclass
-class _Plan:
-    """What one ``fit`` call will do."""
-
-    batches: Any
-    epoch_len: int        # micro-batches per epoch (on this rank)
-    steps_per_epoch: int  # optimizer steps per epoch
-    total_steps: int      # the global step at which this fit ends
-    val_data: Any = None
-    start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from
+from .state import FitPlan, Group, MetricStates, RNGState, ScalerState, TrainState
+from .step import NonFiniteLossError, Step, batch_size_of, default_step, finite_parameters
 
 
 class Trainer:
@@ -152,18 +120,7 @@ class Trainer:
                     scheduler_interval=self.sched_interval)
 
     def _metric_objects(self) -> list[Metric]:
-        specs = self._objects.get("metrics", self.cfg.metrics)
-        if isinstance(specs, (str, Metric)):
-            specs = [specs]
-        return [get_metric(copy.deepcopy(s) if isinstance(s, Metric) else s) for s in specs]
-
-    def _no_sync(self, skip: bool):
-        if not skip or self.world_size == 1:
-            return _NULL_CONTEXT
-        stack = contextlib.ExitStack()
-        for m in ([self.wrapped] if not self.models or self.wrapped is not self.model else self.models.values()):
-            stack.enter_context(runtime.no_sync(m, True))
-        return stack
+        return get_metrics(self._objects.get("metrics", self.cfg.metrics))
 
     def _lr(self) -> float:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
@@ -176,7 +133,7 @@ class Trainer:
             print(text, flush=True)
 
     # ------------------------------------------------------------------------------ fit
-    @_explain_collective_errors
+    @runtime.explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
         plan = self._prepare_data(train_data, val_data)
@@ -196,7 +153,7 @@ class Trainer:
         self._finish(stopped)
         return val_metrics
 
-    def _prepare_data(self, train_data: Any, val_data: Any) -> _Plan:
+    def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         cfg = self.cfg
         batches = prepare_train(train_data, **self._loader_kwargs())
         batches.set_epoch(0)
@@ -208,9 +165,9 @@ class Trainer:
         total = cfg.epochs * steps_per_epoch
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
-        return _Plan(batches, epoch_len, steps_per_epoch, total, val_data)
+        return FitPlan(batches, epoch_len, steps_per_epoch, total, val_data)
 
-    def _build_schedules(self, plan: _Plan) -> None:
+    def _build_schedules(self, plan: FitPlan) -> None:
         self.schedulers, self.sched_interval = build.build_schedulers(
             self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
         plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
@@ -233,7 +190,7 @@ class Trainer:
                                          self.world_size, self.device)
         self.resumed_from = None
 
-    def _restore(self, plan: _Plan) -> bool:
+    def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
         cfg = self.cfg
         resume = cfg.resume
@@ -263,7 +220,7 @@ class Trainer:
         self._signals = runtime.StopSignal(self.world_size, cfg.dist.stop_timeout).install()
         return False
 
-    def _loop(self, plan: _Plan) -> tuple[dict, str]:
+    def _loop(self, plan: FitPlan) -> tuple[dict, str]:
         """Epochs until the end, ``max_steps``, early stop or a signal; returns (last val metrics, why stopped)."""
         val_metrics: dict = {}
         start_epoch, start_batch = plan.start
@@ -306,12 +263,13 @@ class Trainer:
                        f"for {self.cfg.early_stop_patience} epochs)")
         self._run_callbacks.call("on_fit_end", self)
 
-    def _run_epoch(self, plan: _Plan, epoch: int, start: int) -> str:
+    def _run_epoch(self, plan: FitPlan, epoch: int, start: int) -> str:
         """One epoch from micro-batch ``start``; returns why it stopped early ("max_steps", "signal") or ""."""
         cfg, step, log, out = self.cfg, self.step, self.metrics_log, self.metrics_log.out
         A, device, epoch_len = cfg.accumulate, self.device, plan.epoch_len
         ckpt_every = cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
+        synced = [self.wrapped] if not self.models or self.wrapped is not self.model else list(self.models.values())
         self.wrapped.train()
         for m in self.models.values():
             m.train()
@@ -335,7 +293,7 @@ class Trainer:
                 step.want_grad_norm = log.should_log(self.global_step + 1)
             step.sync_gradients = i == w_start + step.window_size - 1
             step.epoch, step.batch_index = epoch, i
-            with self._no_sync(not step.sync_gradients):
+            with runtime.no_sync_all(synced, not step.sync_gradients, self.world_size):
                 values = self.step_fn(step, batch)
             log.record(values, batch_size_of(batch))
             i += 1
@@ -396,16 +354,11 @@ class Trainer:
         signum = self._signals.check_now()
         if self.checkpoints.last_step != self.global_step:
             self._save()
-        name = runtime.signal_name(signum)
-        where = self.run_dir / "checkpoints" / f"step-{self.global_step:08d}"
-        message = (f"stopped by {name} at step {self.global_step}; checkpoint {where}; "
-                   f"continue with --set resume=latest")
-        self.print(message)
+        stop = runtime.RunStopped(signum, self.global_step, self.run_dir / "checkpoints")
+        self.print(str(stop))
         if self.cfg.dist.requeue and self.is_main:
-            line = runtime.requeue_slurm_job()
-            if line:
-                self.print(line)
-        raise runtime.RunStopped(signum, self.global_step, message)
+            self.print(runtime.requeue_slurm_job() or "torchrig: dist.requeue=true but SLURM_JOB_ID is not set")
+        raise stop
 
     # ------------------------------------------------------------------------------ checkpoints
     def _states(self) -> dict[str, Any]:
@@ -425,97 +378,47 @@ class Trainer:
 
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
         """A checkpoint of this instant (collective: every rank calls it)."""
-        self._check_finite_parameters()
-        meta = {"step": self.global_step, "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
-                "final": final, "torch": torch.__version__,
-                "world_size": self.world_size, "precision": self.precision.name}
-        path = self.checkpoints.save(self.global_step, self._states(), config=C.to_dict(self.cfg), meta=meta,
-                                     metrics=metrics)
-        self._run_callbacks.call("on_save", self, path, metrics)
-        return path
-
-    def _check_finite_parameters(self) -> None:
-        """Refuse to write a checkpoint whose weights hold NaN / inf (collective: every rank calls it)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in runtime.unwrap(self.model).parameters()]
-        bad = torch.zeros(1, device=self.device)
-        for t in local:
-            if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
-                bad.fill_(1)
-                break
-        if self.world_size > 1:
-            bad = runtime.all_reduce_max(bad)
-        if bad.item():
+        if not finite_parameters(runtime.unwrap(self.model), self.device):
             last = self.checkpoints.last_step
             raise NonFiniteLossError(
                 f"the model's parameters hold NaN or inf at step {self.global_step}; no checkpoint was written"
                 + (f" (the last one, step {last}, is intact)" if last is not None else "")
                 + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
+        meta = {"step": self.global_step, "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
+                "final": final, "torch": torch.__version__, "world_size": self.world_size, "precision": self.precision.name}
+        path = self.checkpoints.save(self.global_step, self._states(), config=C.to_dict(self.cfg), meta=meta,
+                                     metrics=metrics)
+        self._run_callbacks.call("on_save", self, path, metrics)
+        return path
 
     def _resume(self, spec: str) -> tuple[int, int]:
         """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
-        path = self._find_checkpoint(spec)
+        path = find_checkpoint(spec, self.run_dir)
         if path is None:  # resume="latest" with nothing saved yet: a fresh start
             return 0, 0
         if self.cfg.resume_weights_only:
-            return self._load_weights_only(path)
+            load_weights_only(runtime.unwrap(self.model), path, sharded=self.strategy == "fsdp")
+            self.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
+                       f"(resume_weights_only=true)")
+            return 0, 0
         self.checkpoints.load(path, self._states(), print_fn=self.print)
         for opt in self.optimizers.values():
             opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
         self.resumed_from = path
-        saved_world = self.state.world_size
-        self.state.world_size = self.world_size
-        epoch, batch = self.state.epoch, self.state.batch_in_epoch
-        if batch and saved_world != self.world_size:
-            self.print(f"torchrig: checkpoint was saved with {saved_world} process(es), now {self.world_size}; "
-                       f"resuming at the start of epoch {epoch + 1} (mid-epoch position depends on world size)")
-            batch = 0
+        epoch, batch, note = self.state.resume_at(self.world_size)
+        if note:
+            self.print(note)
         return epoch, batch
 
-    def _find_checkpoint(self, spec: str) -> Optional[Path]:
-        """The checkpoint directory ``spec`` names, the same on every rank (or an error on all of them)."""
-        try:
-            path, problem = resolve(spec, self.run_dir), None
-        except CheckpointError as exc:
-            path, problem = None, exc
-        if self.world_size > 1:  # every rank must resume from the same checkpoint, or none may start
-            seen = runtime.gather(path.name if path is not None else None)
-            if len(set(seen)) > 1:
-                ranks = [r for r, name in enumerate(seen) if name != seen[0]]
-                raise CheckpointError(
-                    f"resume={spec!r}: rank 0 found {seen[0] or 'no checkpoint'} but rank(s) "
-                    f"{', '.join(map(str, ranks))} found {seen[ranks[0]] or 'none'}; every rank reads the checkpoint, "
-                    f"so run_dir must be on a file system shared by all machines (or hold the same copy on each)")
-        if problem is not None:
-            raise problem
-        if path is None and str(spec) == "best":
-            raise CheckpointError(f"resume='best': {self.run_dir / 'checkpoints'} has no best checkpoint (one is "
-                                  f"kept when checkpoint.monitor names a validation value and keep_best >= 1); "
-                                  f"use resume=latest or a checkpoint directory")
-        return path
-
-    def _load_weights_only(self, path: Path) -> tuple[int, int]:
-        """``resume_weights_only=true``: the checkpoint's weights, a fresh optimizer, schedule and step 0."""
-        full = load_weights_file(path)
-        model = runtime.unwrap(self.model)
-        if self.strategy == "fsdp":
-            from torch.distributed.checkpoint import state_dict as dsd
-
-            dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
-        else:
-            load_into(model, full, source=f"checkpoint '{path}'")
-        self.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
-                   f"(resume_weights_only=true)")
-        return 0, 0
-
     # ------------------------------------------------------------------------------ evaluate / predict
-    @_explain_collective_errors
+    @runtime.explain_collective_errors
     def evaluate(self, data: Any) -> dict:
         """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
         results = inference.evaluate(self, data)
         self.callbacks.call("on_eval_end", self, results)
         return results
 
-    @_explain_collective_errors
+    @runtime.explain_collective_errors
     def predict(self, data: Any, activation: str = "auto") -> Any:
         """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
@@ -536,6 +439,3 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-_NULL_CONTEXT = contextlib.nullcontext()  # reusable: the loop needs no new object per step
