@@ -143,10 +143,12 @@ def test_slurm_requeue_after_the_save(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
     run = tmp_path / "run"
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [_start(run, env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2}) for r in (0, 1)]
+    procs = [_start(run, f"strategy={strategy}", env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2})
+             for r in (0, 1)]
     try:
         for r, proc in enumerate(procs):
             _wait_for(run / f"ready-{r}", proc)
@@ -162,6 +164,7 @@ def test_ddp_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path):
     assert f"stopped by SIGTERM at step {step};" in results[0][2]  # rank 0 prints
     state, meta, _ = read_checkpoint(latest)
     assert state["counters"]["global_step"] == meta["step"] == step
+    assert (latest / "sharded" / ".metadata").exists() == (strategy == "fsdp")  # every rank's shard written
 
 
 def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
