@@ -182,6 +182,41 @@ class WordPieceTokenizer:
 # ----------------------------------------------------------------------------- CSV / JSONL
 
 
+def _read_jsonl(path: Path, key: str) -> tuple[list, list[tuple[int, dict]]]:
+    """(columns in order of appearance, (line number, object) per non-empty line) of a JSONL file."""
+    columns: list = []
+    rows: list[tuple[int, dict]] = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{key} '{path}' line {i} is not valid JSON ({exc}); JSONL needs one "
+                                f"object per line") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{key} '{path}' line {i} is a {type(obj).__name__}, not an object")
+            columns += [k for k in obj if k not in columns]
+            rows.append((i, obj))
+    return columns, rows
+
+
+def _read_rows(path: Path, key: str) -> tuple[list, list[tuple[int, dict]]]:
+    """(columns, (line number, row) pairs) of a CSV / TSV (header line) or JSONL file."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".csv", ".tsv"):
+            with open(path, newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
+                return list(reader.fieldnames or []), [(i + 2, r) for i, r in enumerate(reader)]
+        if suffix in (".jsonl", ".ndjson", ".json"):
+            return _read_jsonl(path, key)
+    except UnicodeDecodeError:
+        raise DataError(f"{key} '{path}' is not UTF-8 text") from None
+    raise DataError(f"{key} '{path}' has an unsupported type '{suffix}'; give .csv, .tsv or .jsonl")
+
+
 def read_records(path: Union[str, Path], text_column: str, label_column: Optional[str],
                  pair_column: Optional[str] = None, key: str = "data.path") -> list[dict]:
     """Rows of a CSV / TSV (header line) or JSONL file as ``{"text", "pair", "label", "line"}``.
@@ -193,35 +228,7 @@ def read_records(path: Union[str, Path], text_column: str, label_column: Optiona
         raise DataError(f"{key} '{path}' does not exist; give a .csv, .tsv or .jsonl file")
     if path.is_dir():
         raise DataError(f"{key} '{path}' is a folder; give a .csv, .tsv or .jsonl file")
-    suffix = path.suffix.lower()
-    rows: list[tuple[int, dict]] = []
-    try:
-        if suffix in (".csv", ".tsv"):
-            with open(path, newline="", encoding="utf-8") as fh:
-                reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
-                columns = reader.fieldnames or []
-                rows = [(i + 2, r) for i, r in enumerate(reader)]
-        elif suffix in (".jsonl", ".ndjson", ".json"):
-            columns = []
-            with open(path, encoding="utf-8") as fh:
-                for i, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as exc:
-                        raise DataError(f"{key} '{path}' line {i} is not valid JSON ({exc}); JSONL needs one "
-                                        f"object per line") from None
-                    if not isinstance(obj, dict):
-                        raise DataError(f"{key} '{path}' line {i} is a {type(obj).__name__}, not an object")
-                    for k in obj:
-                        if k not in columns:
-                            columns.append(k)
-                    rows.append((i, obj))
-        else:
-            raise DataError(f"{key} '{path}' has an unsupported type '{suffix}'; give .csv, .tsv or .jsonl")
-    except UnicodeDecodeError:
-        raise DataError(f"{key} '{path}' is not UTF-8 text") from None
+    columns, rows = _read_rows(path, key)
     if not rows:
         raise DataError(f"{key} '{path}' holds no rows")
     needed = [("text.text_column", text_column)]
