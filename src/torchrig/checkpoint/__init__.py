@@ -1,6 +1,7 @@
 """Atomic save / load / resume, keep-last-k and best-k, safe loading."""
 
-from .io import CheckpointError, load_into, load_weights_file, safe_torch_load, save_weights
+from .io import (CheckpointError, CheckpointWriteError, UnsafeCheckpointError, load_into, load_weights_file,
+                 safe_torch_load, save_weights)
 from .manager import CheckpointManager, read_checkpoint, resolve
 
 
@@ -14,5 +15,5 @@ def load_weights(model, path) -> None:
     load_into(model, load_weights_file(p), source=f"checkpoint '{path}'")
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "load_into", "load_weights", "load_weights_file",
-           "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriteError", "UnsafeCheckpointError", "load_into",
+           "load_weights", "load_weights_file", "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]

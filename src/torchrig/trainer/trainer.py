@@ -289,12 +289,14 @@ class Trainer:
         restarts = runtime.restart_count()
         if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
             resume = "latest"
+        if self.ckpt is not None and self.is_main:
+            self.ckpt.clean_partial()  # before resuming: a killed save may have left `latest` mid-swap
+        if resume and self.world_size > 1:
+            runtime.barrier()  # no rank resolves `latest` while rank 0 finishes such a swap
         if resume:
             start_epoch, start_batch = self._resume(resume)
             if restarts > 0 and getattr(self, "resumed_from", None) is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.ckpt is not None and self.is_main:
-            self.ckpt.clean_partial()
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
         global_batch = cfg.data.batch_size * self.world_size * A
