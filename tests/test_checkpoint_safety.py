@@ -407,6 +407,37 @@ def test_file_size_limit_while_saving_is_one_line_and_loses_nothing(tmp_path):
     assert os.readlink(run / "checkpoints" / "latest") == STEP
 
 
+SHARD_WRITE_FAILS = r"""
+import errno, os
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torchrig.checkpoint import CheckpointManager
+real_save, real_stream, saving = CheckpointManager.save, FileSystem.create_stream, [0]
+def save(self, step, *args, **kwargs):
+    saving[0] = step
+    return real_save(self, step, *args, **kwargs)
+def create_stream(self, path, mode):  # DCP's own writes of the shard files fail from step 4 on
+    if "w" in mode and saving[0] >= 4 and str(path).endswith(".distcp"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real_stream(self, path, mode)
+CheckpointManager.save, FileSystem.create_stream = save, create_stream
+""" + BUILD_SHARDED
+
+
+@pytest.mark.slow
+def test_shard_write_error_while_saving_is_one_line_and_loses_nothing(tmp_path):
+    """FSDP: the shards are written by DCP on every rank; its failure is reported like any other."""
+    run = tmp_path / "run"
+    argv = ["train", *_sets(*QUICK, "max_steps=4", "checkpoint.every_steps=2", f"run_dir={run}", "dist.strategy=fsdp")]
+    proc = subprocess.run([sys.executable, "-c", SHARD_WRITE_FAILS, *argv], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"torchrig: error: no space left on device while saving checkpoint step 4 to {run / 'checkpoints'}; the "
+        f"previous checkpoint (step 2) is intact. Free some space and continue with --set resume=latest")
+    assert _temporaries(run / "checkpoints") == []
+    assert os.readlink(run / "checkpoints" / "latest") == STEP
+
+
 # ----------------------------------------------------------------------------- leftovers of killed saves
 
 
