@@ -73,7 +73,7 @@ class ForkServer:
         env.pop("TORCHRIG_TEST_PAUSE_AT", None)
         self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-        self.pending = ""
+        self.pending, self.said = "", []
 
     def start(self, run_dir: Path, pause: str = "") -> int:
         self.proc.stdin.write(json.dumps([str(run_dir), pause]) + "\n")
@@ -86,10 +86,11 @@ class ForkServer:
         while True:
             while "\n" in self.pending:
                 line, self.pending = self.pending.split("\n", 1)
+                self.said.append(line)
                 if line.startswith(text):
                     return line
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.time()))
-            assert ready, f"no child said {text!r} within {timeout} s"
+            assert ready, f"no child said {text!r} within {timeout} s; the last lines:\n" + "\n".join(self.said[-30:])
             chunk = os.read(fd, 65536)  # raw reads: a buffered reader could hide a line from select
             assert chunk, "the fork server died"
             self.pending += chunk.decode()
