@@ -1,6 +1,7 @@
 """Atomic save / load / resume, keep-last-k and best-k, safe loading."""
 
-from .io import CheckpointError, load_into, load_weights_file, safe_torch_load, save_weights
+from .io import (CheckpointError, CheckpointWriteError, UnsafeCheckpointError, load_into, load_weights_file,
+                 safe_torch_load, save_weights)
 from .manager import CheckpointManager, read_checkpoint, resolve
 from .resume import find_checkpoint, load_weights_only
 
@@ -15,5 +16,6 @@ def load_weights(model, path) -> None:
     load_into(model, load_weights_file(p), source=f"checkpoint '{path}'")
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "find_checkpoint", "load_weights_only", "load_into", "load_weights", "load_weights_file",
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriteError", "UnsafeCheckpointError",
+           "find_checkpoint", "load_weights_only", "load_into", "load_weights", "load_weights_file",
            "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]

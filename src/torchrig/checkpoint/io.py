@@ -4,7 +4,17 @@ Weights go to safetensors (no code can run on load); everything else (optimizer,
 counters, RNG states) is saved with ``torch.save`` and read back with ``weights_only=True``, which
 refuses any pickled object that is not a tensor or a plain container. Every file is written to a
 temporary name, flushed with fsync and renamed, so a process killed mid-save leaves the previous
-checkpoint whole.
+checkpoint whole. A write that fails (a full disk, a file size limit, an I/O error) raises the
+``OSError`` itself, also from inside ``torch.save``, and leaves no temporary file behind.
+
+Testing hook: ``TORCHRIG_TEST_PAUSE_AT=NAME[@K]`` in the environment, read once when this module is
+imported, makes the process stop the K-th time (default: the first) a save reaches the point NAME:
+it prints ``torchrig: test pause at NAME (PATH)`` on stderr and sleeps, so that a test can kill it
+there. NAME is a file name (``model.safetensors``, ``state.pt``, ``config.yaml``, ``meta.json``,
+``index.json``: after its bytes are in the temporary file, before the rename), a link (``latest``,
+``best``: before the swap) or a step of ``CheckpointManager.save`` (``publish``: before the
+temporary directory is renamed into place; ``swap``: while a re-saved step's old directory is moved
+aside). It is meant for tests only.
 """
 
 from __future__ import annotations
@@ -13,8 +23,10 @@ import json
 import os
 import pickle
 import re
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -22,6 +34,53 @@ from torch import nn
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable, unsafe or does not match the model."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that asks for code to run when read; torchrig refuses to read it."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (full disk, I/O error, ...); the previous checkpoint is untouched."""
+
+
+def refused(path: str | Path, what: str) -> UnsafeCheckpointError:
+    """The one message for every file refused as unsafe; ``what`` says what it asks for."""
+    return UnsafeCheckpointError(
+        f"checkpoint file '{path}' was refused as unsafe: it {what}, which is not plain data (tensors, numbers, "
+        f"strings, lists, dicts); torchrig never runs code from a checkpoint. Use a checkpoint torchrig wrote, "
+        f"or re-save the file as a plain state_dict or safetensors")
+
+
+def weights_only_refusal(path: str | Path, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    """``refused`` for a file that ``torch.load(weights_only=True)`` rejected with ``exc``."""
+    text = str(exc)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return refused(path, f"pickles '{found.group(1)}'")
+    lines = [ln.strip() for ln in text.split("WeightsUnpickler error:")[-1].splitlines() if ln.strip()]
+    detail = lines[0][:200] if lines else "no reason given"
+    return refused(path, f"holds pickled data that torch's weights_only loader rejects ({detail})")
+
+
+def _pause_spec() -> tuple[str, int]:
+    name, _, nth = os.environ.get("TORCHRIG_TEST_PAUSE_AT", "").partition("@")
+    return name, int(nth) if nth.isdigit() else 1
+
+
+_PAUSE_AT = _pause_spec()  # testing hook (see the module docstring); ("", 1) when unset
+_pause_counts: dict[str, int] = {}
+
+
+def pause_point(name: str, path: Path) -> None:
+    """Stop here for good if the testing hook names this point (a test then kills the process)."""
+    if name != _PAUSE_AT[0]:
+        return
+    _pause_counts[name] = _pause_counts.get(name, 0) + 1
+    if _pause_counts[name] == _PAUSE_AT[1]:
+        print(f"torchrig: test pause at {name} ({path})", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
 
 
 def fsync_dir(path: Path) -> None:
@@ -39,11 +98,16 @@ def fsync_dir(path: Path) -> None:
 
 def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            pause_point(path.name, tmp)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half file
+        raise
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -127,8 +191,37 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "c
     model.load_state_dict(state)
 
 
+class _WriteRecorder:
+    """A file wrapper that keeps the ``OSError`` a write raised: ``torch.save`` turns it into a
+    RuntimeError ("unexpected pos") that no longer says the disk is full."""
+
+    def __init__(self, fh) -> None:
+        self.fh = fh
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _torch_save(obj: Any, fh) -> None:
+    recorder = _WriteRecorder(fh)
+    try:
+        torch.save(obj, recorder)
+    except RuntimeError:
+        if recorder.error is not None:
+            raise recorder.error from None
+        raise
+
+
 def safe_torch_save(obj: Any, path: Path) -> None:
-    _write_atomic(Path(path), lambda fh: torch.save(obj, fh))
+    _write_atomic(Path(path), lambda fh: _torch_save(obj, fh))
 
 
 def safe_torch_load(path: Path) -> Any:
@@ -138,13 +231,7 @@ def safe_torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        first = str(exc).strip().splitlines()
-        detail = f"found {found.group(1)}" if found else (first[0].strip()[:200] if first else "")
-        raise CheckpointError(
-            f"checkpoint file '{path}' contains pickled objects that are not plain tensors or containers "
-            f"({detail}); torchrig refuses to load it because unpickling can execute code. "
-            f"Re-save it as a plain state_dict or safetensors file") from None
+        raise weights_only_refusal(path, exc) from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({str(exc).splitlines()[0][:200]}); "
                               f"use another checkpoint") from None

@@ -3,31 +3,79 @@
 A checkpoint is a directory ``step-00000123`` holding ``model.safetensors``, ``state.pt``
 (optimizers, schedulers, scaler, counters, RNG states), ``config.yaml`` and ``meta.json``. It is
 written under a temporary name and renamed into place, then ``latest`` (a symbolic link) is
-swapped atomically; so ``latest`` always names a complete checkpoint.
+swapped atomically; so ``latest`` always names a complete checkpoint. A save that fails (a full
+disk, an I/O error) removes what it wrote and leaves ``latest`` on the previous checkpoint; what a
+killed save leaves behind is finished or removed by ``clean_partial`` at the next start.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .io import (CheckpointError, fsync_dir, load_into, load_weights_file, safe_torch_load, safe_torch_save,
-                 save_weights, write_bytes_atomic, write_json_atomic)
+from .io import (CheckpointError, CheckpointWriteError, fsync_dir, load_into, load_weights_file, pause_point,
+                 refused, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic, write_json_atomic)
 
 PREFIX = "step-"
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _link(target_name: str, link: Path) -> None:
     tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    os.symlink(target_name, tmp)
-    os.replace(tmp, link)
+    try:
+        os.symlink(target_name, tmp)
+        pause_point(link.name, tmp)
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _is_temporary(name: str) -> bool:
+    """The names saves write under before renaming: ``.tmp-step-*``, ``.tmp-staged-*``, ``.tmp-trash-*``,
+    ``.index.json.tmp-PID``, ``.latest.tmp-PID``, ..."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+def _os_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError behind ``exc``: itself, what it was raised from, or a failure DCP gathered from a rank."""
+    for _ in range(8):
+        if exc is None or isinstance(exc, OSError):
+            return exc
+        for failure in getattr(exc, "failures", {}).values():  # DCP's CheckpointException: rank -> (exc, trace)
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+        exc = exc.__cause__
+    return None
+
+
+def _write_failure(error: OSError, step: int, where: Path, previous: Optional[int], published: bool) -> str:
+    code = errno.errorcode.get(error.errno, "") if error.errno else ""
+    if error.errno in _NO_SPACE:
+        what = "no space left on device" + ("" if error.errno == errno.ENOSPC else f" ({code}: {error.strerror})")
+        todo = "Free some space"
+    else:
+        what = f"OS error {code} ({error.strerror})" if code else f"OS error ({error})"
+        todo = "Fix the storage"
+    if published:
+        kept = f"checkpoint step {step} itself is complete and 'latest' names it; only index.json or the 'best' " \
+               f"link may be out of date"
+    elif previous is None:
+        kept = "there is no previous checkpoint"
+    else:
+        kept = f"the previous checkpoint (step {previous}) is intact"
+    return f"{what} while saving checkpoint step {step} to {where}; {kept}. {todo} and continue with " \
+           f"--set resume=latest"
 
 
 def _hardlink_or_copy(src: str, dst: str) -> None:
@@ -49,11 +97,10 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
         p = link
     if p.is_dir() and (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():
         return resolve("latest", p)  # a run directory
-    if p.is_symlink() or p.name in ("latest", "best"):
-        if p.is_file():  # a text file naming the checkpoint
-            p = p.parent / p.read_text().strip()
-        else:
-            p = p.resolve()
+    if p.name in ("latest", "best"):
+        p = _follow_link(p)
+    elif p.is_symlink():
+        p = p.resolve()
     if not p.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist; give a checkpoint directory, a run directory or 'latest'")
     if p.is_file() and p.name == "model.safetensors":
@@ -61,6 +108,22 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
     if not (p / "model.safetensors").exists():
         raise CheckpointError(f"'{p}' is not a torchrig checkpoint (no model.safetensors inside)")
     return p
+
+
+def _follow_link(link: Path) -> Path:
+    """What a ``latest`` / ``best`` link (a symlink, or a text file naming a checkpoint) names, if it is
+    a checkpoint beside the link: a link elsewhere would make a resume read files of another run."""
+    if link.is_symlink():
+        target = link.resolve()
+    elif link.is_file():
+        target = (link.parent / link.read_text().strip()).resolve()
+    else:
+        return link
+    if target.parent != link.parent.resolve():
+        raise CheckpointError(f"checkpoint link '{link}' points outside its folder, to '{target}'; torchrig follows "
+                              f"'{link.name}' only to a checkpoint in the same folder. Remove the link, or give the "
+                              f"checkpoint directory itself")
+    return target
 
 
 class CheckpointManager:
@@ -93,13 +156,45 @@ class CheckpointManager:
         return sorted(p.name for p in self.dir.glob(f"{PREFIX}*") if (p / "model.safetensors").exists())
 
     def clean_partial(self) -> None:
-        """Remove temporary directories left by a process killed mid-save (not one ``latest`` names)."""
-        if self.dir.exists():
-            latest = self.dir / "latest"
-            keep = os.readlink(latest) if latest.is_symlink() else None
-            for p in self.dir.glob(".tmp-*"):
-                if p.name != keep:
+        """Finish or remove what a save cut short left behind: run on rank 0 at every start.
+
+        A re-save stopped while ``latest`` named its complete temporary directory is finished; every
+        other temporary directory or file is removed.
+        """
+        if not self.dir.is_dir():
+            return
+        self._finish_swap()
+        latest = self.dir / "latest"
+        keep = os.readlink(latest) if latest.is_symlink() else None
+        for p in self.dir.iterdir():
+            if _is_temporary(p.name) and p.name != keep:
+                if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+    def _finish_swap(self) -> None:
+        latest = self.dir / "latest"
+        target = os.readlink(latest) if latest.is_symlink() else ""
+        found = re.fullmatch(r"\.tmp-(step-\d+)-\d+", target)
+        if found is None or not (self.dir / target).is_dir():
+            return
+        final, trash = self.dir / found.group(1), self.dir / f".tmp-trash-{found.group(1)}-{os.getpid()}"
+        if final.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+        os.replace(self.dir / target, final)
+        fsync_dir(self.dir)
+        _link(final.name, latest)
+        fsync_dir(self.dir)
+
+    def latest_step(self) -> Optional[int]:
+        """The step ``latest`` names, or None."""
+        try:
+            found = re.search(r"step-(\d+)", os.readlink(self.dir / "latest"))
+        except OSError:
+            return None
+        return int(found.group(1)) if found else None
 
     # -- Stateful objects ---------------------------------------------------------------------------
     def save(self, step: int, states: dict[str, Any], *, config: Optional[dict], meta: dict,
@@ -152,10 +247,34 @@ class CheckpointManager:
     # -- directories --------------------------------------------------------------------------------
     def write(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
               metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
-        """Write checkpoint directory ``step`` atomically and make it ``latest``."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write checkpoint directory ``step`` atomically and point ``latest`` at it.
+
+        Any write error (full disk, file size limit, I/O error) removes what this save wrote and raises a
+        one-line CheckpointWriteError; ``latest`` keeps naming the previous checkpoint.
+        """
         name = f"{PREFIX}{step:08d}"
-        tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+        previous, published = self.latest_step(), False
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+            self._write(tmp, weights, state, config, dict(meta, metrics=metrics or {}, saved_at=time.time()),
+                        extra_writer)
+            final = self._publish(tmp, name)
+            published = True
+            self._record(name)
+        except BaseException as exc:
+            try:
+                self.clean_partial()
+            except OSError:
+                pass  # the storage is failing: what is left is removed at the next start
+            error = _os_error(exc)
+            if error is None:
+                raise
+            raise CheckpointWriteError(_write_failure(error, step, self.dir, previous, published)) from exc
+        return final
+
+    def _write(self, tmp: Path, weights: Optional[dict], state: dict, config: Optional[dict], meta: dict,
+               extra_writer: Optional[Callable[[Path], None]]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         if weights is not None:
@@ -165,35 +284,41 @@ class CheckpointManager:
             import yaml
 
             write_bytes_atomic(tmp / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
-        meta = dict(meta, metrics=metrics or {}, saved_at=time.time())
         write_json_atomic(tmp / "meta.json", meta)
         if extra_writer is not None:
             extra_writer(tmp)
         fsync_dir(tmp)
+
+    def _publish(self, tmp: Path, name: str) -> Path:
+        """Rename the complete ``tmp`` into place and point ``latest`` at it, whole at every instant."""
         final = self.dir / name
+        trash = self.dir / f".tmp-trash-{name}-{os.getpid()}"
         if final.exists():  # re-saving a step (epoch end, resumed run): `latest` must name a whole
             _link(tmp.name, self.dir / "latest")  # checkpoint at every instant, so it names tmp meanwhile
             fsync_dir(self.dir)
-            trash = self.dir / f".tmp-trash-{name}-{os.getpid()}"
             staged = self.dir / f".tmp-staged-{name}-{os.getpid()}"
             shutil.rmtree(staged, ignore_errors=True)
             shutil.copytree(tmp, staged, copy_function=_hardlink_or_copy)
             fsync_dir(staged)
             os.replace(final, trash)
+            pause_point("swap", final)
             os.replace(staged, final)
         else:
+            pause_point("publish", final)
             os.replace(tmp, final)
         fsync_dir(self.dir)
         _link(name, self.dir / "latest")
         fsync_dir(self.dir)
-        for leftover in (tmp, self.dir / f".tmp-trash-{name}-{os.getpid()}"):
+        for leftover in (tmp, trash):
             shutil.rmtree(leftover, ignore_errors=True)
+        return final
+
+    def _record(self, name: str) -> None:
         if name in self.index["checkpoints"]:
             self.index["checkpoints"].remove(name)
         self.index["checkpoints"].append(name)
         self._prune()
         write_json_atomic(self.index_path, self.index)
-        return final
 
     def track_best(self, name: str, value: float, mode: str) -> None:
         """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
@@ -235,6 +360,9 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:
 
         try:
             config = yaml.safe_load((path / "config.yaml").read_text())
+        except yaml.constructor.ConstructorError as exc:  # a tag safe_load does not build, e.g. !!python/object
+            tag = re.search(r"tag '([^']+)'", str(exc.problem))
+            raise refused(path / "config.yaml", f"uses the YAML tag '{tag.group(1) if tag else exc.problem}'") from None
         except yaml.YAMLError:
             raise CheckpointError(f"'{path / 'config.yaml'}' is corrupt (not YAML)") from None
     return state, meta, config

@@ -64,7 +64,7 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     state["optimizers"] = {}                              # in sharded/, by parameter name
     if not manager.writes:
         tmp = runtime.broadcast(None)                     # rank 0 names its temporary directory
-        if tmp is None:
+        if not tmp:  # rank 0 failed before naming it (its own error says why)
             raise CheckpointError("rank 0 failed to start writing the checkpoint; see its log")
         dcp.save(shards, checkpoint_id=str(Path(tmp) / SHARDS))
         final_path = runtime.broadcast(None)              # rank 0 renamed it into place
@@ -98,11 +98,12 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
         _check_keys(set(full), set(model.state_dict()), path)
         dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
         return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from . import safe_dcp
 
     try:
-        saved = set(FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata)
+        saved = set(safe_dcp.read_metadata_file(path / SHARDS / ".metadata").state_dict_metadata)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
                               f"checkpoint, or its model.safetensors for the weights alone") from None
@@ -115,7 +116,9 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     try:
         with warnings.catch_warnings():  # one process loading shards is intended, not a mistake to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(target, checkpoint_id=str(path / SHARDS), no_dist=not runtime.is_initialized())
+            safe_dcp.load(target, path / SHARDS, no_dist=not runtime.is_initialized())
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' does not fit this model or optimizer "
                               f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "

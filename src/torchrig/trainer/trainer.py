@@ -197,12 +197,14 @@ class Trainer:
         restarts = runtime.restart_count()
         if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
             resume = "latest"
+        if self.is_main:
+            self.checkpoints.clean_partial()  # before resuming: a killed save may have left `latest` mid-swap
+        if resume and self.world_size > 1:
+            runtime.barrier()  # no rank resolves `latest` while rank 0 finishes such a swap
         if resume:
             plan.start = self._resume(resume)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.is_main:
-            self.checkpoints.clean_partial()
         if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
