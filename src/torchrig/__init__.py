@@ -31,6 +31,7 @@ _EXPORTS = {
     "broadcast": "torchrig.runtime",
     "gather": "torchrig.runtime",
     "seed_everything": "torchrig.runtime",
+    "TorchrigError": "torchrig.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import TorchrigError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(TorchrigError, RuntimeError):
     """A checkpoint that is missing, unreadable, unsafe or does not match the model."""
 
 

@@ -167,18 +167,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
-    from ..data import DataError
-    from ..metrics import MetricError
-    from ..recipes import RecipeError
-    from ..runtime import RuntimeSetupError
-    from ..trainer import NonFiniteLossError
-    from ..trainer.plot import PlotError
-    from ..trainer.registry import NameError_
+    """Errors whose message is the whole story: torchrig's own, and files that are missing or
+    not readable (the message names the file)."""
+    from ..errors import TorchrigError
 
-    return isinstance(exc, (CheckpointError, ConfigError, DataError, MetricError, RecipeError, RuntimeSetupError,
-                            NonFiniteLossError, PlotError, NameError_, FileNotFoundError, PermissionError))
+    return isinstance(exc, (TorchrigError, FileNotFoundError, PermissionError))
 
 
 if __name__ == "__main__":

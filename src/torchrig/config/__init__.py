@@ -8,7 +8,6 @@ Only the standard library and PyYAML (imported lazily) are used here.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import types
@@ -17,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..errors import TorchrigError, suggest
 
-class ConfigError(ValueError):
+
+class ConfigError(TorchrigError, ValueError):
     """A bad configuration key or value; the message names the key, the value and the fix."""
 
 
@@ -300,8 +301,7 @@ def _hints(cls: type) -> dict:
 
 
 def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    return suggest(name, options, cutoff=0.5) or f"; valid keys: {', '.join(sorted(options))}"
 
 
 def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:

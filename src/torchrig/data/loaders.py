@@ -15,10 +15,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
+from ..errors import TorchrigError
+
 from .sampler import ResumableSampler
 
 
-class DataError(ValueError):
+class DataError(TorchrigError, ValueError):
     """Bad training or evaluation data; the message names what is wrong and how to fix it."""
 
 

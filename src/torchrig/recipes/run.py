@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import config as C
+from ..errors import suggest
 from . import get_recipe
 from .base import RecipeError
 
@@ -148,13 +149,11 @@ class FeatureHooks:
         modules = dict(model.named_modules())
         for name in self.names:
             if name not in modules:
-                import difflib
-
-                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
-                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                
                 leaves = [n for n, m in model.named_children()]
-                raise RecipeError(f"--features: the model has no module '{name}'{hint} Top-level modules: "
-                                 f"{', '.join(leaves)} (names as in model.named_modules())")
+                listing = f"Top-level modules: {', '.join(leaves)} (names as in model.named_modules())"
+                hint = suggest(name, [n for n in modules if n], listing=listing, n=3)
+                raise RecipeError(f"--features: the model has no module '{name}'{hint}")
             self.handles.append(modules[name].register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 from typing import Any, Callable, Optional
@@ -11,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import TorchrigError, suggest
 
-class NameError_(ValueError):
+
+class NameError_(TorchrigError, ValueError):
     """An unknown optimizer / loss / scheduler name (the message lists the valid ones)."""
 
 
 def _unknown(kind: str, name: str, valid: list[str]) -> NameError_:
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return NameError_(f"unknown {kind} '{name}'.{hint} Valid names: {', '.join(valid)}")
+    return NameError_(f"unknown {kind} '{name}'{suggest(name, valid, listing='Valid names: ' + ', '.join(valid))}")
 
 
 # ----------------------------------------------------------------------------- optimizers
