@@ -98,7 +98,7 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         cfg.precision = "fp32"  # fp16 needs CUDA; on a CPU-only machine evaluate in fp32
     for item in overrides or []:
         key, _, raw = item.partition("=")
-        C._set_path(cfg, key.strip(), raw)
+        C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
     recipe = get_recipe(cfg.recipe)
     cfg.model.weights = None

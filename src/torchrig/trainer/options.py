@@ -37,7 +37,7 @@ def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
             close = difflib.get_close_matches(key, options, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise TypeError(f"Trainer got an unexpected keyword argument '{key}'{hint}")
-        C._set_path(cfg, dotted, value)
+        C.set_key(cfg, dotted, value)
     C.validate(cfg)
 
 
@@ -66,5 +66,5 @@ def resolve_options(config: Optional[C.Config], given: dict[str, Any], kwargs: d
     dotted = {k: kwargs.pop(k) for k in list(kwargs) if "." in k}
     _apply_kwargs(cfg, kwargs)
     for k, v in dotted.items():
-        C._set_path(cfg, k, v)
+        C.set_key(cfg, k, v)
     return C.validate(cfg), objects
