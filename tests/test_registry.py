@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import TinyNet, read_jsonl
 from torch import nn
 
-from torchrig.trainer.registry import NameError_, build_loss, build_optimizer, build_scheduler, param_groups
+from torchrig.trainer.losses import build_loss
+from torchrig.trainer.optim import NameError_, build_optimizer, build_scheduler, param_groups
 
 # ----------------------------------------------------------------------------- optimizers
 
