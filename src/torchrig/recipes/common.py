@@ -3,7 +3,6 @@ input file listing."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -11,19 +10,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..config import ConfigError
+from ..runtime import is_main_process
 from .base import RecipeError
 
 SPLIT_SEED = 20240501  # validation splits do not depend on the training seed
 
 
-def is_main() -> bool:
-    """Rank 0 (or a single process). Read from the environment: recipes run before the Trainer
-    (which creates the process group) exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def say(text: str) -> None:
-    if is_main():
+    if is_main_process():
         print(text, file=sys.stderr, flush=True)
 
 

@@ -23,8 +23,9 @@ from torch.utils.data import TensorDataset
 from .. import config as C
 from ..data.datasets import paired as P
 from ..data.datasets.images import BadImageError, GRAY_MODES, image_mode, read_image, write_bad_list
+from ..runtime import is_main_process, unwrap
 from .base import Recipe, RecipeError
-from .common import at_least, display_name, input_files, is_main, one_of, say, stratified_split
+from .common import at_least, display_name, input_files, one_of, say, stratified_split
 
 PAPER = {"image_size": 256, "ngf": 64, "ndf": 64, "d_layers": 3}
 DIGITS = {"image_size": 32, "ngf": 32, "ndf": 32, "d_layers": 2}
@@ -82,12 +83,6 @@ def gan_loss(mode: str):
     else:
         raise RecipeError(f"pix2pix.gan_mode {mode!r} is not one of {', '.join(GAN_MODES)}")
     return loss
-
-
-def _unwrap(m):
-    from ..runtime import unwrap
-
-    return unwrap(m)
 
 
 class _Prepared:
@@ -222,7 +217,7 @@ class Pix2PixRecipe(Recipe):
         def step_fn(step, batch) -> dict:
             a, b = batch
             G, D = step.models["G"], step.models["D"]
-            d_plain = _unwrap(D)
+            d_plain = unwrap(D)
             state["epoch"] = step.epoch
             with step.autocast():
                 fake = G(a)
@@ -248,12 +243,12 @@ class Pix2PixRecipe(Recipe):
 
         def eval_fn(step, batch) -> dict:
             a, b = batch
-            G = _unwrap(step.model)["G"]
+            G = unwrap(step.model)["G"]
             with step.autocast():
                 fake = G(a)
             fake = fake.float()
             epoch = state["epoch"]
-            if epoch is not None and state["written"] != epoch and is_main():
+            if epoch is not None and state["written"] != epoch and is_main_process():
                 state["written"] = epoch
                 n = min(p.samples, len(a))
                 rows = [[x[i].float().add(1).div(2) for x in (a, fake, b)] for i in range(n)]
@@ -263,7 +258,7 @@ class Pix2PixRecipe(Recipe):
 
         def predict_fn(step, batch) -> torch.Tensor:
             a = batch[0] if isinstance(batch, (list, tuple)) else batch
-            G = _unwrap(step.model)["G"]
+            G = unwrap(step.model)["G"]
             with step.autocast():
                 return G(a).float()
 
