@@ -179,6 +179,19 @@ def test_dataloader_is_rebuilt_around_the_resumable_sampler():
     assert torch.equal(torch.cat([t[0] for t in ev]), torch.arange(10))
 
 
+def test_a_dataloader_gives_the_batches_of_its_dataset():
+    ds = [(x, t) for x, t in zip(*make_classification(n=23))]  # a plain sequence, not a TensorDataset
+    direct = prepare_train(ds, **_kw(batch_size=5, drop_last=True))
+    rebuilt = prepare_train(DataLoader(ds, batch_size=5, shuffle=True, drop_last=True), **_kw())
+    assert isinstance(rebuilt.source, DataLoader) and len(direct) == len(rebuilt) == 4
+    for epoch in (0, 1):
+        assert _same(_epoch(direct, epoch), _epoch(rebuilt, epoch))
+    for b in (direct, rebuilt):
+        b.set_epoch(1)
+        b.skip_batches(3)
+    assert _same(list(direct), list(rebuilt)) and len(list(direct)) == 1
+
+
 def test_tensor_dataloader_takes_the_fast_path():
     ds = TensorDataset(*make_classification(n=20))
     b = prepare_train(DataLoader(ds, batch_size=6, shuffle=True), **_kw())
