@@ -44,7 +44,7 @@ def test_to_device_keeps_structure():
     assert torch.equal(moved["a"], batch["a"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_to_device_moves_to_cuda():
     cuda = torch.device("cuda")
     moved = to_device({"x": torch.ones(2).pin_memory(), "y": [torch.zeros(1)]}, cuda)

@@ -100,11 +100,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from ..recipes.run import dumps, run_evaluate
+    import json
+
+    from ..recipes.run import run_evaluate
 
     results = run_evaluate(args.checkpoint, args.split, args.overrides)
     if args.json:
-        print(dumps(results))
+        print(json.dumps(results, sort_keys=True))
     else:
         for k, v in results.items():
             print(f"{k}: {v:.6f}")

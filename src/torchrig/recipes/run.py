@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -206,7 +205,3 @@ def prepare_model(model, cfg: C.Config) -> None:
         from .base import load_weights_partial
 
         load_weights_partial(model, load_weights_file(Path(cfg.model.weights)), cfg.model.weights)
-
-
-def dumps(results: dict) -> str:
-    return json.dumps(results, sort_keys=True)
