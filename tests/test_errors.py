@@ -31,7 +31,8 @@ def _torchrig_exception_classes() -> list[type]:
             continue
         module = importlib.import_module(info.name)
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__.startswith("torchrig"):
+            # errors, not exits: RunStopped is a SystemExit that ends a signalled run with its exit code
+            if isinstance(value, type) and issubclass(value, Exception) and value.__module__.startswith("torchrig"):
                 found[f"{value.__module__}.{value.__qualname__}"] = value
     return [found[k] for k in sorted(found)]
 
