@@ -103,23 +103,7 @@ class TextClassificationRecipe(Recipe):
                 prep.records["val"] = [train[i] for i in held]
                 prep.records["train"] = [train[i] for i in keep]
             source = str(d.path)
-        train_labels = sorted({r["label"] for r in prep.records["train"]})
-        if tc.labels:
-            tc.labels = [str(x) for x in tc.labels]
-            extra = [lab for lab in train_labels if lab not in tc.labels]
-            if extra:
-                raise RecipeError(f"training labels {extra} are not in text.labels {tc.labels}")
-        else:
-            tc.labels = train_labels
-        if len(tc.labels) < 2:
-            raise RecipeError(f"the training data has {len(tc.labels)} label(s) {tc.labels}; a classifier needs 2 or more "
-                              f"(is text.label_column='{tc.label_column}' the right column?)")
-        for split, records in prep.records.items():
-            unknown = sorted({r["label"] for r in records} - set(tc.labels))
-            if unknown:
-                where = "" if d.path is None else f" (line {next(r['line'] for r in records if r['label'] in unknown)})"
-                raise RecipeError(f"the {split} data has labels {unknown[:5]} that the training data does not "
-                                  f"have{where}; every label must occur in training")
+        self._labels(tc, prep.records, embedded=d.path is None)
         if tc.tokenizer:
             prep.tokenizer = WordPieceTokenizer.load(self._tokenizer_path(cfg))
         else:
@@ -143,6 +127,27 @@ class TextClassificationRecipe(Recipe):
         tc.tokenizer = TOKENIZER_FILE  # from now on (checkpoint config): the copy in the run dir
         self._cache[id(cfg)] = prep
         return prep
+
+    @staticmethod
+    def _labels(tc: TextConfig, records: dict[str, list[dict]], embedded: bool) -> None:
+        """Fill in (or check) ``text.labels``: every label of every split must occur in training."""
+        train_labels = sorted({r["label"] for r in records["train"]})
+        if tc.labels:
+            tc.labels = [str(x) for x in tc.labels]
+            extra = [lab for lab in train_labels if lab not in tc.labels]
+            if extra:
+                raise RecipeError(f"training labels {extra} are not in text.labels {tc.labels}")
+        else:
+            tc.labels = train_labels
+        if len(tc.labels) < 2:
+            raise RecipeError(f"the training data has {len(tc.labels)} label(s) {tc.labels}; a classifier needs 2 or more "
+                              f"(is text.label_column='{tc.label_column}' the right column?)")
+        for split, rows in records.items():
+            unknown = sorted({r["label"] for r in rows} - set(tc.labels))
+            if unknown:
+                where = "" if embedded else f" (line {next(r['line'] for r in rows if r['label'] in unknown)})"
+                raise RecipeError(f"the {split} data has labels {unknown[:5]} that the training data does not "
+                                  f"have{where}; every label must occur in training")
 
     @staticmethod
     def _tokenizer_path(cfg: C.Config) -> Path:
