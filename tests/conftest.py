@@ -18,6 +18,16 @@ torch.set_num_threads(1)
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skipped without one, run where a GPU is lent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 # Quiet, side-effect-free defaults for Trainer in tests: no plots, no TensorBoard, no progress output.
 QUIET = dict(plot=False, tensorboard=False, progress="none")
 

@@ -425,7 +425,7 @@ def test_cuda_saved_state_loads_on_cpu(make_trainer, data, run_dir):
     assert exp_avg.device.type == "cpu"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_gpu_trained_checkpoint_loads_on_cpu(make_trainer, data, run_dir):
     trainer = make_trainer(epochs=1, device="cuda", optimizer="adamw")
     trainer.fit(data)

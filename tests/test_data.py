@@ -44,7 +44,7 @@ def test_to_device_keeps_structure():
     assert torch.equal(moved["a"], batch["a"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_to_device_moves_to_cuda():
     cuda = torch.device("cuda")
     moved = to_device({"x": torch.ones(2).pin_memory(), "y": [torch.zeros(1)]}, cuda)
@@ -177,6 +177,19 @@ def test_dataloader_is_rebuilt_around_the_resumable_sampler():
     ev = prepare_eval(DataLoader(TensorDataset(torch.arange(10)), batch_size=4, drop_last=True, shuffle=True),
                       **_kw())
     assert torch.equal(torch.cat([t[0] for t in ev]), torch.arange(10))
+
+
+def test_a_dataloader_gives_the_batches_of_its_dataset():
+    ds = [(x, t) for x, t in zip(*make_classification(n=23))]  # a plain sequence, not a TensorDataset
+    direct = prepare_train(ds, **_kw(batch_size=5, drop_last=True))
+    rebuilt = prepare_train(DataLoader(ds, batch_size=5, shuffle=True, drop_last=True), **_kw())
+    assert isinstance(rebuilt.source, DataLoader) and len(direct) == len(rebuilt) == 4
+    for epoch in (0, 1):
+        assert _same(_epoch(direct, epoch), _epoch(rebuilt, epoch))
+    for b in (direct, rebuilt):
+        b.set_epoch(1)
+        b.skip_batches(3)
+    assert _same(list(direct), list(rebuilt)) and len(list(direct)) == 1
 
 
 def test_tensor_dataloader_takes_the_fast_path():

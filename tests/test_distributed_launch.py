@@ -35,7 +35,7 @@ def test_launch_help_names_every_flag():
 def test_launch_bad_flag_is_one_clear_error():
     r = dist_procs.torchrig(["launch", "--nprocs", "2", "--", "train"], timeout=60)
     assert r.returncode == 2
-    assert "unknown option --nprocs; did you mean --nproc-per-node?" in r.stderr
+    assert "unknown option --nprocs; did you mean '--nproc-per-node'?" in r.stderr
     assert "usage: torchrig launch" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -44,7 +44,7 @@ def test_launch_bad_flag_is_one_clear_error():
     (["launch", "--nproc-per-node", "2"], "nothing to launch"),
     (["launch", "--nnodes", "2", "--", "train"], "--nnodes 2 needs --master-addr"),
     (["launch", "--ifname", "nosuchif0", "--", "train"], "no such network interface"),
-    (["launch", "--", "trian"], "Did you mean the torchrig command 'train'?"),
+    (["launch", "--", "trian"], "a .py script or an executable on PATH; did you mean 'train'?"),
     (["launch", "--", "missing_script.py"], "script 'missing_script.py' does not exist"),
 ])
 def test_launch_usage_errors(args, message):

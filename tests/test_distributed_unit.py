@@ -92,6 +92,26 @@ def test_restart_count(clean_env):
     assert D.restart_count() == 2
 
 
+def test_main_process_before_the_process_group_exists(clean_env, capsys):
+    from torchrig.recipes.common import say
+
+    assert D.is_main_process()
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    assert not D.is_main_process()
+    say("reading the data")  # recipes print from rank 0 only, also before the Trainer exists
+    assert capsys.readouterr().err == ""
+    clean_env.setenv("RANK", "0")
+    assert D.is_main_process()
+    say("reading the data")
+    assert capsys.readouterr().err == "reading the data\n"
+    for k in ("RANK", "WORLD_SIZE"):
+        clean_env.delenv(k)
+    for k, v in dict(SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="4", SLURM_LOCALID="3").items():
+        clean_env.setenv(k, v)
+    assert not D.is_main_process()
+
+
 def test_helpers_are_no_ops_in_one_process():
     t = torch.tensor([1.0, 2.0])
     assert D.get_rank() == 0 and D.get_world_size() == 1 and D.is_main_process()
@@ -178,7 +198,7 @@ def test_worker_command_forms(tmp_path, monkeypatch):
         L.worker_command(["--"])
     with pytest.raises(L.LaunchError, match="does not exist"):
         L.worker_command(["nope.py"])
-    with pytest.raises(L.LaunchError, match="Did you mean the torchrig command 'train'"):
+    with pytest.raises(L.LaunchError, match="'trian' is not a torchrig command .*; did you mean 'train'\\?$"):
         L.worker_command(["trian"])
 
 

@@ -101,7 +101,7 @@ def test_unknown_metric_lists_valid_names():
     with pytest.raises(MetricError) as err:
         get_metric("acuracy")
     msg = str(err.value)
-    assert "unknown metric 'acuracy'. Did you mean 'accuracy'?" in msg
+    assert "unknown metric 'acuracy'; did you mean 'accuracy'? Valid names:" in msg
     assert "Valid names: " + ", ".join(METRIC_NAMES) in msg and "topK (e.g. top3)" in msg
     with pytest.raises(MetricError, match="a metric must be a name or a torchrig.metrics.Metric, got int"):
         get_metric(3)

@@ -42,7 +42,8 @@ def test_init_forms_apply_to_conv_and_linear_only():
     assert m[3].weight.abs().max() <= bound and torch.all(m[3].bias == 0)
     apply_init(m, "kaiming_normal(mode=fan_out, nonlinearity=relu); bias=0.1")
     assert abs(m[3].weight.std().item() - (2 / 256) ** 0.5) < 0.01 and torch.allclose(m[0].bias, torch.tensor(0.1))
-    for bad, msg in [("xavier_unifrom", "Did you mean 'xavier_uniform'"), ("normal(0, 1, 2)", "at most 2"),
+    for bad, msg in [("xavier_unifrom", "unknown method 'xavier_unifrom'; did you mean 'xavier_uniform'"),
+                     ("normal(0, 1, 2)", "at most 2"),
                      ("kaiming_normal(mode=sideways)", "bad arguments"), ("normal; bias=abc", "not a number"),
                      ("xavier_uniform(alpha=1)", "no argument")]:
         with pytest.raises(InitError, match=msg.replace("(", r"\(")):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import TinyNet, read_jsonl
 from torch import nn
 
-from torchrig.trainer.registry import NameError_, build_loss, build_optimizer, build_scheduler, param_groups
+from torchrig.trainer.losses import build_loss
+from torchrig.trainer.optim import NameError_, build_optimizer, build_scheduler, param_groups
 
 # ----------------------------------------------------------------------------- optimizers
 
@@ -48,7 +49,7 @@ def test_unknown_optimizer_lists_valid_names():
     with pytest.raises(NameError_) as err:
         build_optimizer("adamx", TinyNet(), 0.1)
     msg = str(err.value)
-    assert "unknown optimizer 'adamx'" in msg and "Did you mean 'adam" in msg
+    assert "unknown optimizer 'adamx'" in msg and "; did you mean 'adam'?" in msg
     assert "Valid names: sgd, adam, adamw, adagrad, rmsprop" in msg
 
 
@@ -181,7 +182,7 @@ def test_callable_loss_is_used_as_is():
 def test_unknown_loss_lists_valid_names(make_trainer):
     with pytest.raises(NameError_) as err:
         build_loss("crossentropy")
-    assert "unknown loss 'crossentropy'. Did you mean 'cross_entropy'? Valid names: cross_entropy, nll, mse, l1, " \
+    assert "unknown loss 'crossentropy'; did you mean 'cross_entropy'? Valid names: cross_entropy, nll, mse, l1, " \
            "smooth_l1, bce_with_logits" in str(err.value)
     with pytest.raises(NameError_, match="unknown loss 'hinge'"):
         make_trainer(loss="hinge")
@@ -301,7 +302,7 @@ def test_no_scheduler(name):
 def test_unknown_scheduler_and_interval():
     with pytest.raises(NameError_) as err:
         build_scheduler("cosinee", _sgd(), interval=None, total_steps=1, epochs=1)
-    assert "unknown scheduler 'cosinee'. Did you mean 'cosine'? Valid names: none, step, multistep, cosine, " \
+    assert "unknown scheduler 'cosinee'; did you mean 'cosine'? Valid names: none, step, multistep, cosine, " \
            "onecycle, warmup_cosine" in str(err.value)
     with pytest.raises(NameError_, match="scheduler.interval must be 'step' or 'epoch', got 'batch'"):
         build_scheduler("cosine", _sgd(), interval="batch", total_steps=1, epochs=1)
@@ -368,5 +369,5 @@ def test_trainer_user_scheduler_per_epoch(make_trainer, data):
 
 def test_trainer_unknown_scheduler(make_trainer, data):
     trainer = make_trainer(scheduler="cosin")
-    with pytest.raises(NameError_, match="unknown scheduler 'cosin'. Did you mean 'cosine'"):
+    with pytest.raises(NameError_, match="unknown scheduler 'cosin'; did you mean 'cosine'"):
         trainer.fit(data)

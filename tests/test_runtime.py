@@ -115,7 +115,12 @@ def test_mps_without_mps():
         select_device("mps")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_gpu_marked_tests_run_only_where_cuda_is():
+    assert torch.cuda.is_available()  # fails on a CPU-only machine unless the marker skips it
+
+
+@pytest.mark.gpu
 def test_cuda_index_out_of_range():
     n = torch.cuda.device_count()
     with pytest.raises(RuntimeSetupError, match=f"only {n} CUDA device"):
@@ -188,7 +193,7 @@ def test_precision_aliases(alias, name):
     assert make_precision(alias, torch.device("cpu")).name == name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_fp16_on_cuda_uses_a_grad_scaler(make_trainer, data):
     trainer = make_trainer(precision="fp16", device="cuda", epochs=2)
     assert trainer.precision.scaler is not None

@@ -2,6 +2,10 @@
 
 The public API is what this module exports. Sub-packages are imported on first use so that
 ``import torchrig`` costs little more than ``import torch``.
+
+Recipes add their own config sections (``image``, ``text``, ``pix2pix``) when they are imported, so
+``torchrig.Config`` and ``torchrig.load_config`` import ``torchrig.recipes`` first: a YAML file with
+an ``image:`` section loads through them as it does on the command line.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ _EXPORTS = {
     "broadcast": "torchrig.runtime",
     "gather": "torchrig.runtime",
     "seed_everything": "torchrig.runtime",
+    "TorchrigError": "torchrig.errors",
 }
+
+_NEED_RECIPE_SECTIONS = {"Config", "load_config"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if name in _NEED_RECIPE_SECTIONS:
+            importlib.import_module("torchrig.recipes")
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

@@ -31,8 +31,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..errors import TorchrigError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(TorchrigError, RuntimeError):
     """A checkpoint that is missing, unreadable, unsafe or does not match the model."""
 
 

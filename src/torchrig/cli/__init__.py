@@ -100,11 +100,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from ..recipes.run import dumps, run_evaluate
+    import json
+
+    from ..recipes.run import run_evaluate
 
     results = run_evaluate(args.checkpoint, args.split, args.overrides)
     if args.json:
-        print(dumps(results))
+        print(json.dumps(results, sort_keys=True))
     else:
         for k, v in results.items():
             print(f"{k}: {v:.6f}")
@@ -167,18 +169,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
-    from ..data import DataError
-    from ..metrics import MetricError
-    from ..recipes import RecipeError
-    from ..runtime import RuntimeSetupError
-    from ..trainer import NonFiniteLossError
-    from ..trainer.plot import PlotError
-    from ..trainer.registry import NameError_
+    """Errors whose message is the whole story: torchrig's own, and files that are missing or
+    not readable (the message names the file)."""
+    from ..errors import TorchrigError
 
-    return isinstance(exc, (CheckpointError, ConfigError, DataError, MetricError, RecipeError, RuntimeSetupError,
-                            NonFiniteLossError, PlotError, NameError_, FileNotFoundError, PermissionError))
+    return isinstance(exc, (TorchrigError, FileNotFoundError, PermissionError))
 
 
 if __name__ == "__main__":

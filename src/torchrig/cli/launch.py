@@ -18,7 +18,6 @@ resume from the latest checkpoint).
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import shlex
 import socket
@@ -26,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..errors import TorchrigError, suggest
 from . import register_command
 
 LOOPBACK_BACKEND = "torchrig-loopback"
@@ -33,7 +33,7 @@ TORCHRIG_COMMANDS = ("train", "evaluate", "predict", "plot", "doctor", "data", "
 EXIT_USAGE = 2
 
 
-class LaunchError(ValueError):
+class LaunchError(TorchrigError, ValueError):
     """A launch request that cannot work as given; the message says what to change."""
 
 
@@ -99,9 +99,9 @@ def _strict(parser: argparse.ArgumentParser) -> None:
         ns, extras = original(args, namespace)
         if extras:
             bad = extras[0].split("=")[0]
-            close = ["--nproc-per-node"] if "proc" in bad or bad in ("-n", "--np", "--gpus", "--workers") else \
-                difflib.get_close_matches(bad, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else "; see torchrig launch --help"
+            procs = "proc" in bad or bad in ("-n", "--np", "--gpus", "--workers")
+            hint = suggest(bad, ["--nproc-per-node"], cutoff=0.0) if procs else suggest(bad, known)
+            hint = hint or "; see torchrig launch --help"
             parser.error(f"unknown option {bad}{hint} (options for the launched command go after --)")
         return ns, extras
 
@@ -171,10 +171,8 @@ def worker_command(command: list[str]) -> list[str]:
     import shutil
 
     if shutil.which(first) is None:
-        close = difflib.get_close_matches(first, TORCHRIG_COMMANDS, n=1)
-        hint = f" Did you mean the torchrig command '{close[0]}'?" if close else ""
         raise LaunchError(f"'{first}' is not a torchrig command ({', '.join(TORCHRIG_COMMANDS[:5])}), a .py script "
-                          f"or an executable on PATH.{hint}")
+                          f"or an executable on PATH{suggest(first, TORCHRIG_COMMANDS)}")
     return ["--no-python", *cmd]
 
 

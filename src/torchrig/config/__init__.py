@@ -1,14 +1,14 @@
 """Typed configuration: dataclasses, YAML files and ``--set a.b=c`` overrides.
 
-Every key a user can write lives in one of the dataclasses below, so an unknown key is an error
-with the closest valid key suggested, and every value is checked against its declared type.
-Only the standard library and PyYAML (imported lazily) are used here.
+Every key a user can write lives in one of the dataclasses below, or in a section that a recipe
+adds with :func:`register_section` (``image``, ``text``, ``pix2pix`` …: this layer knows no recipe),
+so an unknown key is an error with the closest valid key suggested, and every value is checked
+against its declared type. Only the standard library and PyYAML (imported lazily) are used here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import types
@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..errors import TorchrigError, suggest
 
-class ConfigError(ValueError):
+
+class ConfigError(TorchrigError, ValueError):
     """A bad configuration key or value; the message names the key, the value and the fix."""
 
 
@@ -118,63 +120,6 @@ class DistConfig:
 
 
 @dataclass
-class ImageConfig:
-    """Recipe ``image-classification``: image folder reading and transforms (sizes in pixels)."""
-
-    size: Optional[int] = None  # final square side; None = as stored (all images must then share one size)
-    resize: Optional[int] = None  # resize the shorter side to this before cropping; default: size
-    random_resized_crop: bool = False  # train: random area/aspect crop resized to `size`
-    crop_scale: tuple = (0.08, 1.0)  # random_resized_crop area range (fractions of the image)
-    random_crop_padding: int = 0  # train: pad by this many pixels, then random-crop back to size
-    hflip: bool = False  # train: random horizontal flip
-    normalize: bool = True
-    mean: Optional[list] = None  # per channel in [0, 1]; None = computed from the training images
-    std: Optional[list] = None
-    channels: Optional[int] = None  # 1 or 3; None = from the images (3 for torchvision / timm models)
-    class_map: dict = field(default_factory=dict)  # class folder -> index; default: sorted folder names
-    classes: list = field(default_factory=list)  # index -> class name; filled in by training
-    cache: Union[bool, str] = "auto"  # decode every image into memory once ("auto": small data sets)
-    extensions: list = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif",
-                                                      ".tiff", ".webp", ".ppm", ".pgm"])
-
-
-@dataclass
-class TextConfig:
-    """Recipe ``text-classification``: CSV / JSONL columns, tokenizer and sequence length (tokens)."""
-
-    text_column: str = "text"
-    text_pair_column: Optional[str] = None  # a second segment (token_type 1), e.g. for sentence pairs
-    label_column: str = "label"
-    max_length: int = 128  # tokens per sample including [CLS] / [SEP]; longer texts are truncated
-    vocab_size: int = 8000  # tokenizer vocabulary budget, trained on the training texts
-    min_frequency: int = 2  # a word or piece must occur this often to enter the vocabulary
-    lowercase: bool = True
-    labels: list = field(default_factory=list)  # index -> label; filled in by training (or fixes the order)
-    tokenizer: Optional[str] = None  # a saved tokenizer.json to reuse; None = train one (saved in the run dir)
-
-
-@dataclass
-class Pix2PixConfig:
-    """Recipe ``pix2pix``: paired images, the U-Net / PatchGAN sizes and the loss weights."""
-
-    layout: str = "auto"  # auto, side_by_side (A|B in one file), folders (DIR/A and DIR/B, matching names)
-    direction: str = "AtoB"  # AtoB or BtoA
-    image_size: Optional[int] = None  # square side fed to the networks; None = 256 (embedded digits: 32)
-    load_size: Optional[int] = None  # train: resize to this, then random-crop image_size (jitter)
-    flip: bool = False  # train: random horizontal flip of both images together
-    channels_a: Optional[int] = None  # 1 or 3; None = from the images
-    channels_b: Optional[int] = None
-    lambda_l1: float = 100.0  # weight of the L1 term in the generator loss
-    gan_mode: str = "vanilla"  # vanilla (BCE with logits) or lsgan (MSE)
-    ngf: Optional[int] = None  # generator filters in the first layer; None = 64 (embedded digits: 32)
-    ndf: Optional[int] = None  # discriminator filters in the first layer; None = 64 (embedded digits: 32)
-    num_downs: Optional[int] = None  # U-Net depth; None = log2(image_size) (a 1x1 bottleneck)
-    d_layers: Optional[int] = None  # PatchGAN strided layers; None = 3, the 70x70 PatchGAN (digits: 2)
-    dropout: float = 0.5  # in the three decoder blocks after the bottleneck
-    samples: int = 8  # pairs shown in the PNG grid written each epoch
-
-
-@dataclass
 class Config:
     recipe: str = "digits"
     seed: int = 0
@@ -206,9 +151,78 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    image: ImageConfig = field(default_factory=ImageConfig)
-    text: TextConfig = field(default_factory=TextConfig)
-    pix2pix: Pix2PixConfig = field(default_factory=Pix2PixConfig)
+
+    # Recipe sections (``cfg.image``, ``cfg.text`` …) are not fields: see register_section.
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            setattr(self, name, cls())
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: a section registered after this Config was made.
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            raise AttributeError(f"'Config' object has no attribute '{name}'")
+        value = cls()
+        setattr(self, name, value)
+        return value
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in _keys(self))
+
+
+# ----------------------------------------------------------------------------- recipe sections
+
+_SECTIONS: dict[str, type] = {}
+
+
+def register_section(name: str, cls: type) -> None:
+    """Make the dataclass ``cls`` the top-level section ``name`` of every Config.
+
+    Recipes call this when their module is imported, so that this layer knows no recipe. The YAML
+    key ``name:``, ``--set name.key=value``, ``cfg.name.key``, ``to_dict`` / ``from_dict`` and a
+    checkpoint's ``config.yaml`` then treat the section like a built-in one; unknown keys in it get
+    suggestions, and its ``validate()`` method, if it has one, runs within :func:`validate`.
+
+    A config that names a section is loaded after the section is registered: the ``torchrig``
+    command, ``torchrig.load_config`` and ``torchrig.Config`` import ``torchrig.recipes`` (every
+    recipe) first; code that imports ``torchrig.config`` directly imports the recipe as well.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"config section '{name}': {cls!r} is not a dataclass")
+    if name in {f.name for f in dataclasses.fields(Config)}:
+        raise ConfigError(f"config section '{name}' would hide the config key '{name}'; choose another name")
+    old = _SECTIONS.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ConfigError(f"config section '{name}' is already registered by {old.__module__}.{old.__qualname__}; "
+                          f"choose another name")
+    _SECTIONS[name] = cls
+
+
+def sections() -> dict[str, type]:
+    """The registered recipe sections, name -> dataclass."""
+    return dict(_SECTIONS)
+
+
+def _keys(obj: Any) -> list[str]:
+    names = [f.name for f in dataclasses.fields(obj)]
+    return names + list(_SECTIONS) if isinstance(obj, Config) else names
+
+
+def _section_hint(obj: Any, mapping: bool) -> str:
+    """An unknown top-level mapping is most likely the section of a recipe not imported yet."""
+    if not (isinstance(obj, Config) and mapping):
+        return ""
+    return ("; a recipe's own section is known once the recipe is imported: import torchrig.recipes "
+            "(the torchrig command and torchrig.load_config do)")
+
+
+def _validate_sections(cfg: Config) -> None:
+    for name in _SECTIONS:
+        check = getattr(getattr(cfg, name), "validate", None)
+        if check is not None:
+            check()
 
 
 # ----------------------------------------------------------------------------- type checking
@@ -300,17 +314,16 @@ def _hints(cls: type) -> dict:
 
 
 def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    return suggest(name, options, cutoff=0.5) or f"; valid keys: {', '.join(sorted(options))}"
 
 
 def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
     hints = _hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
+    names = _keys(obj)
     for key, value in mapping.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key '{full}'{_suggest(str(key), names)}")
+            raise ConfigError(f"unknown config key '{full}'{_suggest(str(key), names)}{_section_hint(obj, isinstance(value, dict))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -343,25 +356,31 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _set_path(obj: Any, dotted: str, raw: Any) -> None:
+def set_key(cfg: Any, dotted: str, value: Any) -> None:
+    """Set the key ``dotted`` (``"optim.lr"``) of ``cfg`` to ``value``, checked like a YAML value.
+
+    A string is parsed the way ``--set optim.lr=VALUE`` parses it (``"3"`` is 3, ``"[1, 2]"`` a
+    list); an unknown key is a ConfigError naming the closest one. A key inside a mapping value
+    (``optim.group_lr.head``) adds or replaces that entry. Call :func:`validate` afterwards for the
+    checks that involve several keys.
+    """
     parts = dotted.split(".")
-    target = obj
+    value = _parse_scalar(value) if isinstance(value, str) else value
+    target = cfg
     for i, part in enumerate(parts[:-1]):
-        names = [f.name for f in dataclasses.fields(target)]
+        names = _keys(target)
         if part not in names or not dataclasses.is_dataclass(getattr(target, part)):
-            sections = [n for n in names if dataclasses.is_dataclass(getattr(target, n))]
             prefix = ".".join(parts[:i])
             shown = f"{prefix}.{part}" if prefix else part
             if part in names:  # a plain value, but the user addressed a sub-key
-                name = parts[i + 1]
                 if isinstance(getattr(target, part), dict):
-                    getattr(target, part)[".".join(parts[i + 1 :])] = _parse_scalar(raw) if isinstance(raw, str) else raw
+                    getattr(target, part)[".".join(parts[i + 1:])] = value
                     return
-                raise ConfigError(f"config key '{shown}' has no sub-key '{name}'")
-            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, sections + names)}")
+                raise ConfigError(f"config key '{shown}' has no sub-key '{parts[i + 1]}'")
+            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, names)}"
+                              f"{_section_hint(target, True)}")
         target = getattr(target, part)
-    _apply_mapping(target, {parts[-1]: _parse_scalar(raw) if isinstance(raw, str) else raw},
-                   prefix=".".join(parts[:-1]) + "." if len(parts) > 1 else "")
+    _apply_mapping(target, {parts[-1]: value}, prefix=".".join(parts[:-1]) + "." if len(parts) > 1 else "")
 
 
 def validate(cfg: Config) -> Config:
@@ -398,6 +417,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config key 'threads': must be at least 1, got {cfg.threads}")
     if isinstance(cfg.data.num_workers, str) and cfg.data.num_workers != "auto":
         raise ConfigError(f"config key 'data.num_workers': expected an integer or 'auto', got {cfg.data.num_workers!r}")
+    _validate_sections(cfg)
     return cfg
 
 
@@ -425,7 +445,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         key = key.strip()
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
-        _set_path(cfg, key, raw)
+        set_key(cfg, key, raw)
     return validate(cfg)
 
 
@@ -462,7 +482,9 @@ def to_dict(cfg: Config) -> dict:
             return [plain(x) for x in v]
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    out = plain(dataclasses.asdict(cfg))
+    out.update({name: plain(dataclasses.asdict(getattr(cfg, name))) for name in _SECTIONS})
+    return out
 
 
 def from_dict(mapping: dict) -> Config:
@@ -472,7 +494,7 @@ def from_dict(mapping: dict) -> Config:
 
 
 __all__ = [
-    "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig",
-    "CheckpointConfig", "LogConfig", "DistConfig", "ImageConfig", "TextConfig", "Pix2PixConfig", "load_config", "read_yaml", "to_dict",
-    "from_dict", "validate", "get_key",
+    "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig", "CheckpointConfig",
+    "LogConfig", "DistConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate", "get_key", "set_key",
+    "register_section", "sections",
 ]

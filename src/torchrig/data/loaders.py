@@ -15,10 +15,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
+from ..errors import TorchrigError
+
 from .sampler import ResumableSampler
 
 
-class DataError(ValueError):
+class DataError(TorchrigError, ValueError):
     """Bad training or evaluation data; the message names what is wrong and how to fix it."""
 
 
@@ -98,12 +100,10 @@ class TensorBatches:
 class Batches:
     """What the loop iterates: a DataLoader or TensorBatches plus its resumable sampler."""
 
-    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int,
-                 num_samples: Optional[int]):
+    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int):
         self.source = source
         self.sampler = sampler
         self.batch_size = batch_size
-        self.num_samples = num_samples
         self._skip_next = 0
 
     @property
@@ -160,71 +160,64 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
     if isinstance(data, Batches):
         return data
     if isinstance(data, DataLoader):
-        return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, device=device,
-                            fast_path=fast_path)
-    dataset = _as_dataset(data)
+        return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, fast_path=fast_path)
+    workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
+    pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
+    options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin, drop_last=drop_last and train,
+                   persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+    return _resumable(_as_dataset(data), options, train=train, shuffle=shuffle and train, seed=seed, rank=rank,
+                      world_size=world_size, fast_path=fast_path)
+
+
+def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world_size: int,
+                 fast_path: bool) -> Batches:
+    """Rebuild a user's DataLoader around a ResumableSampler, keeping every other setting.
+
+    Only plain samplers (random / sequential) are replaced; a custom sampler or batch sampler is
+    kept as given (resume then re-reads the skipped batches, and sharding is the user's job).
+    """
+    plain = type(loader.sampler) in (RandomSampler, SequentialSampler) and loader.batch_size is not None
+    if not plain:
+        return Batches(loader, None, loader.batch_size or 1)
+    default_collate = loader.collate_fn is torch.utils.data.default_collate or \
+        getattr(loader.collate_fn, "__name__", "") == "default_collate"
+    options = dict(batch_size=loader.batch_size, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                   drop_last=loader.drop_last and train, collate_fn=loader.collate_fn, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+                   prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
+    shuffle = isinstance(loader.sampler, RandomSampler) and train
+    return _resumable(loader.dataset, options, train=train, shuffle=shuffle, seed=seed, rank=rank,
+                      world_size=world_size, fast_path=fast_path and default_collate and loader.num_workers == 0)
+
+
+_WORKER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_context")
+
+
+def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, seed: int, rank: int,
+               world_size: int, fast_path: bool) -> Batches:
+    """The one way batches are made: a ResumableSampler over ``dataset``, then the in-memory fast
+    path for a TensorDataset (when ``fast_path``), else a DataLoader with ``options`` (its keyword
+    arguments) whose workers seed every sample from ``(seed, epoch, index)``."""
     try:
         n = len(dataset)
     except TypeError:
         raise DataError(f"the data set {type(dataset).__name__} has no length; give a DataLoader instead") from None
     if n == 0:
         raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
-    sampler = ResumableSampler(n, shuffle=shuffle and train, seed=seed, rank=rank, world_size=world_size,
-                               drop_last=drop_last and train, pad=train)
-    pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
+    batch_size, drop_last = options["batch_size"], options["drop_last"]
+    sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                               drop_last=drop_last, pad=train)
     if fast_path and type(dataset) is TensorDataset:
-        return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last and train, pin=pin),
-                       sampler, batch_size, n)
-    workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
-    kwargs: dict[str, Any] = {}
-    if workers > 0:
+        return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last, pin=options["pin_memory"]),
+                       sampler, batch_size)
+    if options["num_workers"] > 0:
         sampler.with_epoch = True
         dataset = _SeededSamples(dataset, seed)
-        kwargs["persistent_workers"] = persistent_workers
-        if prefetch_factor:
-            kwargs["prefetch_factor"] = prefetch_factor
+    else:
+        options = {k: v for k, v in options.items() if k not in _WORKER_OPTIONS}
     g = torch.Generator()
     g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        pin_memory=pin, drop_last=drop_last and train, generator=g, **kwargs)
-    return Batches(loader, sampler, batch_size, n)
-
-
-def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world_size: int,
-                 device: torch.device, fast_path: bool) -> Batches:
-    """Rebuild a user's DataLoader around a ResumableSampler, keeping every other setting.
-
-    Only plain samplers (random / sequential) are replaced; a custom sampler or batch sampler is
-    kept as given (resume then re-reads the skipped batches, and sharding is the user's job).
-    """
-    sampler = loader.sampler
-    plain = type(sampler) in (RandomSampler, SequentialSampler) and loader.batch_size is not None
-    if not plain:
-        return Batches(loader, None, loader.batch_size or 1, None)
-    shuffle = isinstance(sampler, RandomSampler) and train
-    dataset = loader.dataset
-    n = len(dataset)
-    if n == 0:
-        raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
-    new = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                           drop_last=loader.drop_last and train, pad=train)
-    default_collate = loader.collate_fn is torch.utils.data.default_collate or \
-        getattr(loader.collate_fn, "__name__", "") == "default_collate"
-    if fast_path and type(dataset) is TensorDataset and default_collate and loader.num_workers == 0:
-        return Batches(TensorBatches(dataset.tensors, new, loader.batch_size, loader.drop_last and train,
-                                     pin=loader.pin_memory), new, loader.batch_size, n)
-    kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
-                                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-                                  drop_last=loader.drop_last and train, timeout=loader.timeout,
-                                  worker_init_fn=loader.worker_init_fn)
-    if loader.num_workers > 0:
-        new.with_epoch = True
-        dataset = _SeededSamples(dataset, seed)
-        kwargs.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor,
-                      multiprocessing_context=loader.multiprocessing_context)
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return Batches(DataLoader(dataset, sampler=new, generator=g, **kwargs), new, loader.batch_size, n)
+    return Batches(DataLoader(dataset, sampler=sampler, generator=g, **options), sampler, batch_size)
 
 
 def prepare_train(data: Any, **kwargs: Any) -> Batches:

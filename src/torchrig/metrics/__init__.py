@@ -6,15 +6,15 @@ an evaluation, so distributed evaluation gives the same numbers as one process.
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ..runtime.dist import all_reduce_sum
+from ..errors import TorchrigError, suggest
 
 
-class MetricError(ValueError):
+class MetricError(TorchrigError, ValueError):
     """An unknown metric name or an output / target pair a metric cannot score."""
 
 
@@ -243,9 +243,8 @@ def get_metric(spec: Union[str, Metric]) -> Metric:
         return TopK(int(key[3:].lstrip("_k=")))
     if key in _FACTORIES:
         return _FACTORIES[key]()
-    close = difflib.get_close_matches(key, METRIC_NAMES, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise MetricError(f"unknown metric '{spec}'.{hint} Valid names: {', '.join(METRIC_NAMES)}, topK (e.g. top3)")
+    listing = f"Valid names: {', '.join(METRIC_NAMES)}, topK (e.g. top3)"
+    raise MetricError(f"unknown metric '{spec}'{suggest(key, METRIC_NAMES, listing=listing)}")
 
 
 def higher_is_better(name: str) -> bool:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Callable
 
 from torch import nn
+
+from ..errors import suggest
 
 from .pix2pix import PatchDiscriminator, UNetGenerator, build_pix2pix
 from .small import DigitsCNN, MLP
@@ -33,9 +34,8 @@ def model_names() -> list[str]:
 
 def build_model(name: str, **options) -> nn.Module:
     if name not in _BUILDERS:
-        close = difflib.get_close_matches(name, list(_BUILDERS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"unknown model '{name}'.{hint} Valid names: {', '.join(model_names())}")
+        listing = f"Valid names: {', '.join(model_names())}"
+        raise ValueError(f"unknown model '{name}'{suggest(name, _BUILDERS, listing=listing)}")
     try:
         return _BUILDERS[name](**options)
     except TypeError as exc:

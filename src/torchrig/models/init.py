@@ -13,15 +13,16 @@ normalisation layers and embeddings keep their own initialisation.
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..errors import TorchrigError, suggest
 
-class InitError(ValueError):
+
+class InitError(TorchrigError, ValueError):
     """A ``model.init`` string that cannot be parsed; the message shows the accepted forms."""
 
 
@@ -58,9 +59,8 @@ def _parse_call(text: str, spec: str) -> tuple[str, dict]:
         raise InitError(f"model.init {spec!r} is not understood; {_FORMS}")
     name, args = m.group(1).lower().rstrip("_"), m.group(2)
     if name not in _METHODS:
-        close = difflib.get_close_matches(name, list(_METHODS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise InitError(f"model.init: unknown method '{name}'.{hint} Valid: {', '.join(_METHODS)}")
+        listing = f"Valid methods: {', '.join(_METHODS)}"
+        raise InitError(f"model.init: unknown method '{name}'{suggest(name, _METHODS, listing=listing)}")
     fn, positional = _METHODS[name]
     kwargs: dict = {}
     if args and args.strip():

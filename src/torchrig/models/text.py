@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import suggest
+
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  token_type_ids: Optional[torch.Tensor]):
@@ -159,12 +161,10 @@ TEXT_MODELS = {"bert": BertClassifier, "hf_bert": HFBertClassifier}
 
 def build_text_model(name: str, vocab_size: int, num_classes: int, max_length: int, options: Optional[dict] = None,
                      pad_id: int = 0) -> nn.Module:
-    import difflib
-
+    
     if name not in TEXT_MODELS:
-        close = difflib.get_close_matches(name, list(TEXT_MODELS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"unknown text model '{name}'.{hint} Valid: {', '.join(TEXT_MODELS)}")
+        listing = f"Valid text models: {', '.join(TEXT_MODELS)}"
+        raise ValueError(f"unknown text model '{name}'{suggest(name, TEXT_MODELS, listing=listing)}")
     options = dict(options or {})
     options.setdefault("max_length", max_length)
     try:

@@ -9,10 +9,11 @@ Nothing is ever downloaded: a local weights file is loaded by the recipe (``mode
 
 from __future__ import annotations
 
-import difflib
 from typing import Optional, Sequence
 
 from torch import nn
+
+from ..errors import suggest
 
 
 class BasicBlock(nn.Module):
@@ -143,7 +144,7 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
         if source == "torchvision":
             if not tv:
                 raise ValueError(f"model 'torchvision:{name}' needs torchvision; pip install torchvision")
-            raise ValueError(f"torchvision has no classification model '{name}'{_close(name, tv)}")
+            raise ValueError(f"torchvision has no classification model '{name}'{suggest(name, tv)}")
     tm = timm_names()
     if name in tm:
         import timm
@@ -152,16 +153,11 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
         return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **options)
     if source == "timm":
         raise ValueError(f"model 'timm:{name}' needs timm (pip install timm)" if not tm
-                         else f"timm has no model '{name}'{_close(name, tm)}")
+                         else f"timm has no model '{name}'{suggest(name, tm)}")
     known = [n for n in sorted(builtins) if n not in NOT_IMAGE]
-    raise ValueError(f"unknown image model '{name}'{_close(name, known + torchvision_names())}; built-in: "
-                     f"{', '.join(known)}; or any torchvision.models classification builder (resnet18, resnet50, …)"
-                     + ("; or a timm model" if tm else " (timm models too, once timm is installed)"))
-
-
-def _close(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    listing = (f"Built-in: {', '.join(known)}; or any torchvision.models classification builder (resnet18, "
+               f"resnet50, …)" + ("; or a timm model" if tm else " (timm models too, once timm is installed)"))
+    raise ValueError(f"unknown image model '{name}'{suggest(name, known + torchvision_names(), listing=listing)}")
 
 
 __all__ = ["BasicBlock", "SmallResNet", "build_image_model", "check_image_model_name", "is_external", "torchvision_names", "timm_names"]

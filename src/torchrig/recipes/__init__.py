@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 
+from ..errors import suggest
 from .base import Recipe, RecipeError
 from .digits import DigitsRecipe
 from .image import ImageClassificationRecipe
@@ -28,9 +28,8 @@ def recipe_names() -> list[str]:
 
 def get_recipe(name: str) -> Recipe:
     if name not in _RECIPES:
-        close = difflib.get_close_matches(name, list(_RECIPES), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise RecipeError(f"unknown recipe '{name}'.{hint} Valid recipes: {', '.join(recipe_names())}")
+        listing = f"Valid recipes: {', '.join(recipe_names())}"
+        raise RecipeError(f"unknown recipe '{name}'{suggest(name, _RECIPES, listing=listing)}")
     return _RECIPES[name]()
 
 

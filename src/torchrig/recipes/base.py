@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from .. import config as C
+from ..errors import TorchrigError
 
 
-class RecipeError(ValueError):
+class RecipeError(TorchrigError, ValueError):
     """Bad recipe input (data path, image, text file); the message names it and the fix."""
 
 

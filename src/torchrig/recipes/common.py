@@ -1,28 +1,35 @@
-"""Small helpers the recipes share: messages from rank 0, fixed splits, input file listing."""
+"""Small helpers the recipes share: messages from rank 0, checks of config sections, fixed splits,
+input file listing."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..config import ConfigError
+from ..runtime import is_main_process
 from .base import RecipeError
 
 SPLIT_SEED = 20240501  # validation splits do not depend on the training seed
 
 
-def is_main() -> bool:
-    """Rank 0 (or a single process). Read from the environment: recipes run before the Trainer
-    (which creates the process group) exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def say(text: str) -> None:
-    if is_main():
+    if is_main_process():
         print(text, file=sys.stderr, flush=True)
+
+
+def at_least(key: str, value: Optional[float], low: float) -> None:
+    """A recipe section's range check: ``value`` is None (not set) or at least ``low``."""
+    if value is not None and value < low:
+        raise ConfigError(f"config key '{key}': must be at least {low}, got {value}")
+
+
+def one_of(key: str, value: Any, allowed: Sequence) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(str(a) for a in allowed)}")
 
 
 def stratified_split(labels: Sequence[int], fraction: float, seed: int = SPLIT_SEED) -> tuple[list[int], list[int]]:

@@ -13,8 +13,9 @@ a checkpoint alone is enough to predict (no access to the training folder needed
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import TensorDataset
@@ -22,9 +23,58 @@ from torch.utils.data import TensorDataset
 from .. import config as C
 from ..data.datasets import images as I
 from .base import Recipe, RecipeError
-from .common import display_name, input_files, say, stratified_split
+from .common import at_least, display_name, input_files, one_of, say, stratified_split
 
 VAL_NAMES = ("val", "valid", "validation")
+
+
+@dataclass
+class ImageConfig:
+    """The ``image`` config section: image folder reading and transforms (sizes in pixels)."""
+
+    size: Optional[int] = None  # final square side; None = as stored (all images must then share one size)
+    resize: Optional[int] = None  # resize the shorter side to this before cropping; default: size
+    random_resized_crop: bool = False  # train: random area/aspect crop resized to `size`
+    crop_scale: tuple = (0.08, 1.0)  # random_resized_crop area range (fractions of the image)
+    random_crop_padding: int = 0  # train: pad by this many pixels, then random-crop back to size
+    hflip: bool = False  # train: random horizontal flip
+    normalize: bool = True
+    mean: Optional[list] = None  # per channel in [0, 1]; None = computed from the training images
+    std: Optional[list] = None
+    channels: Optional[int] = None  # 1 or 3; None = from the images (3 for torchvision / timm models)
+    class_map: dict = field(default_factory=dict)  # class folder -> index; default: sorted folder names
+    classes: list = field(default_factory=list)  # index -> class name; filled in by training
+    cache: Union[bool, str] = "auto"  # decode every image into memory once ("auto": small data sets)
+    extensions: list = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif",
+                                                      ".tiff", ".webp", ".ppm", ".pgm"])
+
+    def validate(self) -> None:
+        at_least("image.size", self.size, 1)
+        at_least("image.resize", self.resize, 1)
+        at_least("image.random_crop_padding", self.random_crop_padding, 0)
+        scale = list(self.crop_scale)
+        if len(scale) != 2 or not all(_number(v) and 0 < v <= 1 for v in scale) or scale[0] > scale[1]:
+            raise C.ConfigError(f"config key 'image.crop_scale': expected two fractions of the image area "
+                                f"0 < low <= high <= 1, got {scale}")
+        if self.random_resized_crop and self.size is None:
+            raise C.ConfigError("config key 'image.random_resized_crop': needs image.size (the side of the crop, "
+                                "in pixels)")
+        if self.channels is not None:
+            one_of("image.channels", self.channels, (1, 3))
+        if not isinstance(self.cache, bool) and self.cache != "auto":
+            raise C.ConfigError(f"config key 'image.cache': expected true, false or 'auto', got {self.cache!r}")
+        for key in ("mean", "std"):
+            values = getattr(self, key)
+            if values is not None and not all(_number(v) and (v > 0 or key == "mean") for v in values):
+                raise C.ConfigError(f"config key 'image.{key}': expected one number per channel"
+                                    f"{' (each above 0)' if key == 'std' else ''}, got {values}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+C.register_section("image", ImageConfig)
 
 
 class _PadRandomCrop(torch.nn.Module):
@@ -42,7 +92,7 @@ class _PadRandomCrop(torch.nn.Module):
         return padded[..., i:i + h, j:j + w]
 
 
-def build_transform(ic: C.ImageConfig, train: bool, normalize: bool = True):
+def build_transform(ic: ImageConfig, train: bool, normalize: bool = True):
     """uint8 ``(C, H, W)`` -> float32, from the ``image`` config section."""
     try:
         from torchvision.transforms import v2 as T
@@ -51,8 +101,6 @@ def build_transform(ic: C.ImageConfig, train: bool, normalize: bool = True):
                           "pip install torchvision") from None
     ops: list = []
     if train and ic.random_resized_crop:
-        if ic.size is None:
-            raise RecipeError("image.random_resized_crop needs image.size (the side of the crop, in pixels)")
         if ic.resize:
             ops.append(T.Resize(ic.resize, antialias=True))
         ops.append(T.RandomResizedCrop(ic.size, scale=tuple(ic.crop_scale), antialias=True))
@@ -70,7 +118,7 @@ def build_transform(ic: C.ImageConfig, train: bool, normalize: bool = True):
     return T.Compose(ops)
 
 
-def _has_random(ic: C.ImageConfig) -> bool:
+def _has_random(ic: ImageConfig) -> bool:
     return bool(ic.random_resized_crop or ic.random_crop_padding or ic.hflip)
 
 
@@ -187,7 +235,7 @@ class ImageClassificationRecipe(Recipe):
         return n * h * w * channels <= 1 << 30
 
     @staticmethod
-    def _stats(ic: C.ImageConfig, prep: _Prepared) -> tuple[list, list]:
+    def _stats(ic: ImageConfig, prep: _Prepared) -> tuple[list, list]:
         """Per-channel mean and std (of values in [0, 1]) over up to 2,000 training images."""
         items, _ = prep.splits["train"]
         step = max(1, len(items) // 2000)

@@ -12,6 +12,7 @@ and reports the held-out L1 (``val/l1``, on images in [-1, 1]), which picks the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,11 +23,53 @@ from torch.utils.data import TensorDataset
 from .. import config as C
 from ..data.datasets import paired as P
 from ..data.datasets.images import BadImageError, GRAY_MODES, image_mode, read_image, write_bad_list
+from ..runtime import is_main_process, unwrap
 from .base import Recipe, RecipeError
-from .common import display_name, input_files, is_main, say, stratified_split
+from .common import at_least, display_name, input_files, one_of, say, stratified_split
 
 PAPER = {"image_size": 256, "ngf": 64, "ndf": 64, "d_layers": 3}
 DIGITS = {"image_size": 32, "ngf": 32, "ndf": 32, "d_layers": 2}
+GAN_MODES = ("vanilla", "lsgan")
+
+
+@dataclass
+class Pix2PixConfig:
+    """The ``pix2pix`` config section: paired images, the U-Net / PatchGAN sizes and the loss weights."""
+
+    layout: str = "auto"  # auto, side_by_side (A|B in one file), folders (DIR/A and DIR/B, matching names)
+    direction: str = "AtoB"  # AtoB or BtoA
+    image_size: Optional[int] = None  # square side fed to the networks; None = 256 (embedded digits: 32)
+    load_size: Optional[int] = None  # train: resize to this, then random-crop image_size (jitter)
+    flip: bool = False  # train: random horizontal flip of both images together
+    channels_a: Optional[int] = None  # 1 or 3; None = from the images
+    channels_b: Optional[int] = None
+    lambda_l1: float = 100.0  # weight of the L1 term in the generator loss
+    gan_mode: str = "vanilla"  # vanilla (BCE with logits) or lsgan (MSE)
+    ngf: Optional[int] = None  # generator filters in the first layer; None = 64 (embedded digits: 32)
+    ndf: Optional[int] = None  # discriminator filters in the first layer; None = 64 (embedded digits: 32)
+    num_downs: Optional[int] = None  # U-Net depth; None = log2(image_size) (a 1x1 bottleneck)
+    d_layers: Optional[int] = None  # PatchGAN strided layers; None = 3, the 70x70 PatchGAN (digits: 2)
+    dropout: float = 0.5  # in the three decoder blocks after the bottleneck
+    samples: int = 8  # pairs shown in the PNG grid written each epoch
+
+    def validate(self) -> None:
+        one_of("pix2pix.layout", self.layout, ("auto", "side_by_side", "folders"))
+        one_of("pix2pix.direction", self.direction, ("AtoB", "BtoA"))
+        one_of("pix2pix.gan_mode", self.gan_mode, GAN_MODES)
+        size = self.image_size
+        if size is not None and (size < 8 or size & (size - 1)):
+            raise C.ConfigError(f"config key 'pix2pix.image_size': must be a power of two >= 8, got {size}")
+        for key in ("channels_a", "channels_b"):
+            if getattr(self, key) is not None:
+                one_of(f"pix2pix.{key}", getattr(self, key), (1, 3))
+        for key, low in (("load_size", 8), ("ngf", 1), ("ndf", 1), ("num_downs", 2), ("d_layers", 1),
+                         ("lambda_l1", 0), ("samples", 0)):
+            at_least(f"pix2pix.{key}", getattr(self, key), low)
+        if not 0 <= self.dropout < 1:
+            raise C.ConfigError(f"config key 'pix2pix.dropout': must be in [0, 1), got {self.dropout}")
+
+
+C.register_section("pix2pix", Pix2PixConfig)
 
 
 def gan_loss(mode: str):
@@ -38,14 +81,8 @@ def gan_loss(mode: str):
         def loss(pred, real):
             return F.mse_loss(pred, torch.full_like(pred, 1.0 if real else 0.0))
     else:
-        raise RecipeError(f"pix2pix.gan_mode {mode!r} is not one of vanilla, lsgan")
+        raise RecipeError(f"pix2pix.gan_mode {mode!r} is not one of {', '.join(GAN_MODES)}")
     return loss
-
-
-def _unwrap(m):
-    from ..runtime import unwrap
-
-    return unwrap(m)
 
 
 class _Prepared:
@@ -70,16 +107,11 @@ class Pix2PixRecipe(Recipe):
     # -------------------------------------------------------------------------------- config
     @staticmethod
     def _resolve(cfg: C.Config) -> None:
-        p = cfg.pix2pix
-        if p.direction not in ("AtoB", "BtoA"):
-            raise RecipeError(f"pix2pix.direction {p.direction!r} is not one of AtoB, BtoA")
-        gan_loss(p.gan_mode)
+        p = cfg.pix2pix  # values checked by Pix2PixConfig.validate; the profile fills in the unset ones
         profile = DIGITS if cfg.data.path is None else PAPER
         for key, value in profile.items():
             if getattr(p, key) is None:
                 setattr(p, key, value)
-        if p.image_size < 8 or p.image_size & (p.image_size - 1):
-            raise RecipeError(f"pix2pix.image_size must be a power of two >= 8, got {p.image_size}")
         if p.load_size is not None and p.load_size < p.image_size:
             raise RecipeError(f"pix2pix.load_size ({p.load_size}) must be at least image_size ({p.image_size})")
 
@@ -185,7 +217,7 @@ class Pix2PixRecipe(Recipe):
         def step_fn(step, batch) -> dict:
             a, b = batch
             G, D = step.models["G"], step.models["D"]
-            d_plain = _unwrap(D)
+            d_plain = unwrap(D)
             state["epoch"] = step.epoch
             with step.autocast():
                 fake = G(a)
@@ -211,12 +243,12 @@ class Pix2PixRecipe(Recipe):
 
         def eval_fn(step, batch) -> dict:
             a, b = batch
-            G = _unwrap(step.model)["G"]
+            G = unwrap(step.model)["G"]
             with step.autocast():
                 fake = G(a)
             fake = fake.float()
             epoch = state["epoch"]
-            if epoch is not None and state["written"] != epoch and is_main():
+            if epoch is not None and state["written"] != epoch and is_main_process():
                 state["written"] = epoch
                 n = min(p.samples, len(a))
                 rows = [[x[i].float().add(1).div(2) for x in (a, fake, b)] for i in range(n)]
@@ -226,7 +258,7 @@ class Pix2PixRecipe(Recipe):
 
         def predict_fn(step, batch) -> torch.Tensor:
             a = batch[0] if isinstance(batch, (list, tuple)) else batch
-            G = _unwrap(step.model)["G"]
+            G = unwrap(step.model)["G"]
             with step.autocast():
                 return G(a).float()
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from .. import config as C
+from ..errors import suggest
 from . import get_recipe
 from .base import RecipeError
 
@@ -97,7 +97,7 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         cfg.precision = "fp32"  # fp16 needs CUDA; on a CPU-only machine evaluate in fp32
     for item in overrides or []:
         key, _, raw = item.partition("=")
-        C._set_path(cfg, key.strip(), raw)
+        C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
     recipe = get_recipe(cfg.recipe)
     cfg.model.weights = None
@@ -148,13 +148,11 @@ class FeatureHooks:
         modules = dict(model.named_modules())
         for name in self.names:
             if name not in modules:
-                import difflib
-
-                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
-                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                
                 leaves = [n for n, m in model.named_children()]
-                raise RecipeError(f"--features: the model has no module '{name}'{hint} Top-level modules: "
-                                 f"{', '.join(leaves)} (names as in model.named_modules())")
+                listing = f"Top-level modules: {', '.join(leaves)} (names as in model.named_modules())"
+                hint = suggest(name, [n for n in modules if n], listing=listing, n=3)
+                raise RecipeError(f"--features: the model has no module '{name}'{hint}")
             self.handles.append(modules[name].register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str):
@@ -207,7 +205,3 @@ def prepare_model(model, cfg: C.Config) -> None:
         from .base import load_weights_partial
 
         load_weights_partial(model, load_weights_file(Path(cfg.model.weights)), cfg.model.weights)
-
-
-def dumps(results: dict) -> str:
-    return json.dumps(results, sort_keys=True)

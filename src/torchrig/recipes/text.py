@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,9 +25,36 @@ from torch.utils.data import TensorDataset
 from .. import config as C
 from ..data.datasets.text import WordPieceTokenizer, docstring_splits, read_records
 from .base import Recipe, RecipeError
-from .common import input_files, say, stratified_split
+from .common import at_least, input_files, say, stratified_split
 
 TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class TextConfig:
+    """The ``text`` config section: CSV / JSONL columns, tokenizer and sequence length (tokens)."""
+
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None  # a second segment (token_type 1), e.g. for sentence pairs
+    label_column: str = "label"
+    max_length: int = 128  # tokens per sample including [CLS] / [SEP]; longer texts are truncated
+    vocab_size: int = 8000  # tokenizer vocabulary budget, trained on the training texts
+    min_frequency: int = 2  # a word or piece must occur this often to enter the vocabulary
+    lowercase: bool = True
+    labels: list = field(default_factory=list)  # index -> label; filled in by training (or fixes the order)
+    tokenizer: Optional[str] = None  # a saved tokenizer.json to reuse; None = train one (saved in the run dir)
+
+    def validate(self) -> None:
+        # [CLS] text [SEP] (+ pair [SEP]) must leave room for at least one token
+        at_least("text.max_length", self.max_length, 4 if self.text_pair_column else 3)
+        at_least("text.vocab_size", self.vocab_size, 1)
+        at_least("text.min_frequency", self.min_frequency, 1)
+        for key in ("text_column", "label_column"):
+            if not getattr(self, key).strip():
+                raise C.ConfigError(f"config key 'text.{key}': must name a column, got {getattr(self, key)!r}")
+
+
+C.register_section("text", TextConfig)
 
 
 class _Prepared:
@@ -75,23 +103,7 @@ class TextClassificationRecipe(Recipe):
                 prep.records["val"] = [train[i] for i in held]
                 prep.records["train"] = [train[i] for i in keep]
             source = str(d.path)
-        train_labels = sorted({r["label"] for r in prep.records["train"]})
-        if tc.labels:
-            tc.labels = [str(x) for x in tc.labels]
-            extra = [lab for lab in train_labels if lab not in tc.labels]
-            if extra:
-                raise RecipeError(f"training labels {extra} are not in text.labels {tc.labels}")
-        else:
-            tc.labels = train_labels
-        if len(tc.labels) < 2:
-            raise RecipeError(f"the training data has {len(tc.labels)} label(s) {tc.labels}; a classifier needs 2 or more "
-                              f"(is text.label_column='{tc.label_column}' the right column?)")
-        for split, records in prep.records.items():
-            unknown = sorted({r["label"] for r in records} - set(tc.labels))
-            if unknown:
-                where = "" if d.path is None else f" (line {next(r['line'] for r in records if r['label'] in unknown)})"
-                raise RecipeError(f"the {split} data has labels {unknown[:5]} that the training data does not "
-                                  f"have{where}; every label must occur in training")
+        self._labels(tc, prep.records, embedded=d.path is None)
         if tc.tokenizer:
             prep.tokenizer = WordPieceTokenizer.load(self._tokenizer_path(cfg))
         else:
@@ -115,6 +127,27 @@ class TextClassificationRecipe(Recipe):
         tc.tokenizer = TOKENIZER_FILE  # from now on (checkpoint config): the copy in the run dir
         self._cache[id(cfg)] = prep
         return prep
+
+    @staticmethod
+    def _labels(tc: TextConfig, records: dict[str, list[dict]], embedded: bool) -> None:
+        """Fill in (or check) ``text.labels``: every label of every split must occur in training."""
+        train_labels = sorted({r["label"] for r in records["train"]})
+        if tc.labels:
+            tc.labels = [str(x) for x in tc.labels]
+            extra = [lab for lab in train_labels if lab not in tc.labels]
+            if extra:
+                raise RecipeError(f"training labels {extra} are not in text.labels {tc.labels}")
+        else:
+            tc.labels = train_labels
+        if len(tc.labels) < 2:
+            raise RecipeError(f"the training data has {len(tc.labels)} label(s) {tc.labels}; a classifier needs 2 or more "
+                              f"(is text.label_column='{tc.label_column}' the right column?)")
+        for split, rows in records.items():
+            unknown = sorted({r["label"] for r in rows} - set(tc.labels))
+            if unknown:
+                where = "" if embedded else f" (line {next(r['line'] for r in rows if r['label'] in unknown)})"
+                raise RecipeError(f"the {split} data has labels {unknown[:5]} that the training data does not "
+                                  f"have{where}; every label must occur in training")
 
     @staticmethod
     def _tokenizer_path(cfg: C.Config) -> Path:

@@ -7,8 +7,10 @@ from typing import Optional
 
 import torch
 
+from ..errors import TorchrigError
 
-class RuntimeSetupError(RuntimeError):
+
+class RuntimeSetupError(TorchrigError, RuntimeError):
     """The requested device, precision or thread setting cannot be honoured here."""
 
 

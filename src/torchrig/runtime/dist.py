@@ -242,7 +242,17 @@ def get_world_size() -> int:
 
 
 def is_main_process() -> bool:
-    return get_rank() == 0
+    """Global rank 0, or a single process: the one that prints and writes.
+
+    Before the process group exists (a recipe reading its data before the Trainer starts) the rank
+    comes from the launcher's environment, torchrun's ``RANK`` or an ``srun`` step's.
+    """
+    if is_initialized():
+        return dist.get_rank() == 0
+    try:
+        return detect().rank == 0
+    except ValueError:  # a malformed launcher variable; init_process_group reports it
+        return True
 
 
 def barrier() -> None:

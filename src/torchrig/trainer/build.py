@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import config as C
 from .. import runtime
-from . import registry
+from . import optim
 
 
 def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.device,
@@ -37,9 +37,9 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
     base = runtime.unwrap(model)
 
     def by_name(name: str, module: nn.Module) -> torch.optim.Optimizer:
-        return registry.build_optimizer(name, module, o.lr, weight_decay=o.weight_decay, momentum=o.momentum,
-                                        nesterov=o.nesterov, betas=o.betas, eps=o.eps, group_lr=o.group_lr,
-                                        device=device, options=o.options)
+        return optim.build_optimizer(name, module, o.lr, weight_decay=o.weight_decay, momentum=o.momentum,
+                                     nesterov=o.nesterov, betas=o.betas, eps=o.eps, group_lr=o.group_lr,
+                                     device=device, options=o.options)
 
     def one(key: str, value: Any) -> torch.optim.Optimizer:
         module = base[key] if isinstance(base, nn.ModuleDict) and key in base else base
@@ -72,7 +72,7 @@ def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: i
         return (given if isinstance(given, dict) else {"default": given}), interval
     schedulers = {}
     for k, opt in optimizers.items():
-        sch, interval = registry.build_scheduler(
+        sch, interval = optim.build_scheduler(
             s.name, opt, interval=s.interval, total_steps=total_steps, epochs=cfg.epochs,
             step_size=s.step_size, gamma=s.gamma, milestones=s.milestones, warmup_steps=s.warmup_steps,
             min_lr=s.min_lr, max_lr=s.max_lr, pct_start=s.pct_start)

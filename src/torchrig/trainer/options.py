@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .. import config as C
+from ..errors import suggest
 
 # Trainer keyword -> config key, for the keywords that are not top-level config keys.
 KWARG_KEYS = {
@@ -31,13 +32,9 @@ def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
     for key, value in kwargs.items():
         dotted = KWARG_KEYS.get(key, key)
         if dotted not in top and dotted == key:
-            import difflib
-
-            options = sorted(top | set(KWARG_KEYS))
-            close = difflib.get_close_matches(key, options, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = suggest(key, sorted(top | set(KWARG_KEYS)))
             raise TypeError(f"Trainer got an unexpected keyword argument '{key}'{hint}")
-        C._set_path(cfg, dotted, value)
+        C.set_key(cfg, dotted, value)
     C.validate(cfg)
 
 
@@ -66,5 +63,5 @@ def resolve_options(config: Optional[C.Config], given: dict[str, Any], kwargs: d
     dotted = {k: kwargs.pop(k) for k in list(kwargs) if "." in k}
     _apply_kwargs(cfg, kwargs)
     for k, v in dotted.items():
-        C._set_path(cfg, k, v)
+        C.set_key(cfg, k, v)
     return C.validate(cfg), objects

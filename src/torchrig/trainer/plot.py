@@ -6,8 +6,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from ..errors import TorchrigError
 
-class PlotError(RuntimeError):
+
+class PlotError(TorchrigError, RuntimeError):
     pass
 
 

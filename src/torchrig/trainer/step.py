@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from .. import runtime
+from ..errors import TorchrigError
 from .state import TrainState
 
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(TorchrigError, FloatingPointError):
     """The loss or the gradients became NaN or infinite; the message names the optimizer step."""
 
 

@@ -23,7 +23,7 @@ from .. import runtime
 from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
 from ..data import prepare_train, to_device
 from ..metrics import Metric, get_metrics
-from . import build, inference, registry
+from . import build, inference, losses
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .logger import MetricsLogger
 from .options import resolve_options
@@ -75,7 +75,7 @@ class Trainer:
                                                           self.precision.dtype)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device)
-            self.loss_fn = registry.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
+            self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
             raise

@@ -1,25 +1,22 @@
-"""Names for optimizers, losses and learning-rate schedules, with per-group learning rates."""
+"""Optimizers and learning-rate schedules by name, with per-group learning rates."""
 
 from __future__ import annotations
 
-import difflib
-import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..errors import TorchrigError, suggest
 
-class NameError_(ValueError):
+
+class NameError_(TorchrigError, ValueError):
     """An unknown optimizer / loss / scheduler name (the message lists the valid ones)."""
 
 
-def _unknown(kind: str, name: str, valid: list[str]) -> NameError_:
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return NameError_(f"unknown {kind} '{name}'.{hint} Valid names: {', '.join(valid)}")
+def unknown_name(kind: str, name: str, valid: list[str]) -> NameError_:
+    return NameError_(f"unknown {kind} '{name}'{suggest(name, valid, listing='Valid names: ' + ', '.join(valid))}")
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -74,50 +71,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
     if key == "rmsprop":
         return torch.optim.RMSprop(groups, lr=lr, momentum=momentum if momentum != 0.9 else 0.0,
                                    weight_decay=weight_decay, eps=eps, **opts)
-    raise _unknown("optimizer", name, list(OPTIMIZERS))
-
-
-# ----------------------------------------------------------------------------- losses
-
-LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
-
-
-class _Loss:
-    """A named loss that forgives the usual shape mismatches ((N,1) vs (N,)) and target dtypes."""
-
-    def __init__(self, name: str, fn: Callable, float_target: bool):
-        self.name, self.fn, self.float_target = name, fn, float_target
-
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.float_target:
-            if output.shape != target.shape and output.numel() == target.numel():
-                output = output.reshape(target.shape)
-            if not target.is_floating_point():
-                target = target.to(output.dtype)
-        return self.fn(output, target)
-
-    def __repr__(self) -> str:
-        return f"loss({self.name})"
-
-
-def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise NameError_(f"loss must be a name or a callable(output, target), got {type(spec).__name__}")
-    key = spec.lower()
-    # The functional forms: what nn.CrossEntropyLoss & co. call, without a module call per step.
-    table = {
-        "cross_entropy": lambda: _Loss(key, functools.partial(F.cross_entropy, label_smoothing=label_smoothing), False),
-        "nll": lambda: _Loss(key, F.nll_loss, False),
-        "mse": lambda: _Loss(key, F.mse_loss, True),
-        "l1": lambda: _Loss(key, F.l1_loss, True),
-        "smooth_l1": lambda: _Loss(key, F.smooth_l1_loss, True),
-        "bce_with_logits": lambda: _Loss(key, F.binary_cross_entropy_with_logits, True),
-    }
-    if key not in table:
-        raise _unknown("loss", spec, list(LOSSES))
-    return table[key]()
+    raise unknown_name("optimizer", name, list(OPTIMIZERS))
 
 
 # ----------------------------------------------------------------------------- schedulers
@@ -140,7 +94,7 @@ def build_scheduler(name: Optional[str], optimizer: torch.optim.Optimizer, *, in
         return None, "step"
     key = str(name).lower().replace("-", "_")
     if key not in DEFAULT_INTERVAL:
-        raise _unknown("scheduler", str(name), list(SCHEDULERS))
+        raise unknown_name("scheduler", str(name), list(SCHEDULERS))
     interval = interval or DEFAULT_INTERVAL[key]
     if interval not in ("step", "epoch"):
         raise NameError_(f"scheduler.interval must be 'step' or 'epoch', got {interval!r}")

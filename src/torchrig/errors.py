@@ -1,0 +1,41 @@
+"""The base class of every torchrig error, and the "did you mean" hint every message shares.
+
+This module imports nothing but the standard library, so every layer (config, runtime, models,
+data, metrics, checkpoint, trainer, recipes, cli) may import it without pulling in another.
+
+Each torchrig error also keeps a built-in base that says what kind of problem it is
+(``ConfigError`` is a ``ValueError``, ``CheckpointError`` a ``RuntimeError`` …), so code that
+catches ``ValueError`` keeps working, and ``except torchrig.TorchrigError`` catches all of them:
+a bad input that the message explains, as opposed to a bug.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class TorchrigError(Exception):
+    """A problem with the user's input or environment; the message names it, the bad value and the fix."""
+
+
+def suggest(name: str, options: Iterable[str], *, listing: str = "", n: int = 1, cutoff: float = 0.6) -> str:
+    """The end of an "unknown ``name``" message, worded the same everywhere.
+
+    ``"; did you mean 'adam'?"`` when one of ``options`` is close to ``name`` (up to ``n`` of them:
+    ``"; did you mean 'a', 'b' or 'c'?"``), else ``""``. A ``listing`` sentence (e.g.
+    ``"Valid names: sgd, adam"``) follows the hint, or ends the message on its own:
+    ``"; did you mean 'adam'? Valid names: sgd, adam"`` / ``". Valid names: sgd, adam"``.
+    """
+    close = difflib.get_close_matches(str(name), [str(o) for o in options], n=n, cutoff=cutoff)
+    hint = ""
+    if close:
+        quoted = [f"'{c}'" for c in close]
+        shown = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        hint = f"; did you mean {shown}?"
+    if not listing:
+        return hint
+    return f"{hint or '.'} {listing}"
+
+
+__all__ = ["TorchrigError", "suggest"]

@@ -1,0 +1,51 @@
+"""Losses by name: the functional forms of PyTorch's losses, forgiving the usual shape mismatches."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .optim import NameError_, unknown_name
+
+LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
+
+
+class _Loss:
+    """A named loss that forgives the usual shape mismatches ((N,1) vs (N,)) and target dtypes."""
+
+    def __init__(self, name: str, fn: Callable, float_target: bool):
+        self.name, self.fn, self.float_target = name, fn, float_target
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.float_target:
+            if output.shape != target.shape and output.numel() == target.numel():
+                output = output.reshape(target.shape)
+            if not target.is_floating_point():
+                target = target.to(output.dtype)
+        return self.fn(output, target)
+
+    def __repr__(self) -> str:
+        return f"loss({self.name})"
+
+
+def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise NameError_(f"loss must be a name or a callable(output, target), got {type(spec).__name__}")
+    key = spec.lower()
+    # The functional forms: what nn.CrossEntropyLoss & co. call, without a module call per step.
+    table = {
+        "cross_entropy": lambda: _Loss(key, functools.partial(F.cross_entropy, label_smoothing=label_smoothing), False),
+        "nll": lambda: _Loss(key, F.nll_loss, False),
+        "mse": lambda: _Loss(key, F.mse_loss, True),
+        "l1": lambda: _Loss(key, F.l1_loss, True),
+        "smooth_l1": lambda: _Loss(key, F.smooth_l1_loss, True),
+        "bce_with_logits": lambda: _Loss(key, F.binary_cross_entropy_with_logits, True),
+    }
+    if key not in table:
+        raise unknown_name("loss", spec, list(LOSSES))
+    return table[key]()
