@@ -23,6 +23,7 @@ from torch import nn
 from .. import config as C
 from .. import runtime
 from ..checkpoint import CheckpointError, CheckpointManager, load_into, load_weights_file, read_checkpoint, resolve
+from ..checkpoint.rundir import RunDir
 from ..data import prepare_eval, prepare_train, to_device
 from ..metrics import MeanValue, Metric, get_metric, higher_is_better
 from . import registry
@@ -119,6 +120,7 @@ class Trainer:
         self.predict_fn = predict_fn
         self._objects = objects
         self._owns_group = False
+        self._run = RunDir()
         try:
             self._setup_runtime()
             self._setup_model_and_optim()
@@ -197,8 +199,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ helpers
     @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run_dir)
+    def run_dir(self) -> Optional[Path]:
+        """Where this run writes; None until the first ``fit`` when ``run_dir`` was not given."""
+        return Path(self.cfg.run_dir) if self.cfg.run_dir else None
+
+    def open_run(self) -> Path:
+        """Claim, lock and check the run directory (``fit`` does this first; call it to write files there
+        before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
+        new_run = self.cfg.resume is None and runtime.restart_count() == 0
+        path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print)
+        self.cfg.run_dir = str(path)
+        return path
 
     def _loader_kwargs(self, eval_: bool = False) -> dict:
         d = self.cfg.data
@@ -244,6 +255,13 @@ class Trainer:
     @_explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
+        self.open_run()
+        try:
+            return self._fit(train_data, val_data)
+        finally:
+            self._run.close()
+
+    def _fit(self, train_data: Any, val_data: Any = None) -> dict:
         cfg = self.cfg
         batches = prepare_train(train_data, **self._loader_kwargs())
         batches.set_epoch(0)
@@ -296,7 +314,7 @@ class Trainer:
         if self.ckpt is not None and self.is_main:
             self.ckpt.clean_partial()
         self.logger = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
-                                tensorboard=cfg.log.tensorboard)
+                                tensorboard=cfg.log.tensorboard, start_step=self.global_step)
         global_batch = cfg.data.batch_size * self.world_size * A
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
@@ -709,7 +727,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Destroy the process group this Trainer created (also done at interpreter exit)."""
+        """Release the run directory and destroy the process group this Trainer created (also done at exit)."""
+        self._run.close()
         if self._owns_group:
             runtime.destroy_process_group()
             self._owns_group = False
