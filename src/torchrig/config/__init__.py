@@ -339,9 +339,12 @@ def _yaml_loader():
 
 
 def _parse_scalar(text: str) -> Any:
-    """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists)."""
+    """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists); empty text stays
+    empty text (a key that accepts null says so: ``KEY=null``)."""
     import yaml
 
+    if not text.strip():
+        return text
     try:
         return yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError:
@@ -494,7 +497,8 @@ RULES: dict[str, _Rule] = {
     "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
     "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"), "log.plot": _BOOL,
     "dist.strategy": _choice("auto", "none", "ddp", "dp", "fsdp"),
-    "dist.backend": _optional(_pattern("gloo, nccl, mpi, ucc, xccl or DEVICE:BACKEND,...", rf"{_BACKEND}(?:,{_BACKEND})*")),
+    "dist.backend": _optional(_pattern("a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl)",
+                                       rf"{_BACKEND}(?:,{_BACKEND})*")),
     "dist.init_method": _optional(_pattern("a tcp://HOST:PORT, file:///PATH or env:// address",
                                            r"(?:tcp://\S+:\d+|file:///\S+|env://\S*)")),
     "dist.rank": _optional(_int(0)), "dist.world_size": _optional(_int(1)), "dist.timeout": _POSITIVE,
@@ -505,7 +509,10 @@ RULES: dict[str, _Rule] = {
 }
 
 
-def check_value(key: str, value: Any, shown: Any = None) -> Any:
+_AS_GIVEN = object()
+
+
+def check_value(key: str, value: Any, shown: Any = _AS_GIVEN) -> Any:
     """``value`` normalised by the rule of ``key`` (unchanged for keys without one), or a ConfigError
     naming the key, the value as the user wrote it (``shown``) and what is accepted."""
     rule = RULES.get(key)
@@ -515,7 +522,7 @@ def check_value(key: str, value: Any, shown: Any = None) -> Any:
         return rule.check(value)
     except (ValueError, TypeError) as exc:
         detail = f" ({exc.args[0]})" if isinstance(exc, ValueError) and exc.args else ""
-        shown = value if shown is None else shown
+        shown = value if shown is _AS_GIVEN else shown
         raise ConfigError(f"config key '{key}': expected {rule.expect}, got {shown!r}{detail}") from None
 
 
