@@ -11,6 +11,7 @@ newest. ``metrics.jsonl`` is cut back to the step a run starts from, so it alway
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -35,6 +36,12 @@ class RunDirError(CheckpointError):
     """A run directory that another process holds, that holds another run, or that cannot be written."""
 
 
+def describe_os_error(exc: OSError) -> str:
+    """``no space left on device (errno 28 ENOSPC)``: the reason and the errno, for one-line messages."""
+    name = errno.errorcode.get(exc.errno or 0, "unknown")
+    return f"{(exc.strerror or str(exc)).lower()} (errno {exc.errno} {name})"
+
+
 # ----------------------------------------------------------------------------- the lock
 
 
@@ -56,11 +63,15 @@ class RunLock:
         """Take the lock at once or raise RunDirError naming the process that holds it."""
         if fcntl is None or self._fd is not None:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
         if key in _HELD:
             self._refuse(_HELD[key].owner)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunDirError(f"cannot create the lock file '{self.path}': {describe_os_error(exc)}; "
+                              f"choose a run_dir this process can write") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: another process holds it

@@ -6,7 +6,6 @@ keeps a tensor, let alone a graph, alive.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checkpoint.rundir import RunDirError, trim_metrics
+from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 
 
 def _fmt(v: Any) -> str:
@@ -30,9 +29,7 @@ def _fmt(v: Any) -> str:
 
 def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
     """One line naming the file, the OS error and its errno, and that the checkpoints are safe."""
-    name = errno.errorcode.get(exc.errno or 0, "unknown")
-    reason = (exc.strerror or str(exc)).lower()
-    return RunDirError(f"{reason} (errno {exc.errno} {name}) while {doing} '{path}'; the checkpoints are intact: "
+    return RunDirError(f"{describe_os_error(exc)} while {doing} '{path}'; the checkpoints are intact: "
                        f"once it can be written, continue with --set resume=latest")
 
 
