@@ -3,10 +3,10 @@
 A run directory belongs to one run at a time: global rank 0 holds an OS lock on
 ``RUN/.torchrig.lock`` (a POSIX record lock, ``lockf``: the kernel drops it when the process ends,
 however it ends, so a lock file left by a killed process is simply taken over; unlike ``flock`` it
-is not shared with forked DataLoader workers, which outlive a killed parent by seconds). A new run never writes into a directory
-that holds another run's checkpoints unless ``overwrite=true`` removes them first, and without a
-``run_dir`` every run gets a fresh numbered directory ``ROOT/N`` with ``ROOT/last`` pointing at the
-newest. ``metrics.jsonl`` is cut back to the step a run starts from, so it always reads as one run.
+is not shared with forked DataLoader workers, which outlive a killed parent by seconds). A new run
+never writes into a directory that holds another run's checkpoints unless ``overwrite=true`` removes
+them first, and without a ``run_dir`` every run gets a fresh numbered directory ``ROOT/N`` with
+``ROOT/last`` pointing at the newest. ``metrics.jsonl`` is cut back to the step a run starts from, so it always reads as one run.
 """
 
 from __future__ import annotations

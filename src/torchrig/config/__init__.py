@@ -402,7 +402,8 @@ def _num(lo: float, hi: Optional[float] = None, *, lo_open: bool = False, hi_ope
          finite: bool = True) -> _Rule:
     """A float (ints accepted); NaN never, infinity only with ``finite=False``."""
     if hi is None:
-        text = f"a {'finite ' if finite else ''}number {'>' if lo_open else '>='} {lo:g}" + ("" if finite else " or inf")
+        bound = f"{'>' if lo_open else '>='} {lo:g}"
+        text = f"a finite number {bound}" if finite else f"a number {bound} or inf"
     else:
         text = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
@@ -482,7 +483,8 @@ RULES: dict[str, _Rule] = {
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
     "model.init": _optional(_TEXT), "model.channels_last": _BOOL, "model.compile": _BOOL,
-    "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0), "optim.momentum": _num(0, 1, hi_open=True),
+    "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0),
+    "optim.momentum": _num(0, 1, hi_open=True),
     "optim.nesterov": _BOOL, "optim.betas": _pair(_num(0, 1, hi_open=True), "two numbers in [0, 1)"),
     "optim.eps": _POSITIVE, "optim.group_lr": _mapping_of(_POSITIVE, "a mapping of module-name prefix to lr > 0"),
     "optim.options": _mapping_of(None, "a mapping"),
@@ -534,7 +536,8 @@ def validate(cfg: Config) -> Config:
         setattr(owner, name, check_value(key, getattr(owner, name)))
     d = cfg.dist
     if d.rank is not None and d.world_size is not None and d.rank >= d.world_size:
-        raise ConfigError(f"config key 'dist.rank': expected an integer < dist.world_size ({d.world_size}), got {d.rank}")
+        raise ConfigError(f"config key 'dist.rank': expected an integer < dist.world_size ({d.world_size}), "
+                          f"got {d.rank}")
     if cfg.overwrite and cfg.resume in ("latest", "best"):
         raise ConfigError(f"config key 'overwrite': true would remove the run that resume={cfg.resume!r} continues; "
                           f"set one of them")
