@@ -149,7 +149,10 @@ def test_register_section_refuses_clashes(monkeypatch):
     assert C.sections()["widget"] is WidgetConfig
 
 
-def test_a_section_whose_recipe_is_not_imported_says_how_to_get_it(tmp_path):
+def test_a_section_whose_recipe_is_not_imported_says_how_to_get_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torchrig.recipes", raising=False)  # as in a process that never imported it
     hint = "a recipe's own section is known once the recipe is imported: import torchrig.recipes"
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["gizmo.size=3"])
@@ -161,6 +164,10 @@ def test_a_section_whose_recipe_is_not_imported_says_how_to_get_it(tmp_path):
     assert str(err.value).startswith("unknown config key 'gizmo'") and hint in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["gizmo=3"])  # a plain value is a mistyped key, not a section
+    assert hint not in str(err.value)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError) as err:  # the built-in recipes are known: the section is simply unknown
+        load_config(overrides=["gizmo.size=3"])
     assert hint not in str(err.value)
 
 

@@ -184,7 +184,7 @@ def test_unknown_precision(tmp_path):
 
     with pytest.raises(RuntimeSetupError, match="precision 'fp8' is not one of fp32, bf16, fp16"):
         make_precision("fp8", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="config key 'precision': 'fp8' is not one of fp32, bf16, fp16"):
+    with pytest.raises(ConfigError, match="config key 'precision': expected one of fp32, bf16, fp16, got 'fp8'"):
         torchrig.Trainer(TinyNet(), precision="fp8", run_dir=str(tmp_path))
 
 

@@ -237,7 +237,7 @@ def test_progress_bar_and_none(make_trainer, data, capsys):
     trainer.fit(data)
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "Epoch [" not in err
-    make_trainer(progress="none", log_every=1).fit(data)
+    make_trainer(progress="none", log_every=1, overwrite=True).fit(data)
     assert "Epoch [" not in capsys.readouterr().err
 
 

@@ -9,13 +9,14 @@ against its declared type. Only the standard library and PyYAML (imported lazily
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from ..errors import TorchrigError, suggest
 
@@ -125,9 +126,10 @@ class Config:
     seed: int = 0
     epochs: int = 10
     max_steps: Optional[int] = None  # cap on optimizer steps
-    run_dir: str = "runs/default"
+    run_dir: Optional[str] = None  # None: a new numbered directory, runs/<recipe>/N (Python API: runs/default/N)
     resume: Optional[str] = None  # "latest", "best", a checkpoint directory, or None
     resume_weights_only: bool = False  # load only the weights of `resume`; fresh optimizer and schedule
+    overwrite: bool = False  # a new run may replace the run already in run_dir (its checkpoints and logs)
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     precision: str = "fp32"  # fp32, bf16, fp16
     threads: Optional[int] = None  # CPU threads; env TORCH_THREAD_NUM also honoured
@@ -212,8 +214,10 @@ def _keys(obj: Any) -> list[str]:
 
 def _section_hint(obj: Any, mapping: bool) -> str:
     """An unknown top-level mapping is most likely the section of a recipe not imported yet."""
-    if not (isinstance(obj, Config) and mapping):
-        return ""
+    import sys
+
+    if not (isinstance(obj, Config) and mapping) or "torchrig.recipes" in sys.modules:
+        return ""  # the built-in recipes are registered: the section is just unknown
     return ("; a recipe's own section is known once the recipe is imported: import torchrig.recipes "
             "(the torchrig command and torchrig.load_config do)")
 
@@ -313,8 +317,8 @@ def _hints(cls: type) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    return suggest(name, options, cutoff=0.5) or f"; valid keys: {', '.join(sorted(options))}"
+def _suggest(name: str, options: list[str], what: str = "keys") -> str:
+    return suggest(name, options, cutoff=0.5) or f"; valid {what}: {', '.join(sorted(set(options)))}"
 
 
 def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
@@ -330,7 +334,13 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
                 raise ConfigError(f"config key '{full}': expected a mapping of sub-keys, got {value!r}")
             _apply_mapping(current, value, prefix=f"{full}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], full))
+            try:
+                typed = _coerce(value, hints[key], full)
+            except ConfigError:
+                if full not in RULES:
+                    raise
+                typed = object()  # fails every rule, so the message says what the key accepts
+            setattr(obj, key, check_value(full, typed, shown=value))
 
 
 def _yaml_loader():
@@ -347,9 +357,12 @@ def _yaml_loader():
 
 
 def _parse_scalar(text: str) -> Any:
-    """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists)."""
+    """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists); empty text stays
+    empty text (a key that accepts null says so: ``KEY=null``)."""
     import yaml
 
+    if not text.strip():
+        return text
     try:
         return yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError:
@@ -377,46 +390,184 @@ def set_key(cfg: Any, dotted: str, value: Any) -> None:
                     getattr(target, part)[".".join(parts[i + 1:])] = value
                     return
                 raise ConfigError(f"config key '{shown}' has no sub-key '{parts[i + 1]}'")
-            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, names)}"
+            sections = [n for n in names if dataclasses.is_dataclass(getattr(target, n, None))]
+            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, sections, 'sections')}"
                               f"{_section_hint(target, True)}")
         target = getattr(target, part)
     _apply_mapping(target, {parts[-1]: value}, prefix=".".join(parts[:-1]) + "." if len(parts) > 1 else "")
 
 
+# ----------------------------------------------------------------------------- value checks
+
+
+class _Rule(typing.NamedTuple):
+    """What a key accepts: ``expect`` completes "expected ...", ``check`` returns the (normalised)
+    value or raises ValueError / TypeError; a ValueError's argument is shown after the value."""
+
+    expect: str
+    check: Callable[[Any], Any]
+
+
+def _accept(ok: bool, value: Any, detail: str = "") -> Any:
+    if not ok:
+        raise ValueError(detail) if detail else ValueError
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(lo: int, hi: Optional[int] = None) -> _Rule:
+    text = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    return _Rule(text, lambda v: _accept(_is_int(v) and v >= lo and (hi is None or v <= hi), v))
+
+
+def _num(lo: float, hi: Optional[float] = None, *, lo_open: bool = False, hi_open: bool = False,
+         finite: bool = True) -> _Rule:
+    """A float (ints accepted); NaN never, infinity only with ``finite=False``."""
+    if hi is None:
+        bound = f"{'>' if lo_open else '>='} {lo:g}"
+        text = f"a finite number {bound}" if finite else f"a number {bound} or inf"
+    else:
+        text = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def check(v: Any) -> float:
+        if isinstance(v, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError
+        v = float(v)
+        ok = not math.isnan(v) and (not finite or math.isfinite(v)) and (v > lo if lo_open else v >= lo)
+        return _accept(ok and (hi is None or (v < hi if hi_open else v <= hi)), v)
+
+    return _Rule(text, check)
+
+
+def _optional(rule: _Rule) -> _Rule:
+    return _Rule(f"{rule.expect} or null", lambda v: None if v is None else rule.check(v))
+
+
+def _or_auto(rule: _Rule, text: Optional[str] = None) -> _Rule:
+    return _Rule(text or f"{rule.expect} or 'auto'", lambda v: v if v == "auto" else rule.check(v))
+
+
+def _choice(*options: str) -> _Rule:
+    return _Rule(f"one of {', '.join(options)}", lambda v: _accept(v in options, v))
+
+
+def _pattern(text: str, regex: str) -> _Rule:
+    return _Rule(text, lambda v: _accept(isinstance(v, str) and re.fullmatch(regex, v) is not None, v))
+
+
+def _list_of(rule: _Rule, text: str) -> _Rule:
+    return _Rule(text, lambda v: [rule.check(x) for x in _accept(isinstance(v, (list, tuple)), v)])
+
+
+def _pair(item: _Rule, text: str) -> _Rule:
+    """Two values; strings such as ``0.9,0.99`` from the command line become numbers."""
+    def check(v: Any) -> tuple:
+        _accept(isinstance(v, (list, tuple)) and len(v) == 2, v)
+        return tuple(item.check(_parse_scalar(x) if isinstance(x, str) else x) for x in v)
+
+    return _Rule(text, check)
+
+
+def _mapping_of(rule: Optional[_Rule], text: str) -> _Rule:
+    def check(v: Any) -> dict:
+        _accept(isinstance(v, dict) and all(isinstance(k, str) and k for k in v), v)
+        return {k: rule.check(x) for k, x in v.items()} if rule else v
+
+    return _Rule(text, check)
+
+
+def _run_dir(v: Any) -> str:
+    _accept(isinstance(v, str) and v.strip() != "", v)
+    return _accept(not os.path.isfile(v), v, "an existing file")
+
+
+_BOOL = _Rule("true or false", lambda v: _accept(isinstance(v, bool), v))
+_TEXT = _Rule("a non-empty string", lambda v: _accept(isinstance(v, str) and v.strip() != "", v))
+_POSITIVE = _num(0, lo_open=True)
+_BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
+
+# Every key of the core sections, with the values it accepts. (Recipe sections bring their own checks.)
+RULES: dict[str, _Rule] = {
+    "recipe": _TEXT, "seed": _int(0, 2**32 - 1), "epochs": _int(1), "max_steps": _optional(_int(1)),
+    "run_dir": _optional(_Rule("a directory path", _run_dir)), "resume": _optional(_TEXT), "overwrite": _BOOL,
+    "resume_weights_only": _BOOL,
+    "device": _pattern("auto, cpu, cuda, cuda:N, xpu, xpu:N or mps", r"auto|cpu|mps|(?:cuda|xpu)(?::\d+)?"),
+    "precision": _choice("fp32", "bf16", "fp16"), "threads": _optional(_int(1)),
+    "interop_threads": _optional(_int(1)), "deterministic": _BOOL, "cudnn_benchmark": _BOOL, "accumulate": _int(1),
+    "clip_grad_norm": _optional(_POSITIVE), "clip_norm_type": _num(0, lo_open=True, finite=False),
+    "clip_grad_value": _optional(_POSITIVE), "loss": _TEXT, "label_smoothing": _num(0, 1),
+    "metrics": _list_of(_TEXT, "a list of metric names"), "on_nonfinite": _choice("error", "skip"),
+    "eval_every_epochs": _int(1), "early_stop_patience": _optional(_int(1)),
+    "data.batch_size": _int(1), "data.eval_batch_size": _optional(_int(1)), "data.num_workers": _or_auto(_int(0)),
+    "data.pin_memory": _or_auto(_BOOL, "true, false or 'auto'"), "data.persistent_workers": _BOOL,
+    "data.prefetch_factor": _optional(_int(1)), "data.shuffle": _BOOL, "data.drop_last": _BOOL,
+    "data.fast_path": _BOOL, "data.path": _optional(_TEXT), "data.val_path": _optional(_TEXT),
+    "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
+    "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
+    "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
+    "model.init": _optional(_TEXT), "model.channels_last": _BOOL, "model.compile": _BOOL,
+    "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0),
+    "optim.momentum": _num(0, 1, hi_open=True),
+    "optim.nesterov": _BOOL, "optim.betas": _pair(_num(0, 1, hi_open=True), "two numbers in [0, 1)"),
+    "optim.eps": _POSITIVE, "optim.group_lr": _mapping_of(_POSITIVE, "a mapping of module-name prefix to lr > 0"),
+    "optim.options": _mapping_of(None, "a mapping"),
+    "scheduler.name": _optional(_TEXT), "scheduler.interval": _optional(_choice("step", "epoch")),
+    "scheduler.step_size": _int(1), "scheduler.gamma": _POSITIVE,
+    "scheduler.milestones": _list_of(_int(1), "a list of integers >= 1"), "scheduler.warmup_steps": _int(0),
+    "scheduler.min_lr": _num(0), "scheduler.max_lr": _optional(_POSITIVE),
+    "scheduler.pct_start": _num(0, 1, lo_open=True, hi_open=True),
+    "checkpoint.every_steps": _int(0), "checkpoint.every_epochs": _int(0), "checkpoint.keep_last": _int(1),
+    "checkpoint.keep_best": _int(0), "checkpoint.monitor": _optional(_TEXT),
+    "checkpoint.mode": _optional(_choice("min", "max")), "checkpoint.save_final": _BOOL,
+    "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
+    "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"), "log.plot": _BOOL,
+    "dist.strategy": _choice("auto", "none", "ddp", "dp", "fsdp"),
+    "dist.backend": _optional(_pattern("a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl)",
+                                       rf"{_BACKEND}(?:,{_BACKEND})*")),
+    "dist.init_method": _optional(_pattern("a tcp://HOST:PORT, file:///PATH or env:// address",
+                                           r"(?:tcp://\S+:\d+|file:///\S+|env://\S*)")),
+    "dist.rank": _optional(_int(0)), "dist.world_size": _optional(_int(1)), "dist.timeout": _POSITIVE,
+    "dist.find_unused_parameters": _BOOL, "dist.static_graph": _BOOL, "dist.bucket_cap_mb": _optional(_POSITIVE),
+    "dist.gradient_as_bucket_view": _BOOL, "dist.sync_batchnorm": _BOOL,
+    "dist.fsdp_wrap": _list_of(_TEXT, "a list of module class names"), "dist.fsdp_min_params": _int(0),
+    "dist.fsdp_cpu_offload": _BOOL, "dist.fsdp_reshard_after_forward": _BOOL, "dist.requeue": _BOOL,
+    "dist.stop_timeout": _POSITIVE,
+}
+
+
+_AS_GIVEN = object()
+
+
+def check_value(key: str, value: Any, shown: Any = _AS_GIVEN) -> Any:
+    """``value`` normalised by the rule of ``key`` (unchanged for keys without one), or a ConfigError
+    naming the key, the value as the user wrote it (``shown``) and what is accepted."""
+    rule = RULES.get(key)
+    if rule is None:
+        return value
+    try:
+        return rule.check(value)
+    except (ValueError, TypeError) as exc:
+        detail = f" ({exc.args[0]})" if isinstance(exc, ValueError) and exc.args else ""
+        shown = value if shown is _AS_GIVEN else shown
+        raise ConfigError(f"config key '{key}': expected {rule.expect}, got {shown!r}{detail}") from None
+
+
 def validate(cfg: Config) -> Config:
-    """Cross-field checks that a type alone cannot express."""
-    choices = {
-        "precision": ("fp32", "bf16", "fp16"),
-        "on_nonfinite": ("error", "skip"),
-        "dist.strategy": ("auto", "none", "ddp", "dp", "fsdp"),
-        "log.progress": ("auto", "bar", "lines", "none"),
-    }
-    for key, allowed in choices.items():
-        value = get_key(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(allowed)}")
-    positive = {"epochs": cfg.epochs, "accumulate": cfg.accumulate, "data.batch_size": cfg.data.batch_size}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"config key '{key}': must be at least 1, got {value}")
-    if cfg.max_steps is not None and cfg.max_steps < 1:
-        raise ConfigError(f"config key 'max_steps': must be at least 1, got {cfg.max_steps}")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"config key 'optim.lr': must be positive, got {cfg.optim.lr}")
-    for key in ("clip_grad_norm", "clip_grad_value"):
-        value = getattr(cfg, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"config key '{key}': must be positive, got {value}")
-    for key in ("data.pin_memory", "log.tensorboard"):
-        value = get_key(cfg, key)
-        if isinstance(value, str) and value != "auto":
-            raise ConfigError(f"config key '{key}': expected true, false or 'auto', got {value!r}")
-    if cfg.checkpoint.mode not in (None, "min", "max"):
-        raise ConfigError(f"config key 'checkpoint.mode': {cfg.checkpoint.mode!r} is not one of min, max")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise ConfigError(f"config key 'threads': must be at least 1, got {cfg.threads}")
-    if isinstance(cfg.data.num_workers, str) and cfg.data.num_workers != "auto":
-        raise ConfigError(f"config key 'data.num_workers': expected an integer or 'auto', got {cfg.data.num_workers!r}")
+    """Check every core key against its rule (see ``RULES``), then what no single key can express."""
+    for key in RULES:
+        section, _, name = key.rpartition(".")
+        owner = get_key(cfg, section) if section else cfg
+        setattr(owner, name, check_value(key, getattr(owner, name)))
+    d = cfg.dist
+    if d.rank is not None and d.world_size is not None and d.rank >= d.world_size:
+        raise ConfigError(f"config key 'dist.rank': expected an integer < dist.world_size ({d.world_size}), "
+                          f"got {d.rank}")
+    if cfg.overwrite and cfg.resume in ("latest", "best"):
+        raise ConfigError(f"config key 'overwrite': true would remove the run that resume={cfg.resume!r} continues; "
+                          f"set one of them")
     _validate_sections(cfg)
     return cfg
 

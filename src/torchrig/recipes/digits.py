@@ -21,7 +21,7 @@ class DigitsRecipe(Recipe):
     @property
     def defaults(self) -> dict:  # type: ignore[override]
         d = {"epochs": 15, "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
-             "scheduler": {"name": "cosine"}, "metrics": ["accuracy", "top5", "f1"], "run_dir": "runs/digits",
+             "scheduler": {"name": "cosine"}, "metrics": ["accuracy", "top5", "f1"],
              "data": {"batch_size": 32, "val_fraction": 0.1}}
         if not os.environ.get("TORCH_THREAD_NUM"):
             # 8x8 images: the convolutions are too small to gain from a second thread, and on a busy machine

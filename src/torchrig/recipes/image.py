@@ -136,7 +136,6 @@ class ImageClassificationRecipe(Recipe):
     defaults = {
         "epochs": 15, "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 5e-4},
         "scheduler": {"name": "onecycle"}, "metrics": ["accuracy", "top5"],
-        "run_dir": "runs/image-classification",
         "model": {"name": "small_resnet"},
         "data": {"batch_size": 64, "val_fraction": 0.1},
         "checkpoint": {"monitor": "val/accuracy", "mode": "max"},

@@ -97,7 +97,7 @@ class Pix2PixRecipe(Recipe):
                    "(A|B side by side, or A/ and B/ folders); embedded default: digit edge maps -> digits")
     defaults = {
         "epochs": 10, "optim": {"name": "adam", "lr": 2e-4, "betas": [0.5, 0.999]}, "metrics": [],
-        "run_dir": "runs/pix2pix", "data": {"batch_size": 16, "val_fraction": 0.1},
+        "data": {"batch_size": 16, "val_fraction": 0.1},
         "checkpoint": {"monitor": "val/l1", "mode": "min"},
     }
 

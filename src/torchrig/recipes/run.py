@@ -31,9 +31,36 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
 
 
 def run_train(cfg: C.Config, out=print) -> dict:
-    from ..trainer import Trainer
+    """Train ``cfg``'s recipe; without ``run_dir`` the run gets a new numbered ``runs/<recipe>/N``."""
+    from .. import runtime
+    from ..checkpoint.rundir import numbered_run_dir
 
+    owns_group = False
+    try:
+        if not cfg.run_dir:
+            owns_group = _join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
+            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out))
+        return _train(cfg, out)
+    finally:
+        if owns_group:
+            runtime.destroy_process_group()
+
+
+def _join_process_group(cfg: C.Config) -> bool:
+    """Join the process group now (the Trainer then uses it); True when this call created it."""
+    from .. import runtime
+
+    d = cfg.dist
+    info = runtime.detect(d.init_method, d.rank, d.world_size)
+    if not info.is_distributed:
+        return False
+    device = runtime.select_device(cfg.device, info.local_rank)
+    return runtime.init_process_group(info, device, d.backend, d.init_method, d.timeout)
+
+
+def _train(cfg: C.Config, out) -> dict:
     from ..runtime import seed_everything
+    from ..trainer import Trainer
 
     recipe = get_recipe(cfg.recipe)
     seed_everything(cfg.seed)  # the initial weights come from the seed too (every rank builds the same model)
@@ -42,17 +69,18 @@ def run_train(cfg: C.Config, out=print) -> dict:
     data = recipe.build_data(cfg)
     trainer = Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data))
     try:
+        run = trainer.open_run()  # locked and checked before the recipe writes its files there
         if trainer.is_main:
-            recipe.save_artifacts(cfg, Path(cfg.run_dir))
+            recipe.save_artifacts(cfg, run)
         trainer.fit(data["train"], val_data=data.get("val"))
         results: dict[str, Any] = {}
         test = data.get("test")
         if test is not None:
             results = trainer.evaluate(test)
         if trainer.is_main:
-            run = Path(cfg.run_dir)
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
             out(f"test: {shown}" if results else "training finished")
+            out(f"run dir:     {run}")
             out(f"checkpoints: {run / 'checkpoints'} (latest -> {_readlink(run / 'checkpoints' / 'latest')})")
             out(f"logs:        {run / 'metrics.jsonl'}" + (f" · tensorboard: {run / 'tensorboard'}"
                                                           if (run / 'tensorboard').exists() else ""))

@@ -71,7 +71,7 @@ class TextClassificationRecipe(Recipe):
     defaults = {
         "epochs": 12, "optim": {"name": "adamw", "lr": 2e-3, "weight_decay": 0.01},
         "scheduler": {"name": "warmup_cosine", "warmup_steps": 40}, "metrics": ["accuracy"],
-        "run_dir": "runs/text-classification", "clip_grad_norm": 1.0,
+        "clip_grad_norm": 1.0,
         "model": {"name": "bert", "options": {"hidden": 128, "layers": 2, "heads": 4}},
         "data": {"batch_size": 32, "val_fraction": 0.1},
         "checkpoint": {"monitor": "val/accuracy", "mode": "max"},

@@ -222,11 +222,15 @@ def destroy_process_group() -> None:
 
 
 def restart_count() -> int:
-    """How many times torchrun (torchrig launch --max-restarts) has restarted this worker group."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
+    """How many times this job was started again: by torchrun (``torchrig launch --max-restarts``) after
+    a failure, or by Slurm after a requeue (``SLURM_RESTART_COUNT``). A restarted job resumes its run."""
+    total = 0
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        try:
+            total += int(os.environ.get(name, "0"))
+        except ValueError:
+            pass
+    return total
 
 
 def is_initialized() -> bool:

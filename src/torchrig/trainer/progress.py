@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float) and abs(v) >= 100:
@@ -24,11 +26,21 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
+    """One line naming the file, the OS error and its errno, and that the checkpoints are safe."""
+    return RunDirError(f"{describe_os_error(exc)} while {doing} '{path}'; the checkpoints are intact: "
+                       f"once it can be written, continue with --set resume=latest")
+
+
 class RunLogger:
-    """Rank-aware: only the main process writes anything; other ranks get a silent logger."""
+    """Rank-aware: only the main process writes anything; other ranks get a silent logger.
+
+    ``start_step`` (the step a run starts or resumes from) cuts an existing ``metrics.jsonl`` back to
+    that step before appending, so the file never mixes two runs.
+    """
 
     def __init__(self, run_dir: Optional[Path], enabled: bool = True, progress: str = "auto",
-                 tensorboard: Any = "auto", stream=None):
+                 tensorboard: Any = "auto", stream=None, start_step: Optional[int] = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.stream = stream or sys.stderr
@@ -39,14 +51,22 @@ class RunLogger:
         self._tb = None
         self._bar = None
         if enabled and self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            self._jsonl_path = self.run_dir / "metrics.jsonl"
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                if start_step is not None:
+                    trim_metrics(self._jsonl_path, start_step)
+                self._jsonl = open(self._jsonl_path, "a", buffering=1)
+            except OSError as exc:
+                raise _write_error(exc, self._jsonl_path, "opening") from None
             if tensorboard:
                 try:
                     from tensorboard.compat.proto.summary_pb2 import Summary
                     from torch.utils.tensorboard import SummaryWriter
 
-                    self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+                    # purge_step: TensorBoard hides events a stopped run wrote after the step resumed from
+                    purge = None if start_step is None else start_step + 1
+                    self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
                     self._tb_summary = Summary
                 except Exception:  # tensorboard not installed: "auto" means optional
                     if tensorboard is True or tensorboard == "true":
@@ -64,7 +84,11 @@ class RunLogger:
             row["kind"] = kind  # "interval" or "epoch"
         row.update({k: v for k, v in values.items() if v is not None})
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(row, default=float) + "\n")
+            try:
+                self._jsonl.write(json.dumps(row, default=float) + "\n")
+            except OSError as exc:
+                self._drop_jsonl()
+                raise _write_error(exc, self._jsonl_path, f"writing step {step} to") from None
         if self._tb is not None:
             # One event per row, not one per value: the event writer checksums every event in pure
             # Python, which made TensorBoard the dearest part of logging.
@@ -72,6 +96,14 @@ class RunLogger:
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
             if scalars:
                 self._tb._get_file_writer().add_summary(self._tb_summary(value=scalars), step)
+
+    def _drop_jsonl(self) -> None:
+        """Close a file that failed to write; what it still buffers cannot be written either."""
+        fh, self._jsonl = self._jsonl, None
+        try:
+            fh.close()
+        except OSError:
+            pass
 
     def print(self, text: str) -> None:
         if not self.enabled:

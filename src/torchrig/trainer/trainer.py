@@ -21,6 +21,7 @@ from torch import nn
 from .. import config as C
 from .. import runtime
 from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
+from ..checkpoint.rundir import RunDir
 from ..data import prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses
@@ -69,6 +70,7 @@ class Trainer:
         self.plots: list = []
         self._signals = runtime.StopSignal()
         self._owns_group = False
+        self._run = RunDir()
         try:
             self._setup_runtime()
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
@@ -96,11 +98,20 @@ class Trainer:
         self.state.world_size = self.world_size
 
     # ------------------------------------------------------------------------------ helpers
-    run_dir = property(lambda self: Path(self.cfg.run_dir))
+    run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
+                       doc="where this run writes; None until the first fit when run_dir was not given")
     global_step = property(lambda self: self.state.global_step, doc="optimizer steps taken")
     skipped_steps = property(lambda self: self.state.skipped_steps, doc="windows not applied (non-finite / overflow)")
     epoch = property(lambda self: self.state.epoch, doc="0-based epoch of the next micro-batch")
     logger = property(lambda self: self.metrics_log.out if self.metrics_log else None)
+
+    def open_run(self) -> Path:
+        """Claim, lock and check the run directory (``fit`` does this first; call it to write files there
+        before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
+        new_run = self.cfg.resume is None and runtime.restart_count() == 0
+        path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print)
+        self.cfg.run_dir = str(path)
+        return path
 
     def _loader_kwargs(self, eval_: bool = False) -> dict:
         d = self.cfg.data
@@ -136,11 +147,16 @@ class Trainer:
     @runtime.explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
-        plan = self._prepare_data(train_data, val_data)
-        self._build_schedules(plan)
-        self._set_up_run(val_data)
-        if self._restore(plan):
-            return {}
+        self.open_run()
+        try:
+            plan = self._prepare_data(train_data, val_data)
+            self._build_schedules(plan)
+            self._set_up_run(val_data)
+            return {} if self._restore(plan) else self._train(plan)
+        finally:
+            self._run.close()
+
+    def _train(self, plan: FitPlan) -> dict:
         self.callbacks.call("on_fit_start", self)
         try:
             val_metrics, stopped = self._loop(plan)
@@ -195,7 +211,7 @@ class Trainer:
         cfg = self.cfg
         resume = cfg.resume
         restarts = runtime.restart_count()
-        if resume is None and restarts > 0:  # torchrun restarted the group after a failure: carry on
+        if resume is None and restarts > 0:  # torchrun restarted the group, or Slurm requeued the job: carry on
             resume = "latest"
         if self.is_main:
             self.checkpoints.clean_partial()  # before resuming: a killed save may have left `latest` mid-swap
@@ -212,7 +228,7 @@ class Trainer:
                        f"max_steps, or start a new run")
             return True
         self.metrics_log.out = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
-                                         tensorboard=cfg.log.tensorboard)
+                                         tensorboard=cfg.log.tensorboard, start_step=self.global_step)
         A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
@@ -431,7 +447,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Destroy the process group this Trainer created (also done at interpreter exit)."""
+        """Release the run directory and destroy the process group this Trainer created (also done at exit)."""
+        self._run.close()
         if self._owns_group:
             runtime.destroy_process_group()
             self._owns_group = False
