@@ -298,3 +298,15 @@ def test_unwritable_run_dir_is_one_line(tmp_path, make_trainer, data):
         make_trainer(run_dir=str(blocker / "run")).fit(data)
     assert str(err.value) == (f"cannot create the lock file '{blocker / 'run' / LOCK_NAME}': not a directory "
                               f"(errno 20 ENOTDIR); choose a run_dir this process can write")
+
+
+def test_the_folder_of_numbered_runs_means_its_newest_run(tmp_path):
+    from torchrig.checkpoint import resolve
+
+    root = tmp_path / "runs" / "digits"
+    for n in (1, 2):
+        (root / str(n) / "checkpoints" / "step-00000003").mkdir(parents=True)
+        (root / str(n) / "checkpoints" / "step-00000003" / "model.safetensors").write_bytes(b"")
+        os.symlink("step-00000003", root / str(n) / "checkpoints" / "latest")
+    os.symlink("2", root / "last")
+    assert resolve(root) == (root / "2" / "checkpoints" / "step-00000003").resolve()

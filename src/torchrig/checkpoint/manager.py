@@ -97,6 +97,8 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
         p = link
     if p.is_dir() and (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():
         return resolve("latest", p)  # a run directory
+    if p.is_dir() and (p / "last").is_dir() and not (p / "checkpoints").exists():
+        return resolve((p / "last").resolve(), run_dir)  # the folder of numbered runs: its newest run
     if p.name in ("latest", "best"):
         p = _follow_link(p)
     elif p.is_symlink():
