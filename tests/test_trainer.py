@@ -417,6 +417,31 @@ def test_early_stop(make_trainer, data, capsys):
     assert "torchrig: early stop after epoch 4 (val/score did not improve for 2 epochs)" in capsys.readouterr().err
 
 
+def test_eval_every_epochs(make_trainer, data, run_dir):
+    evaluated_at = []
+
+    class Seen:
+        def on_eval_end(self, trainer, metrics):
+            evaluated_at.append(trainer.global_step)
+
+    trainer = make_trainer(epochs=5, eval_every_epochs=2, metrics=["accuracy"], callbacks=[Seen()])
+    last = trainer.fit(data, val_data=data)
+    assert evaluated_at == [10, 20]  # after epochs 2 and 4 (5 steps per epoch)
+    assert [sorted(k for k in h if k.startswith("val/")) for h in trainer.history] == \
+        [[], ["val/accuracy", "val/loss"], [], ["val/accuracy", "val/loss"], []]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val/loss" in r] == [10, 20]
+    assert last == {k: v for k, v in trainer.history[3].items() if k.startswith("val/")}  # the last validation
+
+
+def test_early_stop_counts_validated_epochs_only(make_trainer, data, capsys):
+    scores = iter([0.5, 0.4, 0.9])
+    trainer = make_trainer(epochs=10, eval_every_epochs=2, early_stop_patience=1, monitor="val/score",
+                           monitor_mode="max", eval_batch_size=40, eval_fn=lambda step, batch: {"score": next(scores)})
+    trainer.fit(data, val_data=data)
+    assert [h["epoch"] for h in trainer.history] == [1, 2, 3, 4]  # epochs 1 and 3 ran no validation: no verdict
+    assert "torchrig: early stop after epoch 4 (val/score did not improve for 1 epochs)" in capsys.readouterr().err
+
+
 def test_fit_twice_trains_as_long_again(make_trainer, data, run_dir):
     trainer = make_trainer(epochs=2, scheduler="cosine", lr=0.1)
     trainer.fit(data)
