@@ -38,6 +38,16 @@ def test_torch_thread_num_and_threads_set_intra_and_inter_op_threads(tmp_path):
     assert _threads(tmp_path, [{}, {"threads": 2}], TORCH_THREAD_NUM=3) == [[3, 3, 3], [2, 2, 3]]
 
 
+@pytest.mark.slow
+def test_interop_threads_key(tmp_path):
+    import os
+
+    n = (os.cpu_count() or 1) + 3  # not torch's default (the core count)
+    # interop_threads alone sets the inter-op pool (intra-op stays at OMP_NUM_THREADS=1); a later Trainer's
+    # `threads` cannot change the inter-op pool any more
+    assert _threads(tmp_path, [{"interop_threads": n}, {"threads": 2}]) == [[1, 1, n], [2, 2, n]]
+
+
 def test_threads_key_wins_over_the_environment(monkeypatch):
     # inter-op threads can be set once per process (checked in the subprocess above); intra-op here
     monkeypatch.setenv("TORCH_THREAD_NUM", "3")
