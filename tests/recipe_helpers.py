@@ -119,6 +119,18 @@ def assert_same_params(p0: dict, p1: dict) -> None:
         assert torch.equal(p0[k], p1[k]), f"parameter {k} differs between ranks"
 
 
+def whole_split(checkpoint: Path, split: str):
+    """The model of ``checkpoint`` in eval mode and every sample of ``split`` collated into one batch: the
+    inputs to check ``torchrig evaluate`` by hand."""
+    from torch.utils.data import default_collate
+
+    from torchrig.recipes.run import load_for_inference
+
+    recipe, cfg, model, _ = load_for_inference(str(checkpoint))
+    data = recipe.build_data(cfg)[split]
+    return model.eval(), default_collate([data[i] for i in range(len(data))])
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
 

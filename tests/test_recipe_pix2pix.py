@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import read_jsonl
-from recipe_helpers import assert_same_params, cli, ddp_train, make_pairs, sets, write_png
+from recipe_helpers import assert_same_params, cli, ddp_train, make_pairs, sets, whole_split, write_png
 
 TINY_GAN = ["pix2pix.ngf=4", "pix2pix.ndf=4", "pix2pix.d_layers=1"]
 
@@ -66,7 +66,10 @@ def test_end_to_end_train_evaluate_predict(tmp_path, capsys, layout):
     assert [r["val/l1"] for r in rows if "val/l1" in r]  # held-out L1 each epoch
     rc, out, err = cli(["evaluate", "--checkpoint", run, "--split", "val", "--json"], capsys)
     assert rc == 0, err
-    assert 0 < json.loads(out.strip().splitlines()[-1])["l1"] < 2
+    model, (a, b) = whole_split(run, "val")  # held-out L1: mean |G(A) - B| over the val pairs, by hand
+    with torch.no_grad():
+        l1 = float((model["G"](a) - b).abs().mean())
+    assert json.loads(out.strip().splitlines()[-1]) == pytest.approx({"l1": l1}, rel=1e-5)
     inputs = data if layout == "side_by_side" else data / "A"
     preds = tmp_path / "out"
     rc, out, err = cli(["predict", "--checkpoint", run, "--input", inputs, "--output", preds,
