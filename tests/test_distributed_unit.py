@@ -205,19 +205,21 @@ def test_sync_batchnorm_on_cpu_warns_instead_of_failing_later():
 
 @pytest.mark.gpu  # torch's SyncBatchNorm runs on GPUs only
 def test_sync_batchnorm_converts_batchnorm_layers_on_gpu(make_trainer, data, tmp_path):
+    import torch.distributed as dist
+
     from torchrig.checkpoint import load_weights
 
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    trainer = make_trainer(model, device="cuda", strategy="ddp", sync_batchnorm=True, rank=0, world_size=1,
-                           init_method=f"file://{tmp_path / 'store'}")  # a one-rank process group
-    try:
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:  # strategy=ddp wraps in an existing one-rank group
+        trainer = make_trainer(model, device="cuda", strategy="ddp", sync_batchnorm=True)
         assert isinstance(trainer.wrapped, nn.parallel.DistributedDataParallel)
         assert isinstance(trainer.wrapped.module[1], nn.SyncBatchNorm)
         assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in trainer.wrapped.modules()) == 1
         trainer.fit(data)
         assert trainer.global_step == 5 and trainer.wrapped.module[1].num_batches_tracked.item() == 5
     finally:
-        trainer.close()
+        dist.destroy_process_group()
     plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     load_weights(plain, tmp_path / "run")  # the checkpoint still loads into the model with plain BatchNorm
     assert torch.equal(plain[1].running_mean, trainer.wrapped.module[1].running_mean.cpu())
