@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipe_helpers import assert_same_params, cli, ddp_train, sets
+from recipe_helpers import assert_same_params, cli, ddp_train, max_param_diff, one_process_train, sets
 
 TINY_BERT = ["model.options={hidden: 16, layers: 1, heads: 2}", "text.max_length=24", "text.vocab_size=300",
              "text.min_frequency=1"]
@@ -164,10 +164,19 @@ def test_hugging_face_bert_from_config():
 
 
 @pytest.mark.slow
-def test_two_rank_ddp(tmp_path):
+def test_two_rank_ddp_equals_one_process_with_twice_the_batch(tmp_path):
+    """2 ranks × batch 4 end where 1 process × batch 8 ends, gradient clipping and the warmup schedule
+    included (dropout off: each process draws its own masks)."""
     train = write_csv(tmp_path / "train.csv", texts(32, 0))
-    p0, p1 = ddp_train(tmp_path, ["train", "--recipe", "text-classification"]
-                       + sets(f"data.path={train}", f"run_dir={tmp_path / 'run'}", "max_steps=3", "data.batch_size=4",
-                              *TINY_BERT))
+
+    def args(run: str, batch: int) -> list:
+        return ["train", "--recipe", "text-classification"] + sets(
+            f"data.path={train}", "data.val_fraction=0", "max_steps=3", f"run_dir={tmp_path / run}",
+            f"data.batch_size={batch}", "model.options={hidden: 16, layers: 1, heads: 2, dropout: 0.0}", *TINY_BERT[1:])
+
+    p0, p1 = ddp_train(tmp_path, args("run", 4))
     assert_same_params(p0, p1)
     assert (tmp_path / "run" / "tokenizer.json").exists()
+    one, half = one_process_train(args("one", 8), tmp_path / "one"), one_process_train(args("half", 4), tmp_path / "half")
+    assert max_param_diff(p0, one) < 1e-6
+    assert max_param_diff(p0, half) > 1e-4  # the comparison can tell a different batch apart
