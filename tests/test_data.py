@@ -153,8 +153,9 @@ def test_sampler_sharding():
     full = s.indices().tolist()
     s.skip = 6
     assert s.indices().tolist() == full[6:] and len(s) == 4
-    with pytest.raises(ValueError, match="the data set is empty"):
+    with pytest.raises(ValueError) as err:
         ResumableSampler(0)
+    assert str(err.value) == "the data set is empty (0 samples); check the data path or split"
 
 
 # ----------------------------------------------------------------------------- DataLoaders
