@@ -113,9 +113,9 @@ def test_bad_inputs_have_clear_messages(tmp_path, capsys):
     assert rc == 1 and f"image '{tmp_path / 'odd' / 'x.png'}' is unreadable or corrupt (width 31 is odd; a " \
         f"side-by-side pair needs A and B of equal width)" in err
     rc, _, err = cli(run + sets("pix2pix.image_size=24", f"run_dir={tmp_path / 'r'}"), capsys)
-    assert rc == 1 and "torchrig: error: pix2pix.image_size must be a power of two >= 8, got 24" in err
+    assert rc == 1 and "torchrig: error: config key 'pix2pix.image_size': must be a power of two >= 8, got 24" in err
     rc, _, err = cli(run + sets("pix2pix.gan_mode=wgan", f"run_dir={tmp_path / 'r'}"), capsys)
-    assert rc == 1 and "torchrig: error: pix2pix.gan_mode 'wgan' is not one of vanilla, lsgan" in err
+    assert rc == 1 and "torchrig: error: config key 'pix2pix.gan_mode': 'wgan' is not one of vanilla, lsgan" in err
 
 
 def _two_ranks_by_hand(cfg, world: int = 2) -> tuple[dict, dict]:
