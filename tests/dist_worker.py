@@ -2,6 +2,7 @@
 
     python tests/dist_worker.py equiv  OUT     # file:// pair: DDP, DDP+accumulation, FSDP fits; evaluate; predict
     python tests/dist_worker.py resume OUT     # file:// pair: DDP fit, rank 1 SIGKILLs itself at KILL_AT_STEP
+    python tests/dist_worker.py features OUT   # file:// pair: DDP options, gradient syncs, metrics, SyncBatchNorm on CPU
     python tests/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
 
@@ -194,6 +195,124 @@ def resume(out: Path) -> None:
     t.close()
 
 
+class UnusedBranch(nn.Module):
+    """A model with a parameter no forward uses: DDP needs find_unused_parameters=True for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.unused = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _ddp_options(out: Path) -> dict:
+    """What the dist.* keys set on the DistributedDataParallel objects, and that the run trains with them."""
+    from torchrig import Trainer
+
+    x, y = train_data()
+    t = Trainer(UnusedBranch(), **settings(out / "unused", strategy="ddp", max_steps=3, find_unused_parameters=True,
+                                           bucket_cap_mb=1, **{"dist.gradient_as_bucket_view": False}),
+                **_pair_kwargs())
+    ddp = t.wrapped
+    found = {"find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph,
+             "bucket_bytes_cap": ddp.bucket_bytes_cap, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
+    t.fit((x, y))  # without find_unused_parameters the second step fails in DDP's reducer
+    found["unused_steps"] = t.global_step
+    t = Trainer(make_model(), **settings(out / "static", strategy="ddp", max_steps=3, static_graph=True),
+                **_pair_kwargs())
+    t.fit((x, y))
+    found.update(static_graph_set=t.wrapped.static_graph, static_steps=t.global_step,
+                 defaults_view=t.wrapped.gradient_as_bucket_view, defaults_unused=t.wrapped.find_unused_parameters)
+    return found
+
+
+def _two_networks_step(step, batch):
+    """A custom step through two networks, each wrapped in its own DDP (as a GAN's are)."""
+    x, y = batch
+    with step.autocast():
+        loss = nn.functional.cross_entropy(step.models["b"](step.models["a"](x)), y)
+    step.backward(loss)
+    step.optimizer_step("a")
+    step.optimizer_step("b")
+    return {"loss": loss.detach()}
+
+
+def _gradient_syncs(out: Path) -> dict:
+    """(bucket, micro-batch) of every gradient all-reduce, counted by a DDP communication hook, with
+    accumulate=3 over 7 micro-batches per rank: windows of 3, 3 and 1."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from torchrig import Trainer
+
+    x, y = train_data()
+    x, y = x[:28], y[:28]  # 14 samples per rank, batch 2: 7 micro-batches
+    runs = {"one": (make_model(), {}),
+            "two": (nn.ModuleDict({"a": nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh()), "b": nn.Linear(32, CLASSES)}),
+                    {"step_fn": _two_networks_step, "optimizer": {"a": "sgd", "b": "sgd"}})}
+    seen: dict = {}
+    for name, (model, extra) in runs.items():
+        t = Trainer(model, **settings(out / f"sync-{name}", strategy="ddp", batch_size=2, accumulate=3, epochs=1,
+                                      **extra), **_pair_kwargs())
+        wrappers = t.models if t.models else {"model": t.wrapped}
+        for key, ddp in wrappers.items():
+            calls = seen.setdefault(f"{name}/{key}", [])
+
+            def hook(state, bucket, calls=calls, t=t):
+                calls.append([bucket.index(), t.step.batch_index])
+                return default_hooks.allreduce_hook(None, bucket)
+
+            ddp.register_comm_hook(None, hook)
+        t.fit((x, y))
+        seen[f"{name}/steps"] = t.global_step
+    return seen
+
+
+def _metrics_over_ranks(out: Path) -> dict:
+    """Evaluation metrics of an odd-size set split 19 / 18 between the ranks (rank 0 also saves the outputs
+    of one plain forward over all of it, for the test to recompute every metric)."""
+    from torchrig import Trainer
+
+    ex, ey = eval_data()
+    rule = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(99))  # make_data's labelling
+    model = nn.Linear(FEATURES, CLASSES)
+    with torch.no_grad():  # the rule plus noise: mostly right, with errors in every class
+        model.weight.copy_(rule.T + 1.2 * torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(5)))
+        model.bias.zero_()
+    names = ["accuracy", "top2", "precision", "recall", "f1", "precision_weighted", "recall_weighted", "f1_weighted"]
+    t = Trainer(model, **settings(out / "metrics", strategy="ddp", metrics=names, eval_batch_size=5), **_pair_kwargs())
+    results = t.evaluate((ex, ey))
+    if t.rank == 0:
+        with torch.no_grad():
+            torch.save({"logits": model(ex), "target": ey}, out / "metrics-outputs.pt")
+    return results
+
+
+def _sync_batchnorm_on_cpu(out: Path) -> dict:
+    import warnings
+
+    from torchrig import Trainer
+
+    x, y = train_data()
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, CLASSES))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = Trainer(model, **settings(out / "syncbn", strategy="ddp", max_steps=2, sync_batchnorm=True), **_pair_kwargs())
+    t.fit((x, y))  # torch's SyncBatchNorm would raise on the first CPU forward
+    return {"warnings": [str(w.message) for w in caught if "sync_batchnorm" in str(w.message)],
+            "norm": type(t.wrapped.module[1]).__name__, "steps": t.global_step}
+
+
+def features(out: Path) -> None:
+    import torch.distributed as dist
+
+    report = {"ddp_options": _ddp_options(out), "gradient_syncs": _gradient_syncs(out),
+              "metrics": _metrics_over_ranks(out), "sync_batchnorm": _sync_batchnorm_on_cpu(out)}
+    (out / f"features-{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
 def fit(out: Path) -> None:
     """The DDP run of ``equiv`` under torchrun's environment (elastic restarts resume by themselves)."""
     from torchrig import Trainer
@@ -226,4 +345,4 @@ if __name__ == "__main__":
         sys.exit(cli(sys.argv[2:]))
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"equiv": equiv, "resume": resume, "fit": fit}[what](target)
+    {"equiv": equiv, "resume": resume, "fit": fit, "features": features}[what](target)

@@ -79,10 +79,35 @@ def make_pairs(root: Path, n: int = 6, size: int = 16, layout: str = "side_by_si
     return root
 
 
+class PlainCNN(torch.nn.Module):
+    """A small CNN without BatchNorm or dropout. Its gradient over a batch is the mean of the per-sample
+    gradients, so 2 ranks × batch B must end where 1 process × batch 2B ends (BatchNorm would not:
+    it normalises each rank's batch with that batch's own statistics)."""
+
+    def __init__(self, num_classes: int, in_channels: int = 1, width: int = 4):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(in_channels, width, 3, padding=1), torch.nn.ReLU(),
+                                            torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten())
+        self.fc = torch.nn.Linear(4 * width, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+def register_test_models() -> None:
+    """Add the tests' models to torchrig's model names (in this process)."""
+    from torchrig.models import register_model
+
+    register_model("plain_cnn", PlainCNN)
+
+
 DDP_WORKER = '''
 import os, sys, torch
 from torchrig import runtime
 from torchrig.trainer import Trainer
+from recipe_helpers import register_test_models
+
+register_test_models()
 
 _fit = Trainer.fit
 
@@ -117,6 +142,33 @@ def assert_same_params(p0: dict, p1: dict) -> None:
     assert p0.keys() == p1.keys() and p0
     for k in p0:
         assert torch.equal(p0[k], p1[k]), f"parameter {k} differs between ranks"
+
+
+def one_process_train(args: list[str], run_dir: Path) -> dict:
+    """``torchrig <args>`` in this process; the trained weights from the final checkpoint of ``run_dir``."""
+    from safetensors.torch import load_file
+
+    register_test_models()
+    rc, _, _ = cli(args)
+    assert rc == 0
+    return load_file(str(run_dir / "checkpoints" / "latest" / "model.safetensors"))
+
+
+def max_param_diff(params: dict, reference: dict) -> float:
+    """Largest absolute difference between ``params`` and the same names in ``reference``."""
+    return max((params[k].double() - reference[k].double()).abs().max().item() for k in params)
+
+
+def whole_split(checkpoint: Path, split: str):
+    """The model of ``checkpoint`` in eval mode and every sample of ``split`` collated into one batch: the
+    inputs to check ``torchrig evaluate`` by hand."""
+    from torch.utils.data import default_collate
+
+    from torchrig.recipes.run import load_for_inference
+
+    recipe, cfg, model, _ = load_for_inference(str(checkpoint))
+    data = recipe.build_data(cfg)[split]
+    return model.eval(), default_collate([data[i] for i in range(len(data))])
 
 
 def read_json(path: Path):

@@ -76,8 +76,11 @@ def test_train_yaml_file_and_overrides(tmp_path, capsys):
     (["train", "--set", "epochs"], ["override 'epochs' is not KEY=VALUE"]),
     (["train", "missing.yaml"], ["config file 'missing.yaml' does not exist"]),
     (["train", "--recipe", "digitz"], ["unknown recipe 'digitz'; did you mean 'digits'? Valid recipes: digits, "]),
-    (["train", "--set", "optim.name=adamx", "--set", "epochs=1"], ["unknown optimizer 'adamx'", "Valid names:"]),
-    (["train", "--set", "precision=fp16", "--set", "device=cpu"], ["precision 'fp16' needs a CUDA device"]),
+    (["train", "--set", "optim.name=adamx", "--set", "epochs=1"],
+     ["unknown optimizer 'adamx'; did you mean 'adam'? Valid names: sgd, adam, adamw, adagrad, rmsprop"]),
+    (["train", "--set", "precision=fp16", "--set", "device=cpu"],
+     ["precision 'fp16' needs a CUDA device (it uses a gradient scaler), but the device is cpu; use precision=bf16 "
+      "on CPU or fp32"]),
     (["evaluate", "--checkpoint", "/nonexistent/run"], ["checkpoint '/nonexistent/run' does not exist"]),
     (["plot", "/nonexistent/run"], ["run directory '/nonexistent/run' does not exist"]),
 ])
@@ -186,7 +189,8 @@ def test_evaluate_corrupt_checkpoint(trained, tmp_path, capsys):
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
     _one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "is corrupt or not a safetensors file")
     (ckpt / "config.yaml").unlink()
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "has no config.yaml")
+    _one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)],
+                    f"checkpoint '{ckpt}' has no config.yaml; it was not written by torchrig train")
 
 
 # ----------------------------------------------------------------------------- predict
@@ -212,7 +216,10 @@ def test_predict_npy_to_csv(trained, tmp_path, capsys):
                             "top2_probability", "top3_probability"}
     correct = sum(int(r["prediction"]) == int(y) for r, y in zip(rows, labels))
     assert correct >= 16
-    assert all(0 <= float(r["probability"]) <= 1 for r in rows)
+    for r in rows:  # the prediction is the top-1 class; the top-k probabilities are sorted and sum to at most 1
+        assert (r["prediction"], r["probability"]) == (r["top1"], r["top1_probability"])
+        top = [float(r[f"top{k}_probability"]) for k in (1, 2, 3)]
+        assert top == sorted(top, reverse=True) and sum(top) <= 1 + 1e-4
 
 
 def test_predict_csv_rows_to_json(trained, tmp_path, capsys):
@@ -226,9 +233,9 @@ def test_predict_csv_rows_to_json(trained, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content,fragment", [
-    (None, "does not exist"),
-    (np.zeros((3, 5), np.float32), "has shape (3, 5); expected (N, 8, 8) or (N, 64) values in [0, 1]"),
-    (b"not an array", "is not a readable .npy array"),
+    (None, "torchrig: error: input '{path}' does not exist"),
+    (np.zeros((3, 5), np.float32), "input '{path}' has shape (3, 5); expected (N, 8, 8) or (N, 64) values in [0, 1]"),
+    (b"not an array", "input '{path}' is not a readable .npy array ("),
 ])
 def test_predict_bad_input(trained, tmp_path, capsys, content, fragment):
     path = tmp_path / "in.npy"
@@ -237,7 +244,8 @@ def test_predict_bad_input(trained, tmp_path, capsys, content, fragment):
     elif content is not None:
         path.write_bytes(content)
     _one_line_error(capsys, ["predict", "--checkpoint", str(trained), "--input", str(path),
-                             "--output", str(tmp_path / "o.csv")], fragment)
+                             "--output", str(tmp_path / "o.csv")], fragment.format(path=path))
+    assert not (tmp_path / "o.csv").exists()
 
 
 # ----------------------------------------------------------------------------- plot and doctor
@@ -277,12 +285,14 @@ def test_doctor_explains_known_problems(monkeypatch):
 
     real = doctor._version
     monkeypatch.setattr(doctor, "_version", lambda pkg: "0.11.0" if pkg == "torchvision" else real(pkg))
+    monkeypatch.setitem(doctor.TORCHVISION_FOR_TORCH, doctor._minor(torch.__version__), 99)  # whatever torch this is
     monkeypatch.setenv("TORCH_THREAD_NUM", "four")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")
     found = problems()
     text = "\n".join(found)
-    if doctor.TORCHVISION_FOR_TORCH.get(doctor._minor(torch.__version__)) is not None:
-        assert "torchvision 0.11.0 does not match torch" in text and "pip install torchvision==" in text
+    assert f"torchvision 0.11.0 does not match torch {torch.__version__} (expects 0.99.x): importing torchvision " \
+           f"may fail with 'operator torchvision::nms does not exist'; install the matching pair, e.g. pip install " \
+           f"torchvision==0.99.*" in found
     assert "TORCH_THREAD_NUM='four' is not an integer" in text
     assert "GLOO_SOCKET_IFNAME=nosuchif0 names no network interface" in text
     assert f"problems     {len(found)}:" in report()

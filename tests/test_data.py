@@ -56,9 +56,12 @@ def test_dict_batches_train_and_evaluate(make_trainer):
     trainer = make_trainer(DictNet(), metrics=["accuracy"], epochs=2)
     trainer.fit(DictDataset(x, y), val_data=DictDataset(x, y))
     res = trainer.evaluate(DictDataset(x, y))
-    assert set(res) == {"loss", "accuracy"}
+    with torch.no_grad():
+        logits = trainer.model(x=x)  # the model is called with the dict's inputs as keywords
+    assert res == pytest.approx({"loss": float(torch.nn.functional.cross_entropy(logits, y)),
+                                 "accuracy": float((logits.argmax(1) == y).float().mean())}, rel=1e-6)
     probs = trainer.predict(DictDataset(x, y))
-    assert probs.shape == (40, 4)
+    assert torch.allclose(probs, logits.softmax(1), atol=1e-6)
 
 
 def test_tuple_batches_with_several_inputs(make_trainer):
@@ -136,17 +139,23 @@ def test_eval_keeps_order_and_every_sample():
 
 def test_sampler_sharding():
     # training shards pad to equal length; evaluation shards cover every sample exactly once
+    # (like DistributedSampler: the epoch's permutation, padded from its start, dealt out round-robin)
     shards = [ResumableSampler(10, shuffle=True, seed=1, rank=r, world_size=3, pad=True) for r in range(3)]
-    idx = [s.indices().tolist() for s in shards]
-    assert [len(i) for i in idx] == [4, 4, 4] and set(sum(idx, [])) == set(range(10))
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()  # seed + epoch 0
+    padded = perm + perm[:2]
+    assert [s.indices().tolist() for s in shards] == [padded[0::3], padded[1::3], padded[2::3]]
+    shards[1].set_epoch(4)
+    perm4 = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    assert shards[1].indices().tolist() == (perm4 + perm4[:2])[1::3]
     ev = [ResumableSampler(10, shuffle=False, rank=r, world_size=3, pad=False) for r in range(3)]
-    assert sorted(sum((s.indices().tolist() for s in ev), [])) == list(range(10))
+    assert [s.indices().tolist() for s in ev] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     s = ResumableSampler(10, shuffle=True, seed=1)
     full = s.indices().tolist()
     s.skip = 6
     assert s.indices().tolist() == full[6:] and len(s) == 4
-    with pytest.raises(ValueError, match="the data set is empty"):
+    with pytest.raises(ValueError) as err:
         ResumableSampler(0)
+    assert str(err.value) == "the data set is empty (0 samples); check the data path or split"
 
 
 # ----------------------------------------------------------------------------- DataLoaders
@@ -237,13 +246,28 @@ def test_worker_seeding_is_reproducible_and_independent_of_worker_count():
     assert not torch.equal(two, _augmented_epoch(2, epoch=1))  # but new randomness each epoch
 
 
-def test_worker_count_auto_and_pin_memory_default():
-    from torchrig.data.loaders import _auto_workers
+# num_workers="auto": the cores this process may use, shared by the processes of the machine, less one
+# for the training loop itself, at most 4 (e.g. 1 worker on 2 cores).
+AUTO_WORKERS = [  # (usable cores, processes on the machine, workers per process)
+    (1, 1, 0), (2, 1, 1), (3, 1, 2), (5, 1, 4), (16, 1, 4), (8, 2, 3), (16, 4, 3), (4, 4, 0), (6, 4, 0),
+]
 
-    assert 0 <= _auto_workers() <= 4
+
+@pytest.mark.parametrize("cores,local_world_size,workers", AUTO_WORKERS)
+def test_worker_count_auto(monkeypatch, cores, local_world_size, workers):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
     x, y = make_classification(n=12)
-    b = prepare_train(AugmentedDataset(x, y), **_kw(num_workers="auto"))
-    assert b.source.num_workers == _auto_workers()
+    b = prepare_train(AugmentedDataset(x, y), **_kw(num_workers="auto", local_world_size=local_world_size,
+                                                    persistent_workers=False))
+    assert b.source.num_workers == workers
+
+
+def test_pin_memory_default():
+    x, y = make_classification(n=12)
+    b = prepare_train(AugmentedDataset(x, y), **_kw(num_workers=0))
     assert b.source.pin_memory is False  # auto: only when training on CUDA
 
 

@@ -76,13 +76,35 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True)
 
 
+def _cannot_run_here(why: str) -> None:
+    """Skip on a developer's machine, saying why; in CI (CI=true) the two-machine test must run, so fail."""
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        pytest.fail(f"CI=true but the two-machine test cannot run: {why}. CI must run it as root on Linux with "
+                    f"iproute2 installed", pytrace=False)
+    pytest.skip(f"two-machine test not run: {why} (with CI=true this is a failure)")
+
+
+@pytest.mark.parametrize("ci,outcome,message", [
+    ("true", pytest.fail.Exception, "CI=true but the two-machine test cannot run: 'ip netns add' failed: Operation "
+                                    "not permitted. CI must run it as root on Linux with iproute2 installed"),
+    ("", pytest.skip.Exception, "two-machine test not run: 'ip netns add' failed: Operation not permitted (with "
+                                "CI=true this is a failure)"),
+])
+def test_two_machine_test_fails_in_ci_when_it_cannot_run(monkeypatch, ci, outcome, message):
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome) as err:
+        _cannot_run_here("'ip netns add' failed: Operation not permitted")
+    assert str(err.value) == message
+
+
 @pytest.fixture
 def two_machines():
     """Two network namespaces joined by a veth pair; removed afterwards, also when the test fails."""
     if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root on Linux")
+        _cannot_run_here(f"creating network namespaces needs root on Linux (platform {sys.platform}, "
+                         f"uid {os.geteuid() if hasattr(os, 'geteuid') else 'n/a'})")
     if shutil.which("ip") is None:
-        pytest.skip("the 'ip' tool (iproute2) is not installed")
+        _cannot_run_here("the 'ip' tool (iproute2) is not installed")
     tag = f"{os.getpid() % 100000}"
     spaces, veths = (f"trA{tag}", f"trB{tag}"), (f"tva{tag}", f"tvb{tag}")
     net = f"10.231.{os.getpid() % 250}"
@@ -90,7 +112,7 @@ def two_machines():
     try:
         made = _ip("netns", "add", spaces[0])
         if made.returncode != 0:
-            pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
+            _cannot_run_here(f"'ip netns add' failed: {made.stderr.strip()}")
         steps = [("netns", "add", spaces[1]),
                  ("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])]
         for ns, veth, addr in zip(spaces, veths, addrs):

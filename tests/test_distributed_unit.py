@@ -4,6 +4,7 @@ explicit init method), error messages, strategies and the launcher's translation
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -152,16 +153,45 @@ def test_resolve_strategy():
     assert resolve_strategy("auto", 1, cpu) == "none"
     assert resolve_strategy("auto", 2, cpu) == "ddp"
     assert resolve_strategy("fsdp", 2, cpu) == "fsdp"
-    with pytest.raises(RuntimeSetupError, match="use strategy=ddp"):
+    with pytest.raises(RuntimeSetupError) as err:
         resolve_strategy("dp", 2, cpu)
-    with pytest.raises(RuntimeSetupError, match="not one of"):
+    assert str(err.value) == "strategy 'dp' (nn.DataParallel) runs in one process; use strategy=ddp under torchrun"
+    with pytest.raises(RuntimeSetupError) as err:
         resolve_strategy("horovod", 2, cpu)
+    assert str(err.value) == "strategy 'horovod' is not one of auto, none, ddp, dp, fsdp"
 
 
-def test_dp_warns_that_ddp_is_the_recommended_path():
-    model = nn.Linear(2, 2)
-    with pytest.warns(UserWarning, match="strategy=ddp under torchrig launch .* is the recommended path"):
-        assert wrap_model(model, "dp", torch.device("cpu"), C.DistConfig()) is model
+DP_ADVICE = ("strategy=ddp under torchrig launch (one process per GPU) is the recommended path: nn.DataParallel "
+             "runs in one process, copies the model to every GPU at each step and is slower than "
+             "DistributedDataParallel even on one machine")
+
+
+def _dp_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "strategy 'dp'" in str(w.message)]
+
+
+def test_dp_without_two_gpus_trains_unwrapped_and_says_why(make_trainer, data):
+    device = "cuda" if torch.cuda.device_count() == 1 else "cpu"
+    found = torch.cuda.device_count() if device == "cuda" else 0
+    with pytest.warns(UserWarning) as record:
+        trainer = make_trainer(strategy="dp", device=device)
+    where = "cuda:0" if device == "cuda" else "cpu"
+    assert _dp_warnings(record) == [f"strategy 'dp' needs two or more visible GPUs, found {found}; running on "
+                                    f"{where} without wrapping. {DP_ADVICE}"]
+    assert trainer.strategy == "dp" and trainer.wrapped is trainer.model  # the model itself, not a wrapper
+    trainer.fit(data)
+    assert trainer.global_step == 5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs two or more GPUs")
+def test_dp_wraps_in_data_parallel_on_several_gpus(make_trainer, data):
+    with pytest.warns(UserWarning) as record:
+        trainer = make_trainer(strategy="dp", device="cuda")
+    assert _dp_warnings(record) == [f"strategy 'dp': {DP_ADVICE}"]
+    assert isinstance(trainer.wrapped, nn.DataParallel) and trainer.wrapped.module is trainer.model
+    assert trainer.wrapped.device_ids == list(range(torch.cuda.device_count()))
+    trainer.fit(data)
+    assert trainer.global_step == 5
 
 
 def test_sync_batchnorm_on_cpu_warns_instead_of_failing_later():
@@ -173,10 +203,33 @@ def test_sync_batchnorm_on_cpu_warns_instead_of_failing_later():
     assert isinstance(model[1], nn.BatchNorm1d)
 
 
+@pytest.mark.gpu  # torch's SyncBatchNorm runs on GPUs only
+def test_sync_batchnorm_converts_batchnorm_layers_on_gpu(make_trainer, data, tmp_path):
+    import torch.distributed as dist
+
+    from torchrig.checkpoint import load_weights
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:  # strategy=ddp wraps in an existing one-rank group
+        trainer = make_trainer(model, device="cuda", strategy="ddp", sync_batchnorm=True)
+        assert isinstance(trainer.wrapped, nn.parallel.DistributedDataParallel)
+        assert isinstance(trainer.wrapped.module[1], nn.SyncBatchNorm)
+        assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in trainer.wrapped.modules()) == 1
+        trainer.fit(data)
+        assert trainer.global_step == 5 and trainer.wrapped.module[1].num_batches_tracked.item() == 5
+    finally:
+        dist.destroy_process_group()
+    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    load_weights(plain, tmp_path / "run")  # the checkpoint still loads into the model with plain BatchNorm
+    assert torch.equal(plain[1].running_mean, trainer.wrapped.module[1].running_mean.cpu())
+
+
 def test_ddp_and_fsdp_need_a_process_group():
     for strategy in ("ddp", "fsdp"):
-        with pytest.raises(RuntimeSetupError, match="torchrig launch"):
+        with pytest.raises(RuntimeSetupError) as err:
             wrap_model(nn.Linear(2, 2), strategy, torch.device("cpu"), C.DistConfig())
+        assert str(err.value) == f"strategy '{strategy}' needs a process group; start with torchrig launch or torchrun"
 
 
 # ----------------------------------------------------------------------------- torchrig launch -> torchrun
@@ -194,38 +247,44 @@ def test_worker_command_forms(tmp_path, monkeypatch):
     assert L.worker_command(["python", str(script)]) == [str(script)]
     assert L.worker_command(["python3", "-m", "my.module", "x"]) == ["-m", "my.module", "x"]
     assert L.worker_command(["/bin/true"]) == ["--no-python", "/bin/true"]
-    with pytest.raises(L.LaunchError, match="nothing to launch"):
-        L.worker_command(["--"])
-    with pytest.raises(L.LaunchError, match="does not exist"):
-        L.worker_command(["nope.py"])
-    with pytest.raises(L.LaunchError, match="'trian' is not a torchrig command .*; did you mean 'train'\\?$"):
-        L.worker_command(["trian"])
+    for argv, message in [
+        (["--"], "nothing to launch: put the command after --, e.g. torchrig launch --nproc-per-node 2 -- train "
+                 "--set epochs=3"),
+        (["nope.py"], f"script 'nope.py' does not exist (the path is relative to {os.getcwd()})"),
+        (["trian"], "'trian' is not a torchrig command (train, evaluate, predict, plot, doctor), a .py script or an "
+                    "executable on PATH; did you mean 'train'?"),
+    ]:
+        with pytest.raises(L.LaunchError) as err:
+            L.worker_command(argv)
+        assert str(err.value) == message
 
 
-def test_single_machine_launch_listens_on_loopback(clean_env):
+@pytest.mark.parametrize("interfaces,loopback", [(["lo", "eth0"], "lo"), (["en0", "lo0"], "lo0"), (["eth0"], None)])
+def test_single_machine_launch_listens_on_loopback(clean_env, interfaces, loopback):
     clean_env.delenv("GLOO_SOCKET_IFNAME", raising=False)
     clean_env.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    clean_env.setattr(L, "_interfaces", lambda: interfaces)
     argv, env = L.build(_args("--nproc-per-node", "2", "--max-restarts", "3", "--", "train"))
     assert argv[:4] == ["--nproc-per-node", "2", "--max-restarts", "3"]
     i = argv.index("--rdzv-backend")
     assert argv[i:i + 4] == ["--rdzv-backend", L.LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0"]
     assert argv[-3:] == ["-m", "torchrig", "train"]
-    if L._loopback_name():
-        assert env == {"GLOO_SOCKET_IFNAME": L._loopback_name(), "NCCL_SOCKET_IFNAME": L._loopback_name()}
+    # gloo / nccl on the loopback interface when the machine names one (Linux lo, macOS lo0)
+    assert env == ({"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback} if loopback else {})
+    clean_env.setenv("GLOO_SOCKET_IFNAME", "eth0")  # the user's own setting is kept
+    assert "GLOO_SOCKET_IFNAME" not in L.build(_args("--nproc-per-node", "2", "--", "train"))[1]
     argv, _ = L.build(_args("--master-port", "29999", "--", "train"))
     assert "127.0.0.1:29999" in argv
 
 
-def test_two_machine_launch_is_torchruns_static_rendezvous():
-    iface = L._interfaces()[0] if L._interfaces() else None
-    extra = ["--ifname", iface] if iface else []
+def test_two_machine_launch_is_torchruns_static_rendezvous(monkeypatch):
+    monkeypatch.setattr(L, "_interfaces", lambda: ["lo", "ens5"])
     argv, env = L.build(_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--nproc-per-node",
-                              "8", *extra, "--", "train", "cfg.yaml"))
+                              "8", "--ifname", "ens5", "--", "train", "cfg.yaml"))
     joined = " ".join(argv)
     assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500" in joined
     assert "--rdzv-backend" not in argv  # torchrun's default: static
-    if iface:
-        assert env == {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
+    assert env == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "ens5"}
 
 
 def test_elastic_rendezvous_passes_through():
@@ -236,18 +295,25 @@ def test_elastic_rendezvous_passes_through():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--nnodes", "2", "--", "train"], "needs --master-addr"),
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--", "train"], "outside 0 … 1"),
-    (["--nnodes", "1:3", "--", "train"], "needs --rdzv-backend c10d"),
-    (["--nnodes", "x", "--", "train"], "not a number"),
-    (["--rdzv-backend", "c10d", "--", "train"], "needs --rdzv-endpoint"),
-    (["--nproc-per-node", "0", "--", "train"], "give a number >= 1"),
-    (["--ifname", "definitely-not-an-if", "--", "train"], "no such network interface"),
-    (["--max-restarts", "-1", "--", "train"], "0 or more"),
+    (["--nnodes", "2", "--", "train"],
+     "--nnodes 2 needs --master-addr: the address of machine 0 (the one started with --node-rank 0), reachable "
+     "from every machine"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--", "train"],
+     "--node-rank 2 is outside 0 … 1 for --nnodes 2"),
+    (["--nnodes", "1:3", "--", "train"], "--nnodes 1:3 (elastic MIN:MAX) needs --rdzv-backend c10d and --rdzv-endpoint"),
+    (["--nnodes", "x", "--", "train"], "--nnodes 'x' is not a number or MIN:MAX"),
+    (["--rdzv-backend", "c10d", "--", "train"], "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (on machine 0)"),
+    (["--nproc-per-node", "0", "--", "train"], "--nproc-per-node '0': give a number >= 1, or gpu / cpu / auto"),
+    (["--ifname", "definitely-not-an-if", "--", "train"],
+     "--ifname 'definitely-not-an-if': no such network interface on this machine; it has lo, eth0 (see `ip -brief "
+     "address`)"),
+    (["--max-restarts", "-1", "--", "train"], "--max-restarts must be 0 or more"),
 ])
-def test_launch_errors(argv, message):
-    with pytest.raises(L.LaunchError, match=message):
+def test_launch_errors(argv, message, monkeypatch):
+    monkeypatch.setattr(L, "_interfaces", lambda: ["lo", "eth0"])
+    with pytest.raises(L.LaunchError) as err:
         L.build(_args(*argv))
+    assert str(err.value) == message
 
 
 def test_dry_run_prints_the_torchrun_command(capsys):

@@ -98,18 +98,52 @@ def test_buffers_round_trip_through_checkpoints_and_devices(tmp_path):
     assert torch.equal(meta.bn.running_mean, model.bn.running_mean)
 
 
-def test_recipe_models_with_buffers_survive_checkpoints():
-    """The recipes' own buffer holders: BatchNorm (ResNet, U-Net) and BERT's position ids."""
+def _recipe_model_data(name: str, g: torch.Generator) -> tuple:
+    """8 training samples ``(*inputs, target)`` for a recipe model of ``RECIPE_MODELS``."""
+    if name == "small_resnet":
+        return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+    if name == "unet_generator":
+        return torch.randn(8, 1, 16, 16, generator=g), torch.randn(8, 1, 16, 16, generator=g)
+    ids = torch.randint(5, 30, (8, 6), generator=g)
+    return ids, torch.ones_like(ids), torch.zeros_like(ids), torch.randint(0, 2, (8,), generator=g)
+
+
+RECIPE_MODELS = [  # the recipes' own buffer holders: BatchNorm (ResNet, U-Net) and BERT's position ids
+    ("small_resnet", {"num_classes": 3, "in_channels": 1, "widths": (8, 16), "blocks": (1, 1)}, "cross_entropy"),
+    ("unet_generator", {"in_channels": 1, "out_channels": 1, "ngf": 4, "num_downs": 4, "dropout": 0.0}, "mse"),
+    ("bert", {"vocab_size": 30, "num_classes": 2, "hidden": 8, "heads": 2, "layers": 1}, "cross_entropy"),
+]
+
+
+@pytest.mark.parametrize("name,options,loss", RECIPE_MODELS, ids=[m[0] for m in RECIPE_MODELS])
+def test_recipe_models_with_buffers_survive_checkpoints(tmp_path, name, options, loss):
+    import torchrig
+    from torchrig.checkpoint import load_weights_file, resolve
     from torchrig.models import build_model
 
-    for name, kw in [("small_resnet", {}), ("bert", {"vocab_size": 30, "num_classes": 2, "hidden": 8, "heads": 2})]:
-        a = build_model(name, **kw)
-        b = build_model(name, **kw)
-        b.load_state_dict(a.state_dict())
-        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    bert = build_model("bert", vocab_size=30, num_classes=2, hidden=8, heads=2)
-    assert "embeddings.position_ids" not in bert.state_dict()  # non-persistent, still moved by .to()
-    assert bert.embeddings.position_ids.device.type == "cpu"
+    torch.manual_seed(0)
+    model = build_model(name, **options)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    data = _recipe_model_data(name, torch.Generator().manual_seed(1))
+    trainer = torchrig.Trainer(model, loss=loss, metrics=[], run_dir=str(tmp_path / "run"), epochs=1, batch_size=4,
+                               optimizer="sgd", lr=0.1, num_workers=0, **QUIET)
+    trainer.fit(data)
+    saved = load_weights_file(resolve(str(tmp_path / "run")))
+    trained = model.state_dict()
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[k], trained[k]) for k in trained)  # the trained values, buffers included
+    stats = [k for k in trained if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert (len(stats) > 0) is (name != "bert")
+    assert all(not torch.equal(trained[k], initial[k]) for k in stats)  # training moved every statistic
+    reloaded = build_model(name, **options)
+    reloaded.load_state_dict(saved)
+    model.eval()
+    reloaded.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(*data[:-1]), model(*data[:-1]))  # eval mode uses the reloaded statistics
+    if name == "bert":  # non-persistent: not in the file, rebuilt by __init__
+        assert "embeddings.position_ids" not in saved
+        assert torch.equal(reloaded.embeddings.position_ids, torch.arange(512).unsqueeze(0))
 
 
 def test_import_torchrig_and_recipes_does_not_import_torchvision():

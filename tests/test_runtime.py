@@ -38,6 +38,16 @@ def test_torch_thread_num_and_threads_set_intra_and_inter_op_threads(tmp_path):
     assert _threads(tmp_path, [{}, {"threads": 2}], TORCH_THREAD_NUM=3) == [[3, 3, 3], [2, 2, 3]]
 
 
+@pytest.mark.slow
+def test_interop_threads_key(tmp_path):
+    import os
+
+    n = (os.cpu_count() or 1) + 3  # not torch's default (the core count)
+    # interop_threads alone sets the inter-op pool (intra-op stays at OMP_NUM_THREADS=1); a later Trainer's
+    # `threads` cannot change the inter-op pool any more
+    assert _threads(tmp_path, [{"interop_threads": n}, {"threads": 2}]) == [[1, 1, n], [2, 2, n]]
+
+
 def test_threads_key_wins_over_the_environment(monkeypatch):
     # inter-op threads can be set once per process (checked in the subprocess above); intra-op here
     monkeypatch.setenv("TORCH_THREAD_NUM", "3")
@@ -62,8 +72,9 @@ def test_bad_torch_thread_num(monkeypatch, value, message, tmp_path):
     with pytest.raises(RuntimeSetupError) as err:
         configure_threads(None)
     assert message in str(err.value)
-    with pytest.raises(RuntimeSetupError, match="TORCH_THREAD_NUM"):
+    with pytest.raises(RuntimeSetupError) as err:
         torchrig.Trainer(torch.nn.Linear(2, 2), run_dir=str(tmp_path), tensorboard=False)
+    assert str(err.value) == message
     assert torch.get_num_threads() == before
 
 
@@ -99,8 +110,11 @@ def test_cuda_without_cuda_is_explained(name):
 def test_cuda_without_cuda_through_trainer(tmp_path):
     import torchrig
 
-    with pytest.raises(RuntimeSetupError, match="CUDA is not available"):
+    with pytest.raises(RuntimeSetupError) as err:
         torchrig.Trainer(TinyNet(), device="cuda", run_dir=str(tmp_path))
+    assert str(err.value).startswith(f"device 'cuda' asked for, but CUDA is not available on this machine (torch "
+                                     f"{torch.__version__}: ")
+    assert str(err.value).endswith("); use device=cpu or device=auto")
 
 
 def test_unknown_device_name():

@@ -254,7 +254,7 @@ class Trainer:
             stopped = self._run_epoch(plan, epoch, skip)
             if stopped:  # max_steps reached mid-epoch, or a signal
                 return val_metrics, stopped
-            val_metrics = self._end_epoch(epoch, plan.val_data)
+            val_metrics = self._end_epoch(epoch, plan.val_data) or val_metrics  # eval_every_epochs > 1
             if self.early_stopping.should_stop:
                 return val_metrics, "early_stop"
             if self._signals.check_now():
