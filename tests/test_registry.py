@@ -137,7 +137,8 @@ def test_no_trainable_parameters():
     model = TinyNet().requires_grad_(False)
     with pytest.raises(NameError_) as err:
         build_optimizer("sgd", model, 0.1)
-    assert str(err.value) == "the model has no trainable parameters (all requires_grad=False)"
+    assert str(err.value) == ("the model has no trainable parameters (all requires_grad=False); unfreeze some "
+                              "with p.requires_grad_(True), or pass an optimizer built on the parameters to train")
 
 
 def test_group_lr_through_trainer_and_config(make_trainer, data):

@@ -615,7 +615,7 @@ def read_yaml(path: str | Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"config file '{p}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file '{p}' is not a text file") from None
+        raise ConfigError(f"config file '{p}' is not a text file (UTF-8 YAML); pass a YAML config file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

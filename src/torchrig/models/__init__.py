@@ -7,6 +7,7 @@ from typing import Callable
 from torch import nn
 
 from ..errors import suggest
+from .errors import ModelError
 
 from .pix2pix import PatchDiscriminator, UNetGenerator, build_pix2pix
 from .small import DigitsCNN, MLP
@@ -35,12 +36,12 @@ def model_names() -> list[str]:
 def build_model(name: str, **options) -> nn.Module:
     if name not in _BUILDERS:
         listing = f"Valid names: {', '.join(model_names())}"
-        raise ValueError(f"unknown model '{name}'{suggest(name, _BUILDERS, listing=listing)}")
+        raise ModelError(f"unknown model '{name}'{suggest(name, _BUILDERS, listing=listing)}")
     try:
         return _BUILDERS[name](**options)
     except TypeError as exc:
-        raise ValueError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
+        raise ModelError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
 
 
-__all__ = ["BertClassifier", "DigitsCNN", "MLP", "PatchDiscriminator", "SmallResNet", "UNetGenerator",
+__all__ = ["BertClassifier", "DigitsCNN", "MLP", "ModelError", "PatchDiscriminator", "SmallResNet", "UNetGenerator",
            "build_model", "build_pix2pix", "register_model", "model_names"]

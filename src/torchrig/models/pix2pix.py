@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .errors import ModelError
 from .init import normal_init_
 
 
@@ -28,7 +29,7 @@ class UNetGenerator(nn.Module):
                  dropout: float = 0.5):
         super().__init__()
         if num_downs < 2:
-            raise ValueError(f"U-Net needs num_downs >= 2, got {num_downs}")
+            raise ModelError(f"U-Net needs num_downs >= 2, got {num_downs}")
         chans = [ngf * min(2 ** i, 8) for i in range(num_downs)]
         downs: list[nn.Module] = [nn.Conv2d(in_channels, chans[0], 4, 2, 1)]
         for i in range(1, num_downs):
@@ -56,7 +57,7 @@ class UNetGenerator(nn.Module):
 
     def forward(self, x):
         if x.shape[-1] % (2 ** self.num_downs) or x.shape[-2] % (2 ** self.num_downs):
-            raise ValueError(f"U-Net with {self.num_downs} levels needs image sides divisible by "
+            raise ModelError(f"U-Net with {self.num_downs} levels needs image sides divisible by "
                              f"{2 ** self.num_downs}, got {tuple(x.shape[-2:])}")
         skips = []
         for d in self.down:
@@ -100,10 +101,10 @@ def build_pix2pix(in_channels: int = 3, out_channels: int = 3, image_size: int =
     if num_downs is None:
         num_downs = int(math.log2(image_size))
     if image_size % (2 ** num_downs):
-        raise ValueError(f"pix2pix.image_size {image_size} must be divisible by 2**num_downs = {2 ** num_downs}")
+        raise ModelError(f"pix2pix.image_size {image_size} must be divisible by 2**num_downs = {2 ** num_downs}")
     side = image_size // 2 ** d_layers
     if side < 4:
-        raise ValueError(f"pix2pix.d_layers {d_layers} is too deep for image_size {image_size}; lower it")
+        raise ModelError(f"pix2pix.d_layers {d_layers} is too deep for image_size {image_size}; lower it")
     return nn.ModuleDict({"G": UNetGenerator(in_channels, out_channels, ngf, num_downs, dropout),
                           "D": PatchDiscriminator(in_channels + out_channels, ndf, d_layers)})
 

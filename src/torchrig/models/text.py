@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import suggest
+from .errors import ModelError
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -47,7 +48,7 @@ class Embeddings(nn.Module):
     def forward(self, input_ids, token_type_ids=None):
         length = input_ids.shape[1]
         if length > self.positions.num_embeddings:
-            raise ValueError(f"sequence of {length} tokens is longer than the model's max_length "
+            raise ModelError(f"sequence of {length} tokens is longer than the model's max_length "
                              f"{self.positions.num_embeddings}")
         x = self.tokens(input_ids) + self.positions(self.position_ids[:, :length])
         if token_type_ids is None:
@@ -62,7 +63,7 @@ class SelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, dropout: float):
         super().__init__()
         if hidden % heads:
-            raise ValueError(f"hidden size {hidden} is not divisible by {heads} attention heads")
+            raise ModelError(f"hidden size {hidden} is not divisible by {heads} attention heads")
         self.heads = heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.out = nn.Linear(hidden, hidden)
@@ -142,7 +143,7 @@ class HFBertClassifier(nn.Module):
         try:
             from transformers import BertConfig, BertForSequenceClassification
         except ImportError:
-            raise ValueError("model 'hf_bert' needs the transformers package; pip install transformers "
+            raise ModelError("model 'hf_bert' needs the transformers package; pip install transformers "
                              "(or use the built-in model 'bert')") from None
         config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                             num_attention_heads=heads, intermediate_size=intermediate or 4 * hidden,
@@ -164,13 +165,13 @@ def build_text_model(name: str, vocab_size: int, num_classes: int, max_length: i
     
     if name not in TEXT_MODELS:
         listing = f"Valid text models: {', '.join(TEXT_MODELS)}"
-        raise ValueError(f"unknown text model '{name}'{suggest(name, TEXT_MODELS, listing=listing)}")
+        raise ModelError(f"unknown text model '{name}'{suggest(name, TEXT_MODELS, listing=listing)}")
     options = dict(options or {})
     options.setdefault("max_length", max_length)
     try:
         return TEXT_MODELS[name](vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **options)
     except TypeError as exc:
-        raise ValueError(f"text model '{name}' does not accept options {sorted(options)} ({exc}); valid: "
+        raise ModelError(f"text model '{name}' does not accept options {sorted(options)} ({exc}); valid: "
                          f"hidden, layers, heads, intermediate, max_length, type_vocab, dropout") from None
 
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from ..errors import suggest
+from .errors import ModelError
 
 
 class BasicBlock(nn.Module):
@@ -48,7 +49,7 @@ class SmallResNet(nn.Module):
                  blocks: Sequence[int] = (1, 1, 1), dropout: float = 0.0):
         super().__init__()
         if len(widths) != len(blocks):
-            raise ValueError(f"small_resnet: widths {list(widths)} and blocks {list(blocks)} differ in length")
+            raise ModelError(f"small_resnet: widths {list(widths)} and blocks {list(blocks)} differ in length")
         self.stem = nn.Sequential(nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
                                   nn.ReLU(inplace=True))
         stages, cin = [], widths[0]
@@ -124,27 +125,27 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
     if ":" in name:
         source, name = name.split(":", 1)
         if source not in ("torchvision", "timm"):
-            raise ValueError(f"model '{source}:{name}': the prefix must be torchvision: or timm:")
+            raise ModelError(f"model '{source}:{name}': the prefix must be torchvision: or timm:")
     if source is None and name in builtins:
         try:
             return builtins[name](num_classes=num_classes, in_channels=in_channels, **options)
         except TypeError as exc:
-            raise ValueError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
+            raise ModelError(f"model '{name}' does not accept options {sorted(options)} ({exc})") from None
     if source in (None, "torchvision"):
         tv = torchvision_names()
         if name in tv:
             import torchvision.models as tvm
 
             if options.pop("weights", None) is not None:
-                raise ValueError("torchrig never downloads weights: set model.weights to a local file instead")
+                raise ModelError("torchrig never downloads weights: set model.weights to a local file instead")
             try:
                 return tvm.get_model(name, weights=None, num_classes=num_classes, **options)
             except TypeError as exc:
-                raise ValueError(f"torchvision model '{name}' does not accept options {sorted(options)} ({exc})") from None
+                raise ModelError(f"torchvision model '{name}' does not accept options {sorted(options)} ({exc})") from None
         if source == "torchvision":
             if not tv:
-                raise ValueError(f"model 'torchvision:{name}' needs torchvision; pip install torchvision")
-            raise ValueError(f"torchvision has no classification model '{name}'{suggest(name, tv)}")
+                raise ModelError(f"model 'torchvision:{name}' needs torchvision; pip install torchvision")
+            raise ModelError(f"torchvision has no classification model '{name}'{suggest(name, tv)}")
     tm = timm_names()
     if name in tm:
         import timm
@@ -152,12 +153,12 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
         options.pop("pretrained", None)
         return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **options)
     if source == "timm":
-        raise ValueError(f"model 'timm:{name}' needs timm (pip install timm)" if not tm
+        raise ModelError(f"model 'timm:{name}' needs timm (pip install timm)" if not tm
                          else f"timm has no model '{name}'{suggest(name, tm)}")
     known = [n for n in sorted(builtins) if n not in NOT_IMAGE]
     listing = (f"Built-in: {', '.join(known)}; or any torchvision.models classification builder (resnet18, "
                f"resnet50, …)" + ("; or a timm model" if tm else " (timm models too, once timm is installed)"))
-    raise ValueError(f"unknown image model '{name}'{suggest(name, known + torchvision_names(), listing=listing)}")
+    raise ModelError(f"unknown image model '{name}'{suggest(name, known + torchvision_names(), listing=listing)}")
 
 
 __all__ = ["BasicBlock", "SmallResNet", "build_image_model", "check_image_model_name", "is_external", "torchvision_names", "timm_names"]

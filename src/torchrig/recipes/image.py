@@ -143,7 +143,8 @@ class ImageClassificationRecipe(Recipe):
     }
 
     def __init__(self):
-        self._cache: dict[int, _Prepared] = {}
+        # id(cfg) -> (cfg, prepared data); holding cfg keeps its id from being reused by another config
+        self._cache: dict[int, tuple[C.Config, _Prepared]] = {}
 
     # -------------------------------------------------------------------------------- data
     def _roots(self, cfg: C.Config) -> dict[str, Optional[Path]]:
@@ -167,7 +168,7 @@ class ImageClassificationRecipe(Recipe):
 
     def _prepare(self, cfg: C.Config) -> _Prepared:
         if id(cfg) in self._cache:
-            return self._cache[id(cfg)]
+            return self._cache[id(cfg)][1]
         ic, d = cfg.image, cfg.data
         roots = self._roots(cfg)
         samples, classes = I.scan_image_folder(roots["train"], ic.extensions, ic.class_map or None,
@@ -221,7 +222,7 @@ class ImageClassificationRecipe(Recipe):
         if ic.normalize and (len(ic.mean) != ic.channels or len(ic.std) != ic.channels):
             raise RecipeError(f"image.mean / image.std need {ic.channels} value(s) (one per channel), got "
                               f"{list(ic.mean)} / {list(ic.std)}")
-        self._cache[id(cfg)] = prep
+        self._cache[id(cfg)] = (cfg, prep)
         return prep
 
     @staticmethod
@@ -295,7 +296,7 @@ class ImageClassificationRecipe(Recipe):
         info = {"classes": list(ic.classes), "channels": ic.channels, "mean": ic.mean, "std": ic.std,
                 "size": ic.size}
         (run_dir / "classes.json").write_text(json.dumps(info, indent=2) + "\n")
-        prep = self._cache.get(id(cfg))
+        prep = self._cache.get(id(cfg), (None, None))[1]
         bad_file = run_dir / "bad_samples.txt"
         if prep is not None and prep.bad:
             I.write_bad_list(bad_file, prep.bad)

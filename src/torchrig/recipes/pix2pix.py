@@ -102,7 +102,8 @@ class Pix2PixRecipe(Recipe):
     }
 
     def __init__(self):
-        self._cache: dict[int, _Prepared] = {}
+        # id(cfg) -> (cfg, prepared data); holding cfg keeps its id from being reused by another config
+        self._cache: dict[int, tuple[C.Config, _Prepared]] = {}
 
     # -------------------------------------------------------------------------------- config
     @staticmethod
@@ -118,7 +119,7 @@ class Pix2PixRecipe(Recipe):
     # -------------------------------------------------------------------------------- data
     def _prepare(self, cfg: C.Config) -> _Prepared:
         if id(cfg) in self._cache:
-            return self._cache[id(cfg)]
+            return self._cache[id(cfg)][1]
         self._resolve(cfg)
         p, d = cfg.pix2pix, cfg.data
         prep = _Prepared()
@@ -165,7 +166,7 @@ class Pix2PixRecipe(Recipe):
             if prep.bad:
                 say(f"torchrig: skipped {len(prep.bad)} unreadable image(s) (data.skip_bad_samples=true); "
                     f"listed in {Path(cfg.run_dir) / 'bad_samples.txt'}")
-        self._cache[id(cfg)] = prep
+        self._cache[id(cfg)] = (cfg, prep)
         return prep
 
     @staticmethod
@@ -266,7 +267,7 @@ class Pix2PixRecipe(Recipe):
                 "optimizer": {"G": cfg.optim.name, "D": cfg.optim.name}}
 
     def save_artifacts(self, cfg: C.Config, run_dir: Path) -> None:
-        prep = self._cache.get(id(cfg))
+        prep = self._cache.get(id(cfg), (None, None))[1]
         if prep is not None and prep.bad:
             write_bad_list(run_dir / "bad_samples.txt", prep.bad)
 

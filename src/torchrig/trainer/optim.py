@@ -56,7 +56,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
     key = name.lower()
     groups = param_groups(model, lr, group_lr)
     if not groups:
-        raise NameError_("the model has no trainable parameters (all requires_grad=False)")
+        raise NameError_("the model has no trainable parameters (all requires_grad=False); unfreeze some with "
+                         "p.requires_grad_(True), or pass an optimizer built on the parameters to train")
     opts = dict(options or {})
     fused_ok = device is not None and device.type == "cuda"
     if key == "sgd":

@@ -181,8 +181,8 @@ class Step:
         if scaler is not None and self.stepped:
             before = scaler.get_scale()
             scaler.update()
-            if scaler.get_scale() < before:
-                self.state.skipped_steps += 1  # fp16 overflow: GradScaler skipped this step
+            if scaler.get_scale() < before:  # fp16 overflow: GradScaler skipped the optimizer step
+                self.stepped = False
         if not self.stepped:  # a non-finite window skipped (one count, however many optimizers)
             self.state.skipped_steps += 1
             return False

@@ -74,7 +74,8 @@ def scan_image_folder(root: Union[str, Path], extensions: Sequence[str], class_m
         if unknown or missing:
             raise DataError(f"{key} '{root}': image.class_map does not match the class folders "
                             f"(folders not in the map: {unknown or 'none'}; map entries without a folder: "
-                            f"{missing or 'none'})")
+                            f"{missing or 'none'}); give every class folder an index in image.class_map, "
+                            f"or leave it empty to number the folders in sorted order")
         try:
             index = {c: int(i) for c, i in class_map.items()}
         except (TypeError, ValueError):
