@@ -1,22 +1,13 @@
-"""Shared tiny fixtures: models and data small enough that a whole fit takes milliseconds."""
+"""pytest fixtures and hooks shared by every test folder; helpers to import are in ``tests/helpers``."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
-# Tiny models run fastest on one thread, and the machine's cores are shared with other test processes.
-torch.set_num_threads(1)
+from helpers import QUIET, TinyNet, make_classification
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: skipped without one, run where a GPU is lent."""
@@ -26,69 +17,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-# Quiet, side-effect-free defaults for Trainer in tests: no plots, no TensorBoard, no progress output.
-QUIET = dict(plot=False, tensorboard=False, progress="none")
-
-
-class TinyNet(nn.Module):
-    """8 features -> 4 classes, with a dropout so that RNG handling matters."""
-
-    def __init__(self, in_features: int = 8, hidden: int = 16, classes: int = 4, dropout: float = 0.0):
-        super().__init__()
-        self.backbone = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU())
-        self.drop = nn.Dropout(dropout)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(self.drop(self.backbone(x)))
-
-
-def make_classification(n: int = 40, features: int = 8, classes: int = 4, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, features, generator=g)
-    w = torch.randn(features, classes, generator=g)
-    y = (x @ w).argmax(dim=1)
-    return x, y
-
-
-class AugmentedDataset(Dataset):
-    """A map-style data set whose samples get random noise (torch), a random sign (python) and a
-    random scale (numpy): random augmentation drawn from every global RNG."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        import random
-
-        import numpy as np
-
-        sign = 1.0 if random.random() < 0.5 else -1.0
-        scale = float(np.random.uniform(0.9, 1.1))
-        return self.x[i] * sign * scale + 0.05 * torch.randn_like(self.x[i]), self.y[i]
-
-
-class DictDataset(Dataset):
-    """Samples as dicts with a ``labels`` key, like Hugging Face batches."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class DictNet(TinyNet):
-    def forward(self, x):  # called as model(**inputs) with inputs = {"x": ...}
-        return super().forward(x)
 
 
 @pytest.fixture
@@ -122,20 +50,3 @@ def make_trainer(run_dir):
         return torchrig.Trainer(model, **opts)
 
     return make
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def subprocess_env(**extra) -> dict:
-    """Environment for child Python processes: the package importable, one thread, no stray config."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(TESTS), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("TORCH_THREAD_NUM", None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-PYTHON = sys.executable

@@ -2,7 +2,7 @@
 
     python tools/fault_injection.py signals --trials 40      # random signals at random points, then resume
 
-A *signals* trial starts a small training run (``tests/signal_child.py``), sends SIGTERM, SIGINT or
+A *signals* trial starts a small training run (``tests/helpers/signal_child.py``), sends SIGTERM, SIGINT or
 SIGUSR1 (to the process, or to its whole process group as Ctrl-C does) at a random moment, with or
 without DataLoader workers, checks the exit code and the resume line, resumes the run to its end and
 compares the final weights with an uninterrupted run, bit for bit. A trial *survives* when all of that
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CHILD = REPO / "tests" / "signal_child.py"
+CHILD = REPO / "tests" / "helpers" / "signal_child.py"
 CODES = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGUSR1: 138}
 ARGS = ["epochs=2", "checkpoint_every_epochs=1"]
 

@@ -1,0 +1,101 @@
+"""What the tests share: tiny models and data (a whole fit takes milliseconds), paths, subprocess set-up.
+
+Test modules import these with ``from helpers import ...``; the child scripts the tests start
+(``dist_worker.py``, ``resume_child.py``, ``signal_child.py`` …) live beside this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+# Tiny models run fastest on one thread, and the machine's cores are shared with other test processes.
+torch.set_num_threads(1)
+
+HELPERS = Path(__file__).resolve().parent
+TESTS = HELPERS.parent
+REPO = TESTS.parent
+
+QUIET = dict(plot=False, tensorboard=False, progress="none")
+
+
+class TinyNet(nn.Module):
+    """8 features -> 4 classes, with a dropout so that RNG handling matters."""
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, classes: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU())
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.drop(self.backbone(x)))
+
+
+def make_classification(n: int = 40, features: int = 8, classes: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    y = (x @ w).argmax(dim=1)
+    return x, y
+
+
+class AugmentedDataset(Dataset):
+    """A map-style data set whose samples get random noise (torch), a random sign (python) and a
+    random scale (numpy): random augmentation drawn from every global RNG."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        sign = 1.0 if random.random() < 0.5 else -1.0
+        scale = float(np.random.uniform(0.9, 1.1))
+        return self.x[i] * sign * scale + 0.05 * torch.randn_like(self.x[i]), self.y[i]
+
+
+class DictDataset(Dataset):
+    """Samples as dicts with a ``labels`` key, like Hugging Face batches."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class DictNet(TinyNet):
+    def forward(self, x):  # called as model(**inputs) with inputs = {"x": ...}
+        return super().forward(x)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def subprocess_env(**extra) -> dict:
+    """Environment for child Python processes: the package importable, one thread, no stray config."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(TESTS), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("TORCH_THREAD_NUM", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+PYTHON = sys.executable

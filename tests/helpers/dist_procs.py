@@ -1,0 +1,136 @@
+"""Starting and always cleaning up the processes of the distributed tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+HELPERS = Path(__file__).resolve().parent
+WORKER = HELPERS / "dist_worker.py"
+
+
+def _env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in a worker shows its Python stack
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str, seconds: float):
+        self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run(cmd: list[str], timeout: float, env: Optional[dict] = None, cwd: Optional[Path] = None) -> Result:
+    """Run ``cmd`` in its own session; on timeout (or any error) kill the whole process group."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:6])} … did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        _kill_group(proc)  # leftovers (workers of a failed launcher)
+    return Result(proc.returncode, out, err, time.monotonic() - t0)
+
+
+def torchrig(args: list[str], timeout: float = 120, env: Optional[dict] = None,
+             prefix: Optional[list[str]] = None, cwd: Optional[Path] = None) -> Result:
+    return run([*(prefix or []), sys.executable, "-m", "torchrig", *args], timeout, env, cwd)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
+         init: Optional[str] = None) -> list[Result]:
+    """Two worker processes joined through an explicit init method (``file://STORE`` unless ``init``
+    gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun involved."""
+    out.mkdir(parents=True, exist_ok=True)
+    if store.exists():
+        store.unlink()
+    procs, logs = [], []
+    t0 = time.monotonic()
+    try:
+        for rank in (0, 1):
+            e = _env(dict(env or {}, TEST_INIT=init or f"file://{store}", TEST_RANK=rank, TEST_WORLD=2))
+            o, r = open(out / f"{scenario}-{rank}.out", "w+"), open(out / f"{scenario}-{rank}.err", "w+")
+            logs.append((o, r))
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], stdout=o, stderr=r,
+                                          env=e, start_new_session=True))
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    _kill_group(q)
+                raise AssertionError(f"worker pair '{scenario}' did not finish within {timeout}s:\n"
+                                     + "\n".join(_read(f) for pair_ in logs for f in pair_))
+        return [Result(p.returncode, _read(o), _read(r), time.monotonic() - t0) for p, (o, r) in zip(procs, logs)]
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for o, r in logs:
+            o.close()
+            r.close()
+        if store.exists():
+            store.unlink()
+
+
+def _read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
+def run_many(cmds: list[list[str]], timeout: float, env: Optional[dict] = None,
+             logs: Optional[Path] = None) -> list[Result]:
+    """Run several commands at once (e.g. one launcher per machine); kill all of them on timeout."""
+    logs = logs or Path(os.environ.get("TMPDIR", "/tmp"))
+    procs, files = [], []
+    t0 = time.monotonic()
+    try:
+        for i, cmd in enumerate(cmds):
+            o, e = open(logs / f"cmd{i}.out", "w+"), open(logs / f"cmd{i}.err", "w+")
+            files.append((o, e))
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=_env(env), start_new_session=True))
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{len(cmds)} commands did not finish within {timeout}s:\n"
+                                     + "\n".join(_read(f)[-3000:] for pair_ in files for f in pair_))
+        return [Result(p.returncode, _read(o), _read(e), time.monotonic() - t0) for p, (o, e) in zip(procs, files)]
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for o, e in files:
+            o.close()
+            e.close()

@@ -1,0 +1,45 @@
+"""Capability 13: ``torchrig train`` with no arguments, end to end, on the machine's CPU cores."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import subprocess_env
+
+TIME_LIMIT_S = 60.0
+MIN_ACCURACY = 0.97
+
+
+@pytest.mark.slow
+def test_default_job_reaches_97_percent_within_a_minute(tmp_path):
+    exe = shutil.which("torchrig")
+    cmd = [exe, "train"] if exe else [sys.executable, "-m", "torchrig", "train"]
+    env = subprocess_env()
+    env.pop("OMP_NUM_THREADS", None)  # the default job picks its own threads, like a user's shell would
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - start
+    assert out.returncode == 0, out.stderr[-3000:]
+    stdout = out.stdout
+    m = re.search(r"^test: loss (\S+)  accuracy (\S+)", stdout, re.M)
+    assert m, stdout
+    accuracy = float(m.group(2))
+    assert accuracy >= MIN_ACCURACY, stdout
+    assert wall < TIME_LIMIT_S, f"the default job took {wall:.1f} s (limit {TIME_LIMIT_S:.0f} s)"
+
+    # it ends by saying where everything is, and those paths exist (relative to the working directory)
+    ckpt = re.search(r"^checkpoints: (\S+) \(latest -> (\S+)\)", stdout, re.M)
+    logs = re.search(r"^logs:\s+(\S+)", stdout, re.M)
+    plots = re.search(r"^plots:\s+(.+)$", stdout, re.M)
+    assert ckpt and logs and plots, stdout
+    assert (tmp_path / ckpt.group(1) / ckpt.group(2) / "model.safetensors").exists()
+    assert (tmp_path / logs.group(1)).exists()
+    pngs = [Path(p.strip()) for p in plots.group(1).split(",")]
+    assert {p.name for p in pngs} == {"loss.png", "lr.png", "metrics.png"}
+    assert all((tmp_path / p).exists() for p in pngs)

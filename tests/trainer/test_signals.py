@@ -1,0 +1,218 @@
+"""Signals save work: SIGTERM / SIGINT / SIGUSR1 finish the step, checkpoint, say how to go on, exit 128+N."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import torchrig
+from helpers import HELPERS, PYTHON, QUIET, TinyNet, make_classification, subprocess_env
+from torchrig.checkpoint import read_checkpoint, resolve
+from torchrig.runtime import RunStopped
+from torchrig.trainer import default_step
+
+CHILD = HELPERS / "signal_child.py"
+CODES = {"SIGTERM": 143, "SIGINT": 130, "SIGUSR1": 138}
+
+
+def _fit(run_dir, step_fn=None, **kw):
+    torch.manual_seed(0)
+    opts = dict(QUIET, run_dir=str(run_dir), batch_size=4, epochs=3, optimizer="sgd", lr=0.05, num_workers=0,
+                checkpoint_every_epochs=0)
+    opts.update(kw)
+    trainer = torchrig.Trainer(TinyNet(dropout=0.2), step_fn=step_fn, **opts)
+    x, y = make_classification(40)
+    trainer.fit(TensorDataset(x, y))
+    return trainer
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGUSR1"])
+def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, name):
+    full = _fit(tmp_path / "full")
+
+    def step_with_signal(step, batch):
+        out = default_step(step, batch)
+        if step.sync_gradients and step.global_step == 13:  # during optimizer step 14
+            os.kill(os.getpid(), getattr(signal, name))
+        return out
+
+    run = tmp_path / "cut"
+    with pytest.raises(RunStopped) as stop:
+        _fit(run, step_fn=step_with_signal)
+    assert stop.value.code == CODES[name]
+    line = f"stopped by {name} at step 14; checkpoint {run}/checkpoints/step-00000014; continue with --set resume=latest"
+    assert str(stop.value) == line
+    assert line in capsys.readouterr().err
+    assert resolve("latest", run).name == "step-00000014"
+    state, meta, _ = read_checkpoint(resolve("latest", run))
+    assert state["counters"]["global_step"] == 14 and state["counters"]["batch_in_epoch"] == 4  # mid-epoch 2
+    assert signal.getsignal(getattr(signal, name)) in (signal.SIG_DFL, signal.default_int_handler)  # restored
+    resumed = _fit(run, resume="latest")
+    assert resumed.global_step == full.global_step == 30
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _start(run_dir: Path, *args: str, env=None, **popen) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, str(CHILD), str(run_dir), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(**(env or {})), **popen)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited {proc.returncode} before {path.name}:\n{proc.communicate()[1]}")
+        if time.monotonic() > end:
+            proc.kill()
+            raise AssertionError(f"no {path.name} within {timeout}s")
+        time.sleep(0.02)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"child did not stop within {timeout}s:\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_dataloader_workers_is_the_same_every_time(tmp_path):
+    """Ctrl-C reaches the whole process group, DataLoader workers included; the run still stops cleanly."""
+    outcomes = []
+    for attempt in range(5):
+        run = tmp_path / f"run{attempt}"
+        proc = _start(run, "num_workers=2", start_new_session=True)
+        _wait_for(run / "ready-0", proc)
+        time.sleep(0.05 * attempt)  # land at different points of the loop
+        os.killpg(proc.pid, signal.SIGINT)
+        code, out, err = _finish(proc)
+        step = int(resolve("latest", run).name.split("-")[1])
+        outcomes.append(code)
+        assert f"stopped by SIGINT at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; continue with " \
+               f"--set resume=latest" in err, err[-2000:]
+        assert "Traceback" not in err and "exited unexpectedly" not in err, err[-2000:]
+    assert outcomes == [130] * 5
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_exits_at_once(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, env={"STUCK_SLEEP": "3"})
+    _wait_for(run / "ready-0", proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, out, err = _finish(proc, timeout=10)
+    assert time.monotonic() - t0 < 2.5  # did not wait for the 3 s step to end
+    assert code == 130
+    assert "second SIGINT: exiting now, without a checkpoint" in err
+    assert not (run / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_slurm_requeue_after_the_save(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.args"
+    fake = bin_dir / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {record}\n")
+    fake.chmod(0o755)
+    run = tmp_path / "run"
+    env = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = _start(run, "dist.requeue=true", env=env)
+    _wait_for(run / "ready-0", proc)
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = _finish(proc)
+    assert code == 138, err[-2000:]
+    assert record.read_text().strip() == "requeue 4242"
+    assert "torchrig: requeued Slurm job 4242" in err
+    assert resolve("latest", run) is not None  # saved before the requeue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
+    run = tmp_path / "run"
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [_start(run, f"strategy={strategy}", env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2})
+             for r in (0, 1)]
+    try:
+        for r, proc in enumerate(procs):
+            _wait_for(run / f"ready-{r}", proc)
+        procs[1].send_signal(signal.SIGTERM)  # only rank 1 hears it
+        results = [_finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [code for code, _, _ in results] == [143, 143], results[0][2][-2000:] + results[1][2][-2000:]
+    latest = resolve("latest", run)
+    step = int(latest.name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step};" in results[0][2]  # rank 0 prints
+    state, meta, _ = read_checkpoint(latest)
+    assert state["counters"]["global_step"] == meta["step"] == step
+    assert (latest / "sharded" / ".metadata").exists() == (strategy == "fsdp")  # every rank's shard written
+
+
+def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
+    """A DataLoader worker forked under fit inherits the handler; it must not stop or kill the worker."""
+    handler = torchrig.runtime.StopSignal().install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the signal is ignored, the process goes on and exits 7
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 7
+        assert handler.received == 0
+    finally:
+        handler.uninstall()
+
+
+@pytest.mark.slow
+def test_cli_train_sigterm_then_resume(tmp_path):
+    run = tmp_path / "digits"
+    args = ["-m", "torchrig.cli", "train", "--set", f"run_dir={run}", "--set", "epochs=2",
+            "--set", "checkpoint.every_steps=3", "--set", "log.plot=false", "--set", "log.tensorboard=false"]
+    proc = subprocess.Popen([PYTHON, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    _wait_for(run / "checkpoints" / "latest", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 143, err[-2000:]
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
+           f"continue with --set resume=latest" in err
+    done = subprocess.run([PYTHON, *args, "--set", "resume=latest"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed at step {step}" in done.stderr
+    state, meta, _ = read_checkpoint(resolve("latest", run))
+    assert state["counters"]["epoch"] == 2 and state["counters"]["batch_in_epoch"] == 0  # both epochs done
+
+
+@pytest.mark.slow
+def test_a_stuck_step_exits_after_stop_timeout(tmp_path):
+    """torchrun's SIGTERM to the survivors of a failed group must not wait for a step that never ends."""
+    run = tmp_path / "run"
+    proc = _start(run, "dist.stop_timeout=1.5", env={"STUCK_SLEEP": "120"})
+    _wait_for(run / "ready-0", proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc, timeout=30)
+    assert code == 143 and time.monotonic() - t0 < 10
+    assert "torchrig: no progress for 2s after SIGTERM (a step, or a peer, is stuck); exiting without a " \
+           "checkpoint (dist.stop_timeout)" in err
