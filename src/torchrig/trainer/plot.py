@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 from ..errors import TorchrigError
 
@@ -30,6 +31,15 @@ def read_rows(run_dir: Path) -> list[dict]:
     if not rows:
         raise PlotError(f"'{path}' holds no records yet")
     return rows
+
+
+def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:
+    """The end-of-run plots; a failure is one line, never a failed run (plots are a convenience)."""
+    try:
+        return plot_run(run_dir)
+    except Exception as exc:
+        say(f"torchrig: no plots written ({exc})")
+        return []
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -124,3 +125,17 @@ class FitPlan:
     total_steps: int      # the global step at which this fit ends
     val_data: Any = None
     start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from
+
+    @classmethod
+    def for_data(cls, batches: Any, cfg: Any, val_data: Any = None) -> "FitPlan":
+        """The plan for ``batches`` (already built): epoch length, steps per epoch, where ``fit`` ends."""
+        batches.set_epoch(0)
+        epoch_len = len(batches)
+        if epoch_len == 0:
+            raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
+                             f"drop_last={cfg.data.drop_last}); lower data.batch_size")
+        steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
+        total = cfg.epochs * steps_per_epoch
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
+        return cls(batches, epoch_len, steps_per_epoch, total, val_data)

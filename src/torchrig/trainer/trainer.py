@@ -10,7 +10,6 @@ the step count the optimizer step, then log and maybe checkpoint. The step itsel
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -170,18 +169,7 @@ class Trainer:
         return val_metrics
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
-        cfg = self.cfg
-        batches = prepare_train(train_data, **self._loader_kwargs())
-        batches.set_epoch(0)
-        epoch_len = len(batches)
-        if epoch_len == 0:
-            raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
-                             f"drop_last={cfg.data.drop_last}); lower data.batch_size")
-        steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
-        total = cfg.epochs * steps_per_epoch
-        if cfg.max_steps is not None:
-            total = min(total, cfg.max_steps)
-        return FitPlan(batches, epoch_len, steps_per_epoch, total, val_data)
+        return FitPlan.for_data(prepare_train(train_data, **self._loader_kwargs()), self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
         self.schedulers, self.sched_interval = build.build_schedulers(
@@ -270,12 +258,9 @@ class Trainer:
         if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.global_step:
             self._save(final=True)
         if self.is_main and self.cfg.log.plot:
-            try:
-                from .plot import plot_run
+            from .plot import plot_run_or_say
 
-                self.plots = plot_run(self.run_dir)
-            except Exception as exc:  # plotting is a convenience: never fail a finished run on it
-                self.print(f"torchrig: no plots written ({exc})")
+            self.plots = plot_run_or_say(self.run_dir, self.print)
         if stopped == "early_stop":
             self.print(f"torchrig: early stop after epoch {self.epoch} ({self.monitor.name} did not improve "
                        f"for {self.cfg.early_stop_patience} epochs)")
