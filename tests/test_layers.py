@@ -141,3 +141,17 @@ def test_the_check_finds_lazy_type_only_and_relative_imports(fake_package):
         "src/torchrig/runtime/__init__.py:2: layer 'runtime' imports 'torchrig.models.small'",
     ]
     assert found[3].endswith("(layer 'trainer'); data may import errors, runtime")
+
+
+def test_the_code_stays_small_and_readable():
+    """No function over 60 lines anywhere in src/torchrig, and the Trainer's module under 450 lines."""
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"src/torchrig/{path.relative_to(SRC)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
+    lines = len((SRC / "trainer" / "trainer.py").read_text().splitlines())
+    assert lines < 450, f"src/torchrig/trainer/trainer.py has {lines} lines; move a part to its own module"
