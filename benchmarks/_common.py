@@ -69,10 +69,10 @@ def make_loader(x, y, batch_size: int = BATCH, seed: int = 0):
 
 def hand_loop(model, loader, optimizer, epochs: int, stream, *, on_epoch_end: Optional[Callable] = None,
               metrics: bool = True, cpu_times: Optional[list] = None) -> list:
-    """What a PyTorch user writes (the ImageNet example / the seeds' ``train()``), kept lean.
+    """What a PyTorch user writes (the PyTorch ImageNet example's ``train()``), kept lean.
 
     zero_grad(set_to_none=True), forward, loss, backward, step; loss and accuracy summed as
-    tensors every step (the seeds compute accuracy every step), ``.item()`` and a progress line
+    tensors every step (the ImageNet example computes accuracy every step), ``.item()`` and a progress line
     every ``LOG_EVERY`` steps, an epoch line at the end of each epoch. Returns the epoch wall times
     (s); ``cpu_times``, if given, receives the epoch CPU times of this thread (s).
     """
@@ -122,7 +122,7 @@ def hand_loop(model, loader, optimizer, epochs: int, stream, *, on_epoch_end: Op
 
 
 class AverageMeter:
-    """The seeds' (and the PyTorch ImageNet example's) running average."""
+    """The PyTorch ImageNet example's running average."""
 
     def __init__(self) -> None:
         self.val = self.avg = self.sum = 0.0
@@ -136,7 +136,7 @@ class AverageMeter:
 
 
 def hand_loop_seeds(model, loader, optimizer, epochs: int, stream, *, cpu_times: Optional[list] = None) -> list:
-    """The seeds' ``train()`` (the PyTorch ImageNet example): AverageMeters for batch time, data time,
+    """The PyTorch ImageNet example's ``train()``: AverageMeters for batch time, data time,
     loss and top-1 accuracy updated every step (``loss.item()`` each step), a progress line every
     ``LOG_EVERY`` steps; ``zero_grad(set_to_none=True)``. Returns the epoch wall times (s)."""
     import torch.nn.functional as F

@@ -6,7 +6,7 @@ Arms (each run in a fresh process, arms alternated, medians over the runs):
 - ``hand``          a lean hand-written loop (``_common.hand_loop``), the reference for the target:
                     per-step loss and accuracy summed as tensors, ``.item()`` + a progress line
                     every 50 steps.
-- ``hand_seeds``    the loop of the seeds / the PyTorch ImageNet example (``_common.hand_loop_seeds``):
+- ``hand_seeds``    the loop of the PyTorch ImageNet example (``_common.hand_loop_seeds``):
                     AverageMeters for time, data time, loss and accuracy, ``loss.item()`` every step.
 - ``trainer``       ``Trainer.fit`` over the *same* DataLoader with ``fast_path=False``; logging at
                     its defaults (train accuracy every step, progress lines every 50 steps to a file,
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     print(f"\nTrainer (same DataLoader, fast_path=False) / lean hand loop = {ratio:.3f}× CPU time "
           f"({t['loop_ratio_vs_hand']:.3f}× wall, {t['epoch_ratio_vs_hand']:.3f}× median epoch)  "
           f"(target ≤ {TARGET}×: {c.verdict(ratio, TARGET)})")
-    print(f"Trainer (same DataLoader, fast_path=False) / the seeds' loop (AverageMeter, loss.item() every step) = "
+    print(f"Trainer (same DataLoader, fast_path=False) / the ImageNet example's loop (AverageMeter, loss.item() every step) = "
           f"{seeds:.3f}× CPU time ({c.verdict(seeds, TARGET)})")
     print(f"Trainer with its defaults (fast path) / lean hand loop = "
           f"{arms_out['trainer_fast']['cpu_ratio_vs_hand']:.3f}× CPU time")

@@ -29,7 +29,7 @@ def _row(name: str, r: dict) -> list:
         return [name, "Trainer loop / lean hand-written loop, process CPU time (same DataLoader, fast_path=False)",
                 f"{r['ratio']:.3f}× ({cpu_t:.3f} s vs {cpu_h:.3f} s CPU, {a['hand']['steps']} steps; "
                 f"wall {r['wall_ratio']:.3f}×, median epoch {r['epoch_ratio']:.3f}×);"
-                f" vs the seeds' AverageMeter loop: {r['ratio_vs_seeds_loop']:.3f}×; Trainer defaults (fast path)"
+                f" vs the ImageNet example's AverageMeter loop: {r['ratio_vs_seeds_loop']:.3f}×; Trainer defaults (fast path)"
                 f" vs lean loop: {r['fast_path_ratio']:.3f}×", f"≤ {r['target']}×", ok]
     if name == "fastpath":
         parts = []

@@ -1,6 +1,6 @@
 """``torchrig launch``: a thin front for ``torch.distributed.run`` (torchrun).
 
-Every flag means what it means to torchrun; torchrig adds only what the seeds' pitfalls call for:
+Every flag means what it means to torchrun; torchrig adds only what the common multi-machine pitfalls call for:
 
 - ``--ifname IFACE`` sets ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (the interface the ranks
   talk over — the usual reason a two-machine job hangs at start-up is that it picked the wrong one);

@@ -89,7 +89,7 @@ def build_scheduler(name: Optional[str], optimizer: torch.optim.Optimizer, *, in
     """Returns ``(scheduler or None, interval)``; ``interval`` is ``"step"`` or ``"epoch"``.
 
     Units follow the interval: ``step_size`` and ``milestones`` count epochs for ``interval=epoch``
-    (the seeds' "divide lr by 10 every 30 epochs") and optimizer steps for ``interval=step``.
+    (the PyTorch ImageNet example's "divide lr by 10 every 30 epochs") and optimizer steps for ``interval=step``.
     """
     if name is None or str(name).lower() == "none":
         return None, "step"
