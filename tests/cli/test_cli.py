@@ -275,7 +275,16 @@ def test_doctor_report(capsys):
     for key in ("python", "torch", "cuda", "cudnn", "nccl", "distributed", "devices", "threads", "packages",
                 "problems"):
         assert any(line.startswith(key) for line in out.splitlines()), key
-    assert "gloo: True" in out and "intra-op" in out and "inter-op" in out
+    assert "backends built: gloo True" in out and "intra-op" in out and "inter-op" in out
+    import torch
+    import torch.distributed as dist
+
+    nccl = next(line for line in out.splitlines() if line.startswith("nccl"))
+    if not dist.is_nccl_available():  # the report never contradicts itself about NCCL
+        assert nccl == "nccl         not built into this torch" and "nccl False" in out
+    else:
+        usable = "usable" if torch.cuda.is_available() else "not usable here (no CUDA device)"
+        assert nccl.startswith("nccl         built") and nccl.endswith(usable) and "nccl True" in out
 
 
 def test_doctor_explains_known_problems(monkeypatch):
@@ -311,3 +320,21 @@ def test_console_script_evaluate_json(trained):
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.strip().splitlines()) == 1
     assert set(json.loads(out.stdout)) == {"loss", "accuracy", "top5", "f1"}
+
+
+@pytest.mark.parametrize("args", [["doctor"], ["--help"], ["train", "--help"]])
+def test_output_into_a_closed_pipe_ends_quietly(args):
+    """``torchrig doctor | head -1``: the reader is gone before torchrig writes; no BrokenPipeError."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to write_end now fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "torchrig.cli", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""

@@ -156,6 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("torchrig: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `torchrig ... | head`: the reader has what it wanted; end quietly
+        _quiet_stdout()
+        return 0
     except SystemExit:
         raise
     except BaseException as exc:  # one clear line; --debug for the traceback
@@ -166,6 +169,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"torchrig: error: {kind}{msg}" + ("" if _is_user_error(exc) else " (run with --debug for the traceback)"),
               file=sys.stderr)
         return EXIT_ERROR
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _is_user_error(exc: BaseException) -> bool:

@@ -65,16 +65,18 @@ def report() -> str:
     lines.append(f"cuda         {torch.version.cuda or 'not built'}; available: {torch.cuda.is_available()}")
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     lines.append(f"cudnn        {cudnn or 'not available'}")
-    nccl = None
-    if torch.cuda.is_available():
+    built = dist.is_available() and dist.is_nccl_available()
+    nccl = "not built into this torch"
+    if built:
         try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            nccl = "built, version " + ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:
-            nccl = None
-    lines.append(f"nccl         {nccl or 'not available'}")
+            nccl = "built"
+        nccl += "; usable" if torch.cuda.is_available() else "; not usable here (no CUDA device)"
+    lines.append(f"nccl         {nccl}")
     if dist.is_available():
-        lines.append(f"distributed  gloo: {dist.is_gloo_available()}  nccl: {dist.is_nccl_available()}  "
-                     f"mpi: {dist.is_mpi_available()}")
+        lines.append(f"distributed  backends built: gloo {dist.is_gloo_available()}, nccl {built}, "
+                     f"mpi {dist.is_mpi_available()}")
     else:
         lines.append("distributed  not built into this torch")
     devices = ["cpu"]
