@@ -310,3 +310,28 @@ def test_the_folder_of_numbered_runs_means_its_newest_run(tmp_path):
         os.symlink("step-00000003", root / str(n) / "checkpoints" / "latest")
     os.symlink("2", root / "last")
     assert resolve(root) == (root / "2" / "checkpoints" / "step-00000003").resolve()
+
+
+def test_cli_resume_without_run_dir_continues_the_newest_run_and_failed_starts_leave_nothing(tmp_path):
+    """`torchrig train --set resume=latest` after a run that numbered itself goes on in that run; a start
+    that fails before saving anything removes its numbered directory and leaves `last` where it was."""
+    from torchrig.checkpoint import read_checkpoint, resolve
+
+    common = ["train", "--set", "max_steps=3", "--set", "log.plot=false", "--set", "log.tensorboard=false",
+              "--set", "checkpoint.every_steps=3"]
+    first = subprocess.run([PYTHON, "-m", "torchrig.cli", *common], cwd=tmp_path, capture_output=True, text=True,
+                           env=subprocess_env(), timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    failed = subprocess.run([PYTHON, "-m", "torchrig.cli", *common, "--set", "loss=no_such_loss"], cwd=tmp_path,
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert failed.returncode == 1 and "unknown loss 'no_such_loss'" in failed.stderr
+    root = tmp_path / "runs" / "digits"
+    assert sorted(p.name for p in root.iterdir()) == ["1", "last"] and os.readlink(root / "last") == "1"
+    more = subprocess.run([PYTHON, "-m", "torchrig.cli", *common[:2], "max_steps=6", *common[3:],
+                           "--set", "resume=latest"], cwd=tmp_path, capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert f"torchrig: run_dir not set; resuming the newest run, {Path('runs/digits/1')}" in more.stdout + more.stderr
+    assert "resumed at step 3" in more.stdout + more.stderr
+    state, _, _ = read_checkpoint(resolve(root / "1"))
+    assert state["counters"]["global_step"] == 6 and sorted(p.name for p in root.iterdir()) == ["1", "last"]

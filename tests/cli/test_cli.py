@@ -232,6 +232,20 @@ def test_predict_csv_rows_to_json(trained, tmp_path, capsys):
     assert len(rows) == 3 and len(rows[0]["top"]) == 5
 
 
+def test_predict_reads_the_class_folders_of_export_digits(trained, tmp_path, capsys):
+    """`torchrig data export-digits DIR` writes DIR/test/<class>/*.png; predict reads such a tree whole."""
+    assert main(["data", "export-digits", str(tmp_path / "png")]) == 0
+    test = tmp_path / "png" / "test"
+    files = sorted(p for p in test.rglob("*.png"))
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--checkpoint", str(trained), "--input", str(test), "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == len(files) > 100
+    assert sorted(r["input"] for r in rows) == sorted(f.relative_to(test).as_posix() for f in files)
+    correct = sum(int(r["prediction"]) == int(r["input"].split("/")[0]) for r in rows)  # the class folder
+    assert correct >= 0.9 * len(rows)
+
+
 @pytest.mark.parametrize("content,fragment", [
     (None, "torchrig: error: input '{path}' does not exist"),
     (np.zeros((3, 5), np.float32), "input '{path}' has shape (3, 5); expected (N, 8, 8) or (N, 64) values in [0, 1]"),

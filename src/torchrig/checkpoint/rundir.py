@@ -141,23 +141,40 @@ def clear_run(run_dir: str | Path) -> list[str]:
     return removed
 
 
-def numbered_run_dir(root: str | Path, say: Callable[[str], None] = print) -> Path:
+def numbered_run_dir(root: str | Path, say: Callable[[str], None] = print, resume: bool = False) -> Path:
     """A new directory ``root/N`` for a run given no run_dir (rank 0 claims it, every rank gets it).
 
     ``N`` is one more than the highest number there, claimed with ``mkdir`` so that two runs started
-    together never share one; ``root/last`` then points at it. A group restarted by torchrun goes on
-    in ``root/last``, the directory its first attempt claimed.
+    together never share one; ``root/last`` then points at it. A group restarted by torchrun (or a
+    requeued Slurm job), and a run asked to ``resume``, go on in ``root/last``, the newest run.
     """
     path = None
     if runtime.get_rank() == 0:
         root = Path(root)
         last = root / "last"
-        if runtime.restart_count() > 0 and last.is_dir():
+        if (resume or runtime.restart_count() > 0) and last.is_dir():
             path = root / os.readlink(last) if last.is_symlink() else last
+            if resume:
+                say(f"torchrig: run_dir not set; resuming the newest run, {path}")
         else:
             path = _claim(root)
             say(f"torchrig: run_dir not set; this run writes to {path} (also {last})")
     return Path(runtime.broadcast(str(path) if path is not None else None))
+
+
+def discard_unused(path: Path) -> None:
+    """Remove a numbered run directory whose run failed before saving anything, and point ``last`` back
+    at the newest run that remains: a failed start must not leave ``last`` naming an empty run."""
+    if reached_step(path) is not None or any(p.name not in (LOCK_NAME, "metrics.jsonl") for p in path.iterdir()):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    root, last = path.parent, path.parent / "last"
+    if not last.is_symlink() or os.readlink(last) != path.name:
+        return
+    numbers = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True)
+    last.unlink()
+    if numbers:
+        os.symlink(str(numbers[0]), last)
 
 
 def _claim(root: Path) -> Path:
@@ -221,7 +238,7 @@ class RunDir:
     def open(self, run_dir: Optional[str], root: str | Path, new_run: bool, overwrite: bool,
              say: Callable[[str], None] = print) -> Path:
         if self.path is None:
-            self.path = Path(run_dir) if run_dir else numbered_run_dir(root, say)
+            self.path = Path(run_dir) if run_dir else numbered_run_dir(root, say, resume=not new_run)
         error: Optional[BaseException] = None
         if runtime.get_rank() == 0:
             try:

@@ -44,9 +44,11 @@ class DigitsRecipe(Recipe):
         """``.npy`` / ``.pt`` arrays of (N, 8, 8) or (N, 64) in [0, 1], ``.csv`` rows of 64 values, or images."""
         if not path.exists():
             raise RecipeError(f"input '{path}' does not exist")
-        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        # a folder is read recursively (the class folders of `torchrig data export-digits` too); hidden files skipped
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) \
+            if path.is_dir() else [path]
         if not files:
-            raise RecipeError(f"input folder '{path}' is empty")
+            raise RecipeError(f"input folder '{path}' holds no file; give .npy, .csv or image files")
         arrays, names = [], []
         for f in files:
             suffix = f.suffix.lower()
@@ -72,7 +74,8 @@ class DigitsRecipe(Recipe):
             if a.ndim != 3 or a.shape[1:] != (8, 8):
                 raise RecipeError(f"input '{f}' has shape {a.shape}; expected (N, 8, 8) or (N, 64) values in [0, 1]")
             arrays.append(a)
-            names += [f.name] if len(a) == 1 else [f"{f.name}[{i}]" for i in range(len(a))]
+            name = f.relative_to(path).as_posix() if path.is_dir() else f.name  # "3/test_0004.png" in a tree
+            names += [name] if len(a) == 1 else [f"{name}[{i}]" for i in range(len(a))]
         x = torch.from_numpy(np.concatenate(arrays)).unsqueeze(1)
         return x, names
 

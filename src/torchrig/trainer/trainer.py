@@ -397,7 +397,8 @@ class Trainer:
     def _resume(self, spec: str) -> tuple[int, int]:
         """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
         path = find_checkpoint(spec, self.run_dir)
-        if path is None:  # resume="latest" with nothing saved yet: a fresh start
+        if path is None:  # resume="latest" with nothing saved yet: a fresh start, said once
+            self.print(f"torchrig: resume={spec}: {self.run_dir} holds no checkpoint yet; training starts at step 0")
             return 0, 0
         if self.cfg.resume_weights_only:
             load_weights_only(runtime.unwrap(self.model), path, sharded=self.strategy == "fsdp")
