@@ -75,7 +75,7 @@ def test_second_process_fails_at_once_naming_pid_and_host(tmp_path, holder, caps
     assert re.fullmatch(rf"torchrig: error: run_dir '{re.escape(str(run))}' is in use by PID {first.pid} on host "
                         rf"{re.escape(socket.gethostname())} {STARTED}; wait for it, or choose another run_dir",
                         lines[0]), lines[0]
-    assert time.perf_counter() - start < 30  # no training: it stops before the first step
+    assert time.perf_counter() - start < 3  # at once: before building the data and the model
     assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # and wrote nothing into the holder's run
     assert first.poll() is None
 

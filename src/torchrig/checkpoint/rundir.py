@@ -104,6 +104,29 @@ class RunLock:
         self._fd = None
 
 
+def check_not_in_use(run_dir: str | Path) -> None:
+    """Raise at once if another process holds ``run_dir``'s lock (a probe: the lock is not kept).
+
+    The command line calls it before building data and model, which can take seconds; the lock itself
+    is taken when training starts, as with the Python API.
+    """
+    path = Path(run_dir) / LOCK_NAME
+    if fcntl is None or not path.exists() or os.path.realpath(path) in _HELD:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return  # unreadable here: the real lock attempt says why
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        RunLock(run_dir)._refuse(_owner(fd))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # also drops the probe's lock
+
+
 def _owner(fd: int) -> str:
     """The holder's line in the lock file ("" when it has not written it yet)."""
     try:

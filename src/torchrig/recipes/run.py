@@ -33,13 +33,15 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
 def run_train(cfg: C.Config, out=print) -> dict:
     """Train ``cfg``'s recipe; without ``run_dir`` the run gets a new numbered ``runs/<recipe>/N``."""
     from .. import runtime
-    from ..checkpoint.rundir import discard_unused, numbered_run_dir
+    from ..checkpoint.rundir import check_not_in_use, discard_unused, numbered_run_dir
 
     owns_group, numbered = False, not cfg.run_dir
     try:
         if numbered:
             owns_group = _join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
             cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out, resume=cfg.resume is not None))
+        elif runtime.is_main_process():
+            check_not_in_use(cfg.run_dir)  # at once, before seconds of building data and model
         return _train(cfg, out)
     except BaseException:
         if numbered and cfg.run_dir and runtime.get_rank() == 0:
