@@ -248,7 +248,7 @@ def _run(sched, opt, n):
 def test_step_divides_by_10_every_30_epochs():
     opt = _sgd()
     sched, interval = build_scheduler("step", opt, interval=None, total_steps=10_000, epochs=90)
-    assert interval == "epoch"  # the seeds' schedule counts epochs
+    assert interval == "epoch"  # the ImageNet example's schedule counts epochs
     lrs = _run(sched, opt, 90)
     assert lrs[0] == lrs[29] == 0.1
     assert lrs[30] == pytest.approx(0.01) and lrs[59] == pytest.approx(0.01)
@@ -391,3 +391,60 @@ def test_trainer_unknown_scheduler(make_trainer, data):
     trainer = make_trainer(scheduler="cosin")
     with pytest.raises(NameError_, match="unknown scheduler 'cosin'; did you mean 'cosine'"):
         trainer.fit(data)
+
+
+# ----------------------------------------------------------------------------- scheduler objects you pass in
+
+
+def _with_scheduler(make_trainer, make_sched, epochs=2, **kw):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = make_sched(opt)
+    trainer = make_trainer(model, optimizer=opt, scheduler=sched, epochs=epochs, **kw)
+    return trainer, opt, sched
+
+
+def test_a_steplr_object_is_stepped_per_epoch(make_trainer, data, capsys):
+    """StepLR(step_size=1) is an epoch schedule: after 2 epochs the lr is 0.1 * 0.1**2, not 1e-11."""
+    trainer, opt, sched = _with_scheduler(make_trainer, lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.1))
+    trainer.fit(data)  # 5 optimizer steps per epoch
+    assert trainer.sched_interval == "epoch" and sched.last_epoch == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1 ** 2)
+    assert "torchrig: scheduler" not in capsys.readouterr().err  # nothing ambiguous to say
+
+
+@pytest.mark.parametrize("cls,interval", [("MultiStepLR", "epoch"), ("ExponentialLR", "epoch"),
+                                          ("OneCycleLR", "step"), ("CyclicLR", "step")])
+def test_scheduler_classes_imply_their_interval(make_trainer, data, cls, interval):
+    S = torch.optim.lr_scheduler
+    makers = {"MultiStepLR": lambda o: S.MultiStepLR(o, [1]), "ExponentialLR": lambda o: S.ExponentialLR(o, 0.9),
+              "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=0.1, total_steps=10),
+              "CyclicLR": lambda o: S.CyclicLR(o, 0.01, 0.1, step_size_up=2)}
+    trainer, _, sched = _with_scheduler(make_trainer, makers[cls])
+    trainer.fit(data)
+    assert trainer.sched_interval == interval
+    assert sched.last_epoch == (2 if interval == "epoch" else 10)  # 2 epochs of 5 optimizer steps
+
+
+def test_reduce_lr_on_plateau_steps_on_the_monitored_value(make_trainer, data):
+    """lr 0: the validation loss never improves, so after patience=1 bad epochs the lr is halved."""
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-12)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0, threshold=0.5)
+    trainer = make_trainer(model, optimizer=opt, scheduler=sched, epochs=3)
+    trainer.fit(data, val_data=data)
+    assert trainer.sched_interval == "epoch" and trainer.monitor.name == "val/accuracy"
+    # mode min on a constant accuracy: epoch 1 sets the best, epochs 2 and 3 do not beat it by 50 %
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-12 * 0.5 ** 2)
+
+
+def test_an_ambiguous_scheduler_says_which_interval_it_gets(make_trainer, data, capsys):
+    trainer, _, sched = _with_scheduler(make_trainer, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0))
+    trainer.fit(data)
+    assert trainer.sched_interval == "step" and sched.last_epoch == 10
+    assert ('torchrig: scheduler LambdaLR is stepped every optimizer step; to step it every epoch, set '
+            'scheduler_interval="epoch" (config key scheduler.interval)') in capsys.readouterr().out
+    trainer, _, sched = _with_scheduler(make_trainer, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0),
+                                        scheduler_interval="epoch", overwrite=True)
+    trainer.fit(data)
+    assert trainer.sched_interval == "epoch" and sched.last_epoch == 2

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .. import config as C
+from ..config import ConfigError
 from .. import runtime
 from . import optim
 
@@ -64,12 +65,22 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
     return {"default": one("default", spec)}
 
 
-def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: int) -> tuple[dict, str]:
-    """``({name: scheduler}, interval)``: the user's scheduler objects, or the configured one per optimizer."""
+# Scheduler classes whose unit is unambiguous: PyTorch's own examples step these once per epoch, or
+# once per optimizer step (their horizon is a number of batches).
+PER_EPOCH = ("StepLR", "MultiStepLR", "ExponentialLR", "ReduceLROnPlateau")
+PER_STEP = ("OneCycleLR", "CyclicLR")
+
+
+def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: int) -> tuple[dict, str, str]:
+    """``({name: scheduler}, interval, note)``: the user's scheduler objects, or the configured one per
+    optimizer. A scheduler object is stepped at the interval its class implies (``scheduler.interval``
+    overrides); for a class that implies none, ``note`` is one line naming the interval used."""
     s = cfg.scheduler
-    interval = s.interval or "step"
     if given is not None:
-        return (given if isinstance(given, dict) else {"default": given}), interval
+        schedulers = given if isinstance(given, dict) else {"default": given}
+        interval, note = _interval_of(schedulers, s.interval)
+        return schedulers, interval, note
+    interval = s.interval or "step"
     schedulers = {}
     for k, opt in optimizers.items():
         sch, interval = optim.build_scheduler(
@@ -78,4 +89,36 @@ def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: i
             min_lr=s.min_lr, max_lr=s.max_lr, pct_start=s.pct_start)
         if sch is not None:
             schedulers[k] = sch
-    return schedulers, interval
+    return schedulers, interval, ""
+
+
+def _interval_of(schedulers: dict, configured: Optional[str]) -> tuple[str, str]:
+    if configured:
+        return configured, ""
+    kinds = {type(sch).__name__ for sch in schedulers.values()}
+    implied = {"epoch" if k in PER_EPOCH else "step" if k in PER_STEP else None for k in kinds}
+    if len(implied - {None}) > 1:
+        raise ConfigError(f"config key 'scheduler.interval': the schedulers given ({', '.join(sorted(kinds))}) are "
+                          f"stepped per epoch and per step; give them one interval with scheduler_interval=...")
+    if None not in implied:
+        return implied.pop(), ""
+    interval = (implied - {None}).pop() if implied - {None} else "step"
+    other = "epoch" if interval == "step" else "step"
+    unit = {"step": "optimizer step", "epoch": "epoch"}
+    unknown = ", ".join(sorted(k for k in kinds if k not in PER_EPOCH + PER_STEP))
+    return interval, (f"torchrig: scheduler {unknown} is stepped every {unit[interval]}; to step it every "
+                      f"{unit[other]}, set scheduler_interval=\"{other}\" (config key scheduler.interval)")
+
+
+def step_epoch_schedulers(schedulers: dict, values: dict, monitor: Optional[str]) -> None:
+    """The per-epoch step; ReduceLROnPlateau gets the monitored value (else the epoch's train loss)."""
+    for sch in schedulers.values():
+        if isinstance(sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            key = monitor if monitor in values else "train/loss"
+            if key not in values:
+                raise ConfigError(f"ReduceLROnPlateau needs a monitored value, but {monitor or 'train/loss'!r} was "
+                                  f"not logged this epoch; set checkpoint.monitor to one of "
+                                  f"{', '.join(k for k in values if k != 'lr')}")
+            sch.step(values[key])
+        else:
+            sch.step()

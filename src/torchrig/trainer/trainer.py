@@ -172,8 +172,10 @@ class Trainer:
         return FitPlan.for_data(prepare_train(train_data, **self._loader_kwargs()), self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
-        self.schedulers, self.sched_interval = build.build_schedulers(
+        self.schedulers, self.sched_interval, note = build.build_schedulers(
             self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
+        if note:
+            self.print(note)
         plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
 
     def _set_up_run(self, val_data: Any) -> None:
@@ -339,8 +341,7 @@ class Trainer:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
             row.update(val_metrics)
         if self.sched_interval == "epoch":
-            for sch in self.schedulers.values():
-                sch.step()
+            build.step_epoch_schedulers(self.schedulers, row, self.monitor.name)
         row["lr"] = self._lr()
         self.state.epoch, self.state.batch_in_epoch = epoch + 1, 0
         self.history.append(dict(row, epoch=epoch + 1, step=self.global_step))
