@@ -234,18 +234,9 @@ class Step:
                 self._clip(params)
             scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
         else:
-            if self.clip_grad_value:
-                torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
-            if self.clip_grad_norm or self.want_grad_norm:  # the norm is needed anyway: it carries the check
-                norm = _total_norm(params, self.clip_norm_type)
-                finite = _finite(norm)
-            else:
-                norm, finite = None, self._check.finite([p.grad for p in params])
-            if not finite:
+            norm = self._clip(params)  # when a norm is measured anyway, it carries the check
+            if not (_finite(norm) if norm is not None else self._check.finite([p.grad for p in params])):
                 return self._reject(opt, "gradients are not finite (the loss is)")
-            if self.clip_grad_norm:
-                torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
-            self.grad_norm = norm
             opt.step()
         opt.zero_grad(set_to_none=True)
         self.stepped = True
@@ -262,14 +253,18 @@ class Step:
         self._restore_buffers()
         return False
 
-    def _clip(self, params: list) -> None:
-        """Clip unscaled fp16 gradients by value and/or norm, or only measure the norm on a log step."""
+    def _clip(self, params: list) -> Optional[torch.Tensor]:
+        """Clip (unscaled) gradients by value and/or norm; the total norm when one is measured (clipping by
+        norm, or a log step), else None. A non-finite norm leaves the gradients non-finite, never hidden."""
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        if not (self.clip_grad_norm or self.want_grad_norm):
+            return None
+        norm = _total_norm(params, self.clip_norm_type)
         if self.clip_grad_norm:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm, norm_type=self.clip_norm_type)
-        elif self.want_grad_norm:  # a log step: measure without clipping
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=self.clip_norm_type)
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
+        self.grad_norm = norm
+        return norm
 
     # -- conveniences --------------------------------------------------------------------------
     def split(self, batch: Any) -> tuple[Any, Any]:
