@@ -41,10 +41,9 @@ def find_checkpoint(spec: str, run_dir: Path) -> Optional[Path]:
 
 def load_weights_only(model: nn.Module, path: Path, sharded: bool = False) -> None:
     """The weights of checkpoint ``path`` into ``model`` (an FSDP2 model with ``sharded=True``)."""
-    full = load_weights_file(path)
     if sharded:
-        from torch.distributed.checkpoint import state_dict as dsd
+        from .sharded import load_full_weights
 
-        dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+        load_full_weights(model, path)  # the keys are checked there too
     else:
-        load_into(model, full, source=f"checkpoint '{path}'")
+        load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")

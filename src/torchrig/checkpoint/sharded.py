@@ -83,6 +83,14 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     return path
 
 
+def load_full_weights(model: torch.nn.Module, path: Path) -> None:
+    """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model."""
+    dsd = _dsd()
+    full = load_weights_file(path)
+    _check_keys(set(full), set(model.state_dict()), path)
+    dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+
+
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print) -> None:
     """Load model and optimizer state of checkpoint ``path``, at any world size.
 
@@ -94,9 +102,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     dsd = _dsd()
     path = Path(path)
     if not (path / SHARDS).exists():
-        full = load_weights_file(path)
-        _check_keys(set(full), set(model.state_dict()), path)
-        dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+        load_full_weights(model, path)
         return
     from . import safe_dcp
 
