@@ -46,22 +46,24 @@ def reference(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def equiv(tmp_path_factory):
-    out = tmp_path_factory.mktemp("equiv")
-    results = dist_procs.pair("equiv", out, out / "init-store", timeout=240)
+def _pair(tmp_path_factory, scenario: str, timeout: float):
+    """Run one scenario of ``dist_worker.py`` as a 2-rank pair; both ranks must succeed."""
+    out = tmp_path_factory.mktemp(scenario)
+    results = dist_procs.pair(scenario, out, out / "init-store", timeout=timeout)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
     return out, results
 
 
 @pytest.fixture(scope="module")
+def equiv(tmp_path_factory):
+    return _pair(tmp_path_factory, "equiv", timeout=240)
+
+
+@pytest.fixture(scope="module")
 def features(tmp_path_factory):
     """DDP options, gradient-sync counts, metrics over ranks and SyncBatchNorm on CPU, from one worker pair."""
-    out = tmp_path_factory.mktemp("features")
-    results = dist_procs.pair("features", out, out / "init-store", timeout=180)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    out, _ = _pair(tmp_path_factory, "features", timeout=180)
     return out, [json.loads((out / f"features-{rank}.json").read_text()) for rank in (0, 1)]
 
 
