@@ -105,6 +105,10 @@ class MetricStates:
             out.append(c)
         return out
 
+    def values(self) -> dict:
+        """``{"train/accuracy": …}`` over every rank's samples so far (collective)."""
+        return {f"train/{m.name}": m.compute() for m in self.synced() if m.states}
+
     def state_dict(self) -> dict:
         return {m.name: dict(m.states) for m in self.synced()}
 

@@ -320,8 +320,7 @@ class Trainer:
         return ""
 
     def _log_interval(self, epoch: int, batch: int) -> None:
-        extra = {f"train/{m.name}": m.compute() for m in MetricStates(self.train_metrics, self.rank,
-                                                                      self.world_size).synced() if m.states}
+        extra = MetricStates(self.train_metrics, self.rank, self.world_size).values()
         extra["lr"] = self._lr()
         if self.step.grad_norm is not None:
             extra["grad_norm"] = float(self.step.grad_norm)
@@ -334,8 +333,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
         row = self.metrics_log.epoch_means()
-        synced = MetricStates(self.train_metrics, self.rank, self.world_size).synced()
-        row.update({f"train/{m.name}": m.compute() for m in synced if m.states})
+        row.update(MetricStates(self.train_metrics, self.rank, self.world_size).values())
         val_metrics: dict = {}
         if val_data is not None and (epoch + 1) % max(1, cfg.eval_every_epochs) == 0:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
