@@ -133,9 +133,7 @@ class StopSignal:
         if self._agreed:
             return self._agreed
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.wait()
-            self._agreed = int(self._flag.item())  # a CPU tensor: no device synchronisation
+            self.settle()
             if self._agreed:
                 return self._agreed
         self._flag.fill_(self.received)
@@ -159,7 +157,7 @@ class StopSignal:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.wait()
-            self._agreed = self._agreed or int(self._flag.item())
+            self._agreed = self._agreed or int(self._flag.item())  # a CPU tensor: no device synchronisation
 
 
 def requeue_slurm_job() -> Optional[str]:

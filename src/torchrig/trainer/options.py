@@ -35,7 +35,6 @@ def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
             hint = suggest(key, sorted(top | set(KWARG_KEYS)))
             raise TypeError(f"Trainer got an unexpected keyword argument '{key}'{hint}")
         C.set_key(cfg, dotted, value)
-    C.validate(cfg)
 
 
 def resolve_options(config: Optional[C.Config], given: dict[str, Any], kwargs: dict) -> tuple[C.Config, dict]:
