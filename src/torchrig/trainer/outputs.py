@@ -12,19 +12,21 @@
 (``loss=nn.CrossEntropyLoss()``, any callable) is always used, called as ``loss(prediction,
 target)``. With the default ``loss="auto"`` the model's own loss is used when its output carries one
 (``BertForSequenceClassification`` or ``GPT2LMHeadModel`` given ``labels``), else cross-entropy of
-the prediction. With ``loss="auto"`` the target is also passed to ``forward`` (as ``labels=``, see
-below) when ``forward`` takes it, so such models can compute their loss. The prediction feeds the metrics and ``predict``.
+the prediction; and the target of a dict batch is passed to ``forward`` as well when ``forward``
+takes it (see below), so that such models compute their loss. The prediction feeds the metrics and
+``predict``. A tuple output carries no loss.
 
 **Batches.** A tuple ``(x, y)`` / ``(x1, …, xn, y)`` is inputs then target; a dict's target is
 ``batch[data.label_key]`` (default: the first of ``labels``, ``label``, ``target``, ``targets``,
-``y`` present). With ``loss="auto"`` the target also goes to ``forward``
-under ``data.label_key`` when ``forward`` accepts it, else under the first of those names that is a
-parameter of ``forward`` (:func:`label_keyword`). The other keys of a dict reach ``forward`` (:func:`forward_arguments`): with
-``data.input_keys`` set, exactly those keys, as keywords when ``forward`` has parameters of those
-names (or ``**kwargs``), else positionally in that order; otherwise every key ``forward``'s signature
-accepts by name (all of them with ``**kwargs``), and when it accepts none, a single remaining key is
-passed positionally (``{"image", "label"}`` with ``forward(x)``). Anything else is a
-:class:`BatchError` naming the batch keys, ``forward``'s signature and the config keys to set.
+``y`` present). With ``loss="auto"`` the target goes to ``forward`` under ``data.label_key`` when
+``forward`` accepts that keyword, else under the first of those names that is a parameter of
+``forward`` (``labels`` for Hugging Face models, whatever the batch calls it: :func:`label_keyword`).
+The other keys of a dict reach ``forward`` (:func:`forward_arguments`): with ``data.input_keys``
+set, exactly those keys, as keywords when ``forward`` has parameters of those names (or
+``**kwargs``), else positionally in that order; otherwise every key ``forward``'s signature accepts
+by name (all of them with ``**kwargs``; other keys are left out), and when it accepts none, a single
+remaining key is passed positionally (``{"image", "label"}`` with ``forward(x)``). Anything else is
+a :class:`BatchError` naming the batch keys, ``forward``'s signature and the config keys to set.
 
 **Predict** batches carry no target. A tuple batch of n elements is n inputs when ``forward``
 requires at least n positional arguments (``predict((x1, x2))`` with ``forward(a, b)``); otherwise
