@@ -13,13 +13,14 @@ README_DEFAULTS = {
     "recipe": "digits", "seed": 0, "epochs": 10, "max_steps": None, "run_dir": None, "resume": None,
     "device": "auto", "precision": "fp32", "threads": None, "interop_threads": None, "deterministic": False,
     "cudnn_benchmark": False, "accumulate": 1, "clip_grad_norm": None, "clip_norm_type": 2.0,
-    "clip_grad_value": None, "loss": "cross_entropy", "label_smoothing": 0.0, "metrics": ["accuracy"],
+    "clip_grad_value": None, "loss": "auto", "label_smoothing": 0.0, "metrics": ["accuracy"],
     "on_nonfinite": "error", "eval_every_epochs": 1, "early_stop_patience": None, "data.batch_size": 64,
     "data.num_workers": "auto", "data.pin_memory": "auto", "data.persistent_workers": True, "data.fast_path": True,
     "optim.name": "adamw", "optim.lr": 1e-3, "optim.group_lr": {}, "scheduler.name": None, "scheduler.interval": None,
     "scheduler.step_size": 30, "scheduler.gamma": 0.1, "checkpoint.every_steps": 0, "checkpoint.every_epochs": 1,
     "checkpoint.keep_last": 2, "checkpoint.keep_best": 1, "checkpoint.monitor": None, "log.every_steps": 50,
     "log.progress": "auto", "log.tensorboard": "auto", "log.plot": True,
+    "output_key": None, "data.input_keys": None, "data.label_key": None,
 }
 
 

@@ -42,6 +42,8 @@ class DataConfig:
     val_fraction: float = 0.0  # carve a validation split out of the training data
     skip_bad_samples: bool = False
     options: dict = field(default_factory=dict)  # recipe-specific data options
+    input_keys: Optional[list] = None  # dict batch keys passed to forward; None: those forward's signature accepts
+    label_key: Optional[str] = None  # the target's key in dict batches; None: labels, label, target, targets or y
 
 
 @dataclass
@@ -140,7 +142,8 @@ class Config:
     clip_grad_norm: Optional[float] = None
     clip_norm_type: float = 2.0
     clip_grad_value: Optional[float] = None
-    loss: str = "cross_entropy"
+    loss: str = "auto"  # a loss name; auto: the model's own loss when its output has one, else cross_entropy
+    output_key: Union[int, str, None] = None  # the prediction in a tuple (index) or dict output; None: 0 / "logits"
     label_smoothing: float = 0.0
     metrics: list = field(default_factory=lambda: ["accuracy"])
     on_nonfinite: str = "error"  # error or skip
@@ -493,6 +496,16 @@ def _run_dir(v: Any) -> str:
     return _accept(not os.path.isfile(v), v, "an existing file")
 
 
+def _output_key(v: Any) -> Any:
+    """The prediction's index in a tuple output or its key in a dict output."""
+    return _accept((_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip() != ""), v)
+
+
+def _input_keys(v: Any) -> list:
+    _accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
+    return [_accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+
+
 _BOOL = _Rule("true or false", lambda v: _accept(isinstance(v, bool), v))
 _TEXT = _Rule("a non-empty string", lambda v: _accept(isinstance(v, str) and v.strip() != "", v))
 _POSITIVE = _num(0, lo_open=True)
@@ -510,6 +523,9 @@ RULES: dict[str, _Rule] = {
     "clip_grad_value": _optional(_POSITIVE), "loss": _TEXT, "label_smoothing": _num(0, 1),
     "metrics": _list_of(_TEXT, "a list of metric names"), "on_nonfinite": _choice("error", "skip"),
     "eval_every_epochs": _int(1), "early_stop_patience": _optional(_int(1)),
+    "output_key": _optional(_Rule("an index >= 0 or a key name", _output_key)),
+    "data.input_keys": _optional(_Rule("a non-empty list of batch keys", _input_keys)),
+    "data.label_key": _optional(_TEXT),
     "data.batch_size": _int(1), "data.eval_batch_size": _optional(_int(1)), "data.num_workers": _or_auto(_int(0)),
     "data.pin_memory": _or_auto(_BOOL, "true, false or 'auto'"), "data.persistent_workers": _BOOL,
     "data.prefetch_factor": _optional(_int(1)), "data.shuffle": _BOOL, "data.drop_last": _BOOL,

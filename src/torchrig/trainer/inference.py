@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import runtime
-from ..data import padding_batches, prepare_eval, to_device, unshard
+from ..data import padding_batches, prepare_eval, to_device
 from ..metrics import MeanValue, Metric
-from .step import Step, batch_size_of, call_model, default_eval_step, split_batch
+from . import outputs as O
+from .step import Step, batch_size_of, default_eval_step
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -113,39 +114,51 @@ def _sync_results(trainer: "Trainer", means: dict, metrics: list) -> dict:
 
 
 def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
-    """Model outputs for every sample, in data order, on every rank (CPU tensors)."""
+    """Model outputs for every sample, in data order, on every rank (CPU tensors).
+
+    One item per sample: a tensor stacked over samples, or for tuple / dict / ``ModelOutput``
+    outputs the same structure (a tuple, a dict) with each per-sample field stacked; the activation
+    (probabilities) applies to the prediction field only. Batches are inputs only: see
+    ``outputs.predict_inputs`` for which tuple elements and dict keys reach ``forward``.
+    """
     act = activation_for(trainer, activation)
-    outputs: list = []
+    results: list = []
 
     def forward(step: Step, batch: Any) -> Any:
         if trainer.predict_fn is not None:
             return trainer.predict_fn(step, batch)
-        inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) == 1 else split_batch(batch)[0]
+        inputs = O.predict_inputs(step.model, batch, step.io.label_key)
         with step.autocast():
-            out = call_model(step.model, inputs)
-        return act(out.float()) if isinstance(out, torch.Tensor) else out
+            out = O.call_model(step.model, inputs, step.io.input_keys)
+        return O.predict_fields(out, step.io.output_key, act, batch_size_of(batch))
 
     def consume(step: Step, batch: Any, out: Any) -> None:
-        outputs.append(out.cpu() if isinstance(out, torch.Tensor) else out)
+        results.append(out.cpu() if isinstance(out, torch.Tensor) else out)
 
     run(trainer, data, [], forward, consume)
-    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-        local = torch.cat(outputs)
-    else:
-        local = [x for o in outputs for x in (o if isinstance(o, list) else [o])]
+    local = O.stack(results)
     if trainer.world_size == 1:
         return local
-    parts = runtime.gather(local)
-    order = unshard(parts, trainer.world_size)
-    tensors = any(isinstance(p, torch.Tensor) for p in parts)  # a rank without samples sends []
-    return torch.stack(order) if tensors and order else order
+    return O.merge_ranks(runtime.gather(local), trainer.world_size)
+
+
+# Probabilities for the known classification losses, given by name or as a loss object; "auto" is
+# cross-entropy when the model returns no loss of its own.
+_LOSS_ACTIVATIONS = {"cross_entropy": "softmax", "auto": "softmax", "nll": "exp", "bce_with_logits": "sigmoid",
+                     "CrossEntropyLoss": "softmax", "NLLLoss": "exp", "BCEWithLogitsLoss": "sigmoid"}
 
 
 def activation_for(trainer: "Trainer", name: str) -> Callable:
-    """``auto``: probabilities for the named classification losses, raw outputs otherwise."""
-    loss = trainer.cfg.loss if "loss" not in trainer._objects else None
+    """``auto``: probabilities for the known classification losses (by name, or an ``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss`` or ``nn.BCEWithLogitsLoss`` object), raw outputs otherwise."""
     if name == "auto":
-        name = {"cross_entropy": "softmax", "nll": "exp", "bce_with_logits": "sigmoid"}.get(loss or "", "none")
+        loss = trainer._objects.get("loss", trainer.cfg.loss)
+        if isinstance(loss, torch.nn.Module):
+            key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
+                                                        torch.nn.BCEWithLogitsLoss) else ""
+        else:
+            key = loss if isinstance(loss, str) else ""
+        name = _LOSS_ACTIVATIONS.get(key, "none")
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not one of auto, {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]

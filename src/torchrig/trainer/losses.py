@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .optim import NameError_, unknown_name
+from .outputs import AutoLoss
 
 LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
 
@@ -32,6 +33,8 @@ class _Loss:
 
 
 def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
+    """The loss to train with: a callable as it is, or a name. ``"auto"`` (the default) is the model's
+    own loss when its output carries one (see ``trainer/outputs.py``), else ``cross_entropy``."""
     if callable(spec):
         return spec
     if not isinstance(spec, str):
@@ -46,6 +49,8 @@ def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
         "smooth_l1": lambda: _Loss(key, F.smooth_l1_loss, True),
         "bce_with_logits": lambda: _Loss(key, F.binary_cross_entropy_with_logits, True),
     }
+    if key == "auto":
+        return AutoLoss(table["cross_entropy"]())
     if key not in table:
         raise unknown_name("loss", spec, list(LOSSES))
     return table[key]()

@@ -15,6 +15,7 @@ KWARG_KEYS = {
     "batch_size": "data.batch_size", "eval_batch_size": "data.eval_batch_size",
     "num_workers": "data.num_workers", "pin_memory": "data.pin_memory", "shuffle": "data.shuffle",
     "drop_last": "data.drop_last", "fast_path": "data.fast_path",
+    "input_keys": "data.input_keys", "label_key": "data.label_key",
     "checkpoint_every": "checkpoint.every_steps", "checkpoint_every_epochs": "checkpoint.every_epochs",
     "keep_last": "checkpoint.keep_last", "keep_best": "checkpoint.keep_best", "monitor": "checkpoint.monitor",
     "monitor_mode": "checkpoint.mode", "log_every": "log.every_steps", "progress": "log.progress",

@@ -18,9 +18,11 @@ from torch import nn
 
 from .. import runtime
 from ..errors import TorchrigError
+from . import outputs
+from .outputs import ModelIO, call_model, split_batch
 from .state import TrainState
 
-LABEL_KEYS = ("labels", "label", "target", "targets", "y")
+LABEL_KEYS = outputs.LABEL_KEYS  # a dict batch's target keys, tried in this order (data.label_key overrides)
 
 
 class NonFiniteLossError(TorchrigError, FloatingPointError):
@@ -82,30 +84,6 @@ def _finite(norm: torch.Tensor) -> bool:
     return math.isfinite(norm.item())
 
 
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a batch: ``(x, y)``, ``(x1, …, xn, y)``, a dict with a label key, or ``x``."""
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == 1:
-            return batch[0], None
-        if len(batch) == 2:
-            return batch[0], batch[1]
-        return tuple(batch[:-1]), batch[-1]
-    if isinstance(batch, dict):
-        for key in LABEL_KEYS:
-            if key in batch:
-                return {k: v for k, v in batch.items() if k != key}, batch[key]
-        return batch, None
-    return batch, None
-
-
-def call_model(model: Callable, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch:  # the usual (inputs, target): the inputs' length
         batch = batch[0]
@@ -132,11 +110,12 @@ class Step:
                  precision: Any, device: torch.device, clip_grad_norm: Optional[float] = None,
                  clip_norm_type: float = 2.0, clip_grad_value: Optional[float] = None,
                  on_nonfinite: str = "error", metrics: Optional[list] = None, state: Optional[TrainState] = None,
-                 schedulers: Optional[dict] = None, scheduler_interval: str = "step"):
+                 schedulers: Optional[dict] = None, scheduler_interval: str = "step", io: Optional[ModelIO] = None):
         self.model = model              # what to call (DDP / FSDP wrapped); the user's module otherwise
         self.models = models            # name -> wrapped sub-model, for nn.ModuleDict models (GANs)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.loss_fn = loss_fn
+        self.io = io or ModelIO()     # output_key, data.input_keys, data.label_key (see trainer/outputs.py)
         self.precision = precision
         self.device = device
         self.clip_grad_norm = clip_grad_norm
@@ -268,15 +247,34 @@ class Step:
 
     # -- conveniences --------------------------------------------------------------------------
     def split(self, batch: Any) -> tuple[Any, Any]:
-        return split_batch(batch)
+        """``(inputs, target)`` of a batch (a dict's target under ``data.label_key``)."""
+        return split_batch(batch, self.io.label_key)
 
-    def forward(self, inputs: Any, model: Optional[Callable] = None) -> Any:
-        return call_model(model or self.model, inputs)
+    def forward(self, inputs: Any, model: Optional[Callable] = None, target: Any = None) -> Any:
+        """Call the model on ``inputs`` (dict keys chosen by ``forward``'s signature or ``data.input_keys``).
+
+        With ``loss="auto"`` a dict batch's ``target`` goes to ``forward`` too when ``forward`` takes it
+        (``labels=`` for Hugging Face models, which then return their loss; see ``outputs.label_keyword``)."""
+        model = model or self.model
+        labels = None
+        if target is not None and isinstance(inputs, dict) and outputs.uses_model_loss(self.loss_fn):
+            name = outputs.label_keyword(model, self.io.label_key)
+            labels = (name, target) if name is not None and name not in inputs else None
+        return call_model(model, inputs, self.io.input_keys, labels)
+
+    def loss(self, output: Any, target: Any) -> tuple[Any, torch.Tensor]:
+        """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
+        return outputs.prediction_and_loss(output, target, self.loss_fn, self.io.output_key)
 
     def update_metrics(self, output: Any, target: Any) -> None:
-        if target is None:
+        """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""
+        if target is None or not self.metrics:
             return
-        out = output.detach()
+        out = outputs.unpack(output, self.io.output_key)[0]
+        if not isinstance(out, torch.Tensor):
+            raise outputs.OutputError(f"metrics need a tensor prediction, got {type(out).__name__}; set "
+                                      f"output_key to the prediction's index or key, or metrics=[]")
+        out = out.detach()
         if out.is_floating_point() and out.dtype != torch.float32:
             out = out.float()
         for m in self.metrics:
@@ -290,23 +288,25 @@ class Step:
 
 def default_step(step: Step, batch: Any) -> dict:
     """zero_grad (after the previous step) → forward under autocast → loss → backward → step."""
-    inputs, target = split_batch(batch)
+    inputs, target = step.split(batch)
     if target is None:
         raise ValueError("training batches carry no target: give (inputs, target) pairs, a dict with a "
-                         "'labels' key, or a custom step function")
+                         "'labels' key (or set data.label_key), or a custom step function")
     with step.autocast():
-        output = call_model(step.model, inputs)
-        loss = step.loss_fn(output, target)
+        output = step.forward(inputs, target=target)
+        prediction, loss = step.loss(output, target)
     step.backward(loss)
     step.optimizer_step()
-    step.update_metrics(output, target)
+    step.update_metrics(prediction, target)
     return {"loss": loss.detach()}
 
 
 def default_eval_step(step: Step, batch: Any) -> tuple[Any, Any, Optional[torch.Tensor]]:
-    """``(output, target, loss)`` of one evaluation batch (called under ``inference_mode``)."""
-    inputs, target = split_batch(batch)
+    """``(prediction, target, loss)`` of one evaluation batch (called under ``inference_mode``)."""
+    inputs, target = step.split(batch)
     with step.autocast():
-        output = call_model(step.model, inputs)
-        loss = step.loss_fn(output, target) if (target is not None and step.loss_fn is not None) else None
-    return output, target, loss
+        output = step.forward(inputs, target=target)
+        if target is None:
+            return outputs.unpack(output, step.io.output_key)[0], None, None
+        prediction, loss = step.loss(output, target)
+    return prediction, target, loss

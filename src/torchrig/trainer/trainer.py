@@ -23,7 +23,7 @@ from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
 from ..checkpoint.rundir import RunDir
 from ..data import prepare_train, to_device
 from ..metrics import Metric, get_metrics
-from . import build, inference, losses
+from . import build, inference, losses, outputs
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .logger import MetricsLogger
 from .options import resolve_options
@@ -127,7 +127,7 @@ class Trainer:
                     precision=self.precision, device=self.device, clip_grad_norm=c.clip_grad_norm,
                     clip_norm_type=c.clip_norm_type, clip_grad_value=c.clip_grad_value,
                     on_nonfinite=c.on_nonfinite, metrics=metrics, state=self.state, schedulers=self.schedulers,
-                    scheduler_interval=self.sched_interval)
+                    scheduler_interval=self.sched_interval, io=outputs.ModelIO.from_config(c))
 
     def _metric_objects(self) -> list[Metric]:
         return get_metrics(self._objects.get("metrics", self.cfg.metrics))
@@ -423,10 +423,12 @@ class Trainer:
 
     @runtime.explain_collective_errors
     def predict(self, data: Any, activation: str = "auto") -> Any:
-        """Model outputs for every sample, in data order, on every rank (CPU tensors).
+        """Model outputs for every sample, in data order, on every rank (CPU tensors): a tensor, or a
+        tuple / dict of per-sample fields for tuple / dict / ``ModelOutput`` outputs.
 
-        ``activation="auto"`` turns logits into probabilities for the named classification losses
-        (softmax for cross_entropy / nll, sigmoid for bce_with_logits); ``"none"`` keeps raw outputs.
+        ``activation="auto"`` turns the prediction into probabilities for the classification losses,
+        by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
+        bce_with_logits); ``"none"`` keeps raw outputs.
         """
         return inference.predict(self, data, activation)
 

@@ -1,0 +1,363 @@
+"""What a model returns and what its batches hold: the prediction, the loss and the forward inputs.
+
+**Model outputs.** :func:`unpack` turns any output into ``(prediction, loss or None)``:
+
+- a tensor is the prediction;
+- a tuple or list: element ``output_key`` (default 0) is the prediction;
+- a dict or a Hugging Face ``ModelOutput``: ``output[output_key]`` (default ``"logits"``; a dict with
+  one entry besides ``"loss"`` uses that one) is the prediction, and ``output["loss"]``, when present
+  and not None, is the model's own loss.
+
+**Which loss trains** (:func:`prediction_and_loss`): a loss the user names (``loss="mse"``) or passes
+(``loss=nn.CrossEntropyLoss()``, any callable) is always used, called as ``loss(prediction,
+target)``. With the default ``loss="auto"`` the model's own loss is used when its output carries one
+(``BertForSequenceClassification`` or ``GPT2LMHeadModel`` given ``labels``), else cross-entropy of
+the prediction; and the target of a dict batch is passed to ``forward`` as well when ``forward``
+takes it (see below), so that such models compute their loss. The prediction feeds the metrics and
+``predict``. A tuple output carries no loss.
+
+**Batches.** A tuple ``(x, y)`` / ``(x1, …, xn, y)`` is inputs then target; a dict's target is
+``batch[data.label_key]`` (default: the first of ``labels``, ``label``, ``target``, ``targets``,
+``y`` present). With ``loss="auto"`` the target goes to ``forward`` under ``data.label_key`` when
+``forward`` accepts that keyword, else under the first of those names that is a parameter of
+``forward`` (``labels`` for Hugging Face models, whatever the batch calls it: :func:`label_keyword`).
+The other keys of a dict reach ``forward`` (:func:`forward_arguments`): with ``data.input_keys``
+set, exactly those keys, as keywords when ``forward`` has parameters of those names (or
+``**kwargs``), else positionally in that order; otherwise every key ``forward``'s signature accepts
+by name (all of them with ``**kwargs``; other keys are left out), and when it accepts none, a single
+remaining key is passed positionally (``{"image", "label"}`` with ``forward(x)``). Anything else is
+a :class:`BatchError` naming the batch keys, ``forward``'s signature and the config keys to set.
+
+**Predict** batches carry no target. A tuple batch of n elements is n inputs when ``forward``
+requires at least n positional arguments (``predict((x1, x2))`` with ``forward(a, b)``); otherwise
+its last element is a target and is dropped (``(x, y)`` evaluation data with ``forward(x)`` or
+``forward(x, mask=None)``). A dict batch loses its label key. :func:`predict_fields` keeps the
+structure of the output (a tensor; a tuple; a dict for dicts and ``ModelOutput``) with its per-sample
+tensor fields, and :func:`stack` / :func:`merge_ranks` concatenate them over batches and ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .. import runtime
+from ..data import unshard
+from ..errors import TorchrigError
+
+LABEL_KEYS = ("labels", "label", "target", "targets", "y")
+
+
+class OutputError(TorchrigError, TypeError):
+    """A model output torchrig cannot read a prediction or a loss from; the message says which key to set."""
+
+
+class BatchError(TorchrigError, TypeError):
+    """A batch whose keys do not fit ``forward``; the message names both and the config keys to set."""
+
+
+@dataclass
+class ModelIO:
+    """The config keys that say how batches reach the model and which output is the prediction."""
+
+    output_key: Any = None  # int (tuple outputs) or str (dict outputs); None: 0 / "logits"
+    input_keys: Optional[tuple] = None  # dict batch keys passed to forward; None: by forward's signature
+    label_key: Optional[str] = None  # the target's key in a dict batch; None: the first of LABEL_KEYS
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelIO":
+        keys = cfg.data.input_keys
+        return cls(cfg.output_key, tuple(keys) if keys is not None else None, cfg.data.label_key)
+
+
+class AutoLoss:
+    """``loss="auto"``: the model's own loss when its output carries one, else this cross-entropy."""
+
+    def __init__(self, fallback: Callable):
+        self.fallback = fallback
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fallback(output, target)
+
+    def __repr__(self) -> str:
+        return "loss(auto)"
+
+
+def uses_model_loss(loss_fn: Optional[Callable]) -> bool:
+    """Whether no loss was chosen by the user (``loss="auto"``, or a Step without a loss)."""
+    return loss_fn is None or isinstance(loss_fn, AutoLoss)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def unpack(output: Any, key: Any = None) -> tuple[Any, Optional[torch.Tensor]]:
+    """``(prediction, model loss or None)`` of a model output (see the module docstring)."""
+    if isinstance(output, torch.Tensor):
+        return output, None
+    if isinstance(output, (tuple, list)):
+        index = 0 if key is None else key
+        if not isinstance(index, int) or not -len(output) <= index < len(output):
+            raise OutputError(f"output_key={key!r}: the model returned a {type(output).__name__} of "
+                              f"{len(output)} elements; set output_key to an index in [0, {len(output) - 1}]")
+        return output[index], None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return _dict_prediction(output, key), loss
+    if key is None:
+        return output, None
+    raise OutputError(f"output_key={key!r}: the model returned a {type(output).__name__}, not a tuple or dict; "
+                      f"set output_key=null")
+
+
+def _dict_prediction(output: Mapping, key: Any) -> Any:
+    if key is not None:
+        if key not in output:
+            raise OutputError(f"output_key={key!r}: the model's {type(output).__name__} has keys "
+                              f"{list(output)}; set output_key to one of them")
+        return output[key]
+    if "logits" in output:
+        return output["logits"]
+    rest = [k for k in output if k != "loss"]
+    if len(rest) == 1:
+        return output[rest[0]]
+    if not rest:
+        return None  # only a loss: training works, metrics and predict need a prediction
+    raise OutputError(f"the model returned a {type(output).__name__} with keys {list(output)} and no 'logits'; "
+                      f"set output_key to the key of the prediction")
+
+
+def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable],
+                        key: Any = None) -> tuple[Any, torch.Tensor]:
+    """The prediction, and the loss that trains: the user's loss if one was chosen, else the model's
+    own (when its output carries one), else ``loss_fn`` (the cross-entropy of ``loss="auto"``)."""
+    prediction, own = unpack(output, key)
+    if own is not None and uses_model_loss(loss_fn):
+        return prediction, own
+    if loss_fn is None:
+        raise OutputError("the model's output carries no loss and no loss is set; pass loss=NAME or a callable "
+                          "to the Trainer, or return a 'loss' from the model")
+    if not isinstance(prediction, torch.Tensor):
+        raise OutputError(f"the loss needs a tensor prediction, got {type(prediction).__name__} from the model's "
+                          f"output; set output_key to the prediction's index or key")
+    return prediction, loss_fn(prediction, target)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What ``forward`` accepts, read once per forward function."""
+
+    text: str  # "forward(x, mask=None)"
+    positional: tuple  # names that may be given by position, in order
+    required: int  # positional parameters without a default
+    keywords: frozenset  # names that may be given by keyword
+    var_positional: bool
+    var_keyword: bool
+
+    def accepts(self, name: str) -> bool:
+        return self.var_keyword or name in self.keywords
+
+
+_SIGNATURES: dict = {}
+_PLANS: dict = {}
+
+
+def signature(model: Callable) -> Signature:
+    """The signature of the user's ``forward`` (under DDP / DataParallel / ``torch.compile`` wrappers)."""
+    module = runtime.unwrap(model) if isinstance(model, nn.Module) else model
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
+    forward = module.forward if isinstance(module, nn.Module) else module
+    fn = getattr(forward, "__func__", forward)
+    sig = _SIGNATURES.get(fn)
+    if sig is None:
+        sig = _SIGNATURES[fn] = _describe(forward)
+    return sig
+
+
+def _describe(forward: Callable) -> Signature:
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: accept anything
+        return Signature("forward(*args, **kwargs)", (), 0, frozenset(), True, True)
+    P = inspect.Parameter
+    positional = tuple(p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD))
+    required = sum(1 for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+                   and p.default is P.empty)
+    keywords = frozenset(p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY))
+    shown = ", ".join(str(p.replace(annotation=P.empty)) for p in params)
+    return Signature(f"forward({shown})", positional, required, keywords,
+                     any(p.kind is P.VAR_POSITIONAL for p in params), any(p.kind is P.VAR_KEYWORD for p in params))
+
+
+def split_batch(batch: Any, label_key: Optional[str] = None) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a training batch: ``(x, y)``, ``(x1, …, xn, y)``, a dict, or ``x`` alone."""
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 1:
+            return batch[0], None
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        return tuple(batch[:-1]), batch[-1]
+    if isinstance(batch, dict):
+        key = label_of(batch, label_key)
+        if key is None:
+            return batch, None
+        return {k: v for k, v in batch.items() if k != key}, batch[key]
+    return batch, None
+
+
+def label_of(batch: dict, label_key: Optional[str] = None) -> Optional[str]:
+    """The target's key in a dict batch: ``label_key`` if present, else the first of LABEL_KEYS present."""
+    if label_key is not None:
+        return label_key if label_key in batch else None
+    for key in LABEL_KEYS:
+        if key in batch:
+            return key
+    return None
+
+
+def label_keyword(model: Callable, label_key: Optional[str] = None) -> Optional[str]:
+    """The keyword under which ``forward`` takes the target, or None: ``data.label_key`` when
+    ``forward`` accepts it (``**kwargs`` too), else the first of LABEL_KEYS that is a parameter of
+    ``forward`` (``labels`` for Hugging Face models, whatever the batch calls its target)."""
+    sig = signature(model)
+    if label_key is not None:
+        return label_key if sig.accepts(label_key) else None
+    return next((k for k in LABEL_KEYS if k in sig.keywords), None)
+
+
+def forward_arguments(model: Callable, inputs: dict, input_keys: Optional[tuple] = None,
+                      labels: Optional[tuple] = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``forward`` from a dict batch without its target (see the module docstring).
+
+    ``labels`` is ``(keyword, target)`` to pass as well (see :func:`label_keyword`). The choice is
+    made once per (forward, batch keys) and cached: a step pays one dict lookup.
+    """
+    sig = signature(model)
+    names = tuple(inputs)
+    label_name = labels[0] if labels is not None else None
+    cache_key = (id(sig), names, input_keys, label_name)  # signatures live as long as _SIGNATURES
+    plan = _PLANS.get(cache_key)
+    if plan is None:
+        plan = _PLANS[cache_key] = _plan(sig, names, input_keys, label_name)
+    by_position, keys = plan
+    if by_position:
+        return tuple(inputs[k] for k in keys), {}
+    kwargs = {k: inputs[k] for k in keys}
+    if label_name is not None:
+        kwargs[label_name] = labels[1]
+    return (), kwargs
+
+
+def _plan(sig: Signature, names: tuple, input_keys: Optional[tuple], label_name: Optional[str]) -> tuple[bool, tuple]:
+    """(by position?, keys): how a dict batch with keys ``names`` reaches ``forward``; checked against it."""
+    if input_keys is not None:
+        missing = [k for k in input_keys if k not in names]
+        if missing:
+            raise BatchError(f"data.input_keys={list(input_keys)}: the batch has no key {missing[0]!r} "
+                             f"(batch keys: {list(names)}); set data.input_keys to keys of the batch")
+        keys = tuple(input_keys)
+        by_position = not all(sig.accepts(k) for k in keys)
+    else:
+        accepted = tuple(k for k in names if sig.accepts(k))
+        by_position = not accepted and len(names) == 1
+        keys = names if by_position else accepted
+    given = set() if by_position else set(keys) | ({label_name} if label_name else set())
+    count = len(keys) if by_position else 0
+    positional_ok = sig.var_positional or count <= len(sig.positional)
+    missing_required = [p for p in sig.positional[count:sig.required] if p not in given]
+    if not keys or not positional_ok or missing_required:
+        why = f": no value for {missing_required[0]!r}" if missing_required and keys else ""
+        raise BatchError(f"dict batch with keys {list(names)} (besides the label) does not fit {sig.text}{why}; "
+                         f"set data.input_keys to the batch keys forward takes, in order, and data.label_key "
+                         f"to the target's key")
+    return by_position, keys
+
+
+def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
+               labels: Optional[tuple] = None) -> Any:
+    """``model(inputs)``: a dict through :func:`forward_arguments`, a tuple spread, anything else as one."""
+    if isinstance(inputs, dict):
+        args, kwargs = forward_arguments(model, inputs, input_keys, labels)
+        return model(*args, **kwargs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def predict_inputs(model: Callable, batch: Any, label_key: Optional[str] = None) -> Any:
+    """The inputs of a prediction batch: every element of a tuple ``forward`` needs, no target."""
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 1:
+            return batch[0]
+        if signature(model).required >= len(batch):
+            return tuple(batch)
+        return batch[0] if len(batch) == 2 else tuple(batch[:-1])
+    if isinstance(batch, dict):
+        key = label_of(batch, label_key)
+        return {k: v for k, v in batch.items() if k != key} if key is not None else batch
+    return batch
+
+
+# ----------------------------------------------------------------------------- predict
+
+
+def predict_fields(output: Any, key: Any, activation: Callable, n: int) -> Any:
+    """One batch's prediction on the CPU: the activation applied to the prediction, and for tuple /
+    dict outputs the same structure with every per-sample tensor (first dimension ``n``); other fields
+    (a loss, a key/value cache) are left out (None in a tuple, so that indices stay)."""
+    if isinstance(output, torch.Tensor):
+        return activation(output.float()).cpu()
+    if isinstance(output, (tuple, list)):
+        unpack(output, key)  # checks the index
+        index = (0 if key is None else key) % len(output)
+        return tuple(_field(v, n, activation if i == index else None) for i, v in enumerate(output))
+    if isinstance(output, Mapping):
+        pred = _dict_prediction(output, key)
+        fields = {k: _field(v, n, activation if v is pred else None) for k, v in output.items() if k != "loss"}
+        return {k: v for k, v in fields.items() if v is not None}
+    return output
+
+
+def _field(value: Any, n: int, activation: Optional[Callable]) -> Optional[torch.Tensor]:
+    if not (isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n):
+        return None
+    if activation is not None:
+        value = activation(value.float())
+    return value.detach().cpu()
+
+
+def stack(outputs: list) -> Any:
+    """The batches' predictions as one: tensors concatenated; tuples / dicts field by field; other
+    outputs (a custom ``predict_fn``'s) as a flat list."""
+    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+        return torch.cat(outputs)
+    if outputs and all(isinstance(o, tuple) and all(v is None or isinstance(v, torch.Tensor) for v in o)
+                       for o in outputs):
+        return tuple(None if any(o[i] is None for o in outputs) else torch.cat([o[i] for o in outputs])
+                     for i in range(len(outputs[0])))
+    if outputs and all(isinstance(o, dict) for o in outputs) and all(
+            isinstance(v, torch.Tensor) for o in outputs for v in o.values()):
+        return {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]}
+    return [x for o in outputs for x in (o if isinstance(o, list) else [o])]
+
+
+def merge_ranks(parts: list, world_size: int) -> Any:
+    """Every rank's stacked predictions (rank r holds samples r, r+W, …) back in data order, per field.
+    A rank without samples sends ``[]``."""
+    shape = next((p for p in parts if not (isinstance(p, list) and not p)), None)
+    if isinstance(shape, tuple):
+        return tuple(None if f is None else merge_ranks([p[i] if isinstance(p, tuple) else [] for p in parts],
+                                                        world_size) for i, f in enumerate(shape))
+    if isinstance(shape, dict):
+        return {k: merge_ranks([p[k] if isinstance(p, dict) else [] for p in parts], world_size) for k in shape}
+    order = unshard(parts, world_size)
+    if isinstance(shape, torch.Tensor):
+        return torch.stack(order) if order else shape[:0]
+    return order
