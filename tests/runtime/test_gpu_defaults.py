@@ -152,3 +152,24 @@ def test_select_device_sets_the_current_device():
         assert torch.cuda.current_device() == last
     finally:
         torch.cuda.set_device(before)
+
+
+def test_ddp_gets_the_buffer_switch(tmp_path):
+    import warnings
+
+    import torch.distributed as dist
+
+    from torchrig.runtime import wrap_model
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no deprecation warning from the switch's name
+            off = wrap_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), "ddp", CPU,
+                             DistConfig(broadcast_buffers=False))
+            on = wrap_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), "ddp", CPU, DistConfig())
+        flag = "forward_sync_buffers" if hasattr(off, "forward_sync_buffers") else "broadcast_buffers"
+        assert getattr(off, flag) is False and getattr(on, flag) is True
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Optional
 
@@ -61,7 +62,8 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
             kwargs.update(find_unused_parameters=dist_cfg.find_unused_parameters,
                           static_graph=dist_cfg.static_graph,
                           gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view)
-            kwargs["broadcast_buffers"] = broadcast_buffers(dist_cfg, model)
+            if not broadcast_buffers(dist_cfg, model):
+                kwargs[_DDP_BUFFER_SYNC] = False
             if dist_cfg.bucket_cap_mb is not None:
                 kwargs["bucket_cap_mb"] = dist_cfg.bucket_cap_mb
         if not any(p.requires_grad for p in model.parameters()):
@@ -71,6 +73,12 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
     if strategy == "fsdp":
         return shard_model(model, device, dist_cfg, precision_dtype)
     raise RuntimeSetupError(f"unknown strategy {strategy!r}")
+
+
+# DDP's switch for the buffer broadcast before each forward: ``forward_sync_buffers`` in newer torch (which
+# deprecates ``broadcast_buffers``; both still copy rank 0's buffers once, at wrapping), else the old name.
+_DDP_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+                    inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters else "broadcast_buffers")
 
 
 def broadcast_buffers(dist_cfg: Any, model: nn.Module) -> bool:
