@@ -29,7 +29,7 @@ class ConfigError(TorchrigError, ValueError):
 class DataConfig:
     batch_size: int = 64  # per process
     eval_batch_size: Optional[int] = None  # defaults to batch_size
-    num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(4, cores-1)
+    num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(16, cores per local rank - 1)
     pin_memory: Union[bool, str] = "auto"  # "auto": on when training on CUDA
     persistent_workers: bool = True
     prefetch_factor: Optional[int] = None
