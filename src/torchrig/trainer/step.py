@@ -85,7 +85,12 @@ _DEVICE_SKIP = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 def skips_on_device(opt: torch.optim.Optimizer) -> bool:
-    return type(opt) in _DEVICE_SKIP and bool(opt.defaults.get("fused"))
+    """Whether ``opt`` can drop a non-finite update on the device (plain tensors: FSDP2's sharded
+    parameters take the host check, one read per step)."""
+    if type(opt) not in _DEVICE_SKIP or not opt.defaults.get("fused"):
+        return False
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    return first is not None and not hasattr(first, "to_local")
 
 
 def _total_norm_of(grads: list, norm_type: float) -> torch.Tensor:
