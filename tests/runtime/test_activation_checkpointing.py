@@ -48,6 +48,18 @@ def test_same_gradients_and_the_forward_is_recomputed():
     assert list(plain.state_dict()) == list(ckpt.state_dict())  # checkpoints of the plain model
 
 
+def test_a_copy_of_the_model_checkpoints_itself():
+    model = Net()
+    apply_activation_checkpointing(model, ["backbone"])
+    twin = copy.deepcopy(model)
+    calls = []
+    twin.backbone[0].register_forward_hook(lambda *a: calls.append(0))
+    x, y = make_classification(4)
+    nn.functional.cross_entropy(twin(x), y).backward()
+    assert calls == [0, 0] and model.backbone[0].weight.grad is None  # the copy ran (twice), not the original
+    assert twin.backbone[0].weight.grad is not None
+
+
 def test_no_recompute_without_gradients():
     model = Net().eval()
     apply_activation_checkpointing(model, ["backbone"])

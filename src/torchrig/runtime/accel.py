@@ -9,7 +9,8 @@ called before the Trainer) is kept.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Union
+import types
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -75,21 +76,20 @@ def apply_activation_checkpointing(model: nn.Module, names: list) -> list[str]:
             raise AccelConfigError(f"model.activation_checkpointing: {name!r} is not a sub-module of "
                                    f"{type(model).__name__}{suggest(name, known, listing=listing)}")
         if not getattr(sub, "_torchrig_checkpointed", False):
-            sub.forward = _checkpointed(sub.forward)
+            # a method bound to the sub-module: a deepcopy of the model rebinds it to the copy
+            sub.forward = types.MethodType(_checkpointed_forward, sub)
             sub._torchrig_checkpointed = True
         done.append(name)
     return done
 
 
-def _checkpointed(forward: Callable) -> Callable:
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def compile_models(wrapped: nn.Module, models: dict, base: nn.Module) -> tuple[nn.Module, dict]:
