@@ -247,9 +247,10 @@ def test_worker_seeding_is_reproducible_and_independent_of_worker_count():
 
 
 # num_workers="auto": the cores this process may use, shared by the processes of the machine, less one
-# for the training loop itself, at most 4 (e.g. 1 worker on 2 cores).
+# for the training loop itself, at most 16 (e.g. 1 worker on 2 cores).
 AUTO_WORKERS = [  # (usable cores, processes on the machine, workers per process)
-    (1, 1, 0), (2, 1, 1), (3, 1, 2), (5, 1, 4), (16, 1, 4), (8, 2, 3), (16, 4, 3), (4, 4, 0), (6, 4, 0),
+    (1, 1, 0), (2, 1, 1), (3, 1, 2), (5, 1, 4), (16, 1, 15), (64, 1, 16), (8, 2, 3), (16, 4, 3), (4, 4, 0),
+    (6, 4, 0),
 ]
 
 

@@ -29,7 +29,7 @@ class ConfigError(TorchrigError, ValueError):
 class DataConfig:
     batch_size: int = 64  # per process
     eval_batch_size: Optional[int] = None  # defaults to batch_size
-    num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(4, cores-1)
+    num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(16, cores per local rank - 1)
     pin_memory: Union[bool, str] = "auto"  # "auto": on when training on CUDA
     persistent_workers: bool = True
     prefetch_factor: Optional[int] = None
@@ -52,8 +52,9 @@ class ModelConfig:
     options: dict = field(default_factory=dict)  # keyword arguments for the model builder
     weights: Optional[str] = None  # local weights file (safetensors or state_dict .pt)
     init: Optional[str] = None  # e.g. xavier_uniform, kaiming_normal, normal(0, 0.02)
-    channels_last: bool = False
+    channels_last: Union[bool, str] = "auto"  # "auto": on for convolutional models on CUDA
     compile: bool = False
+    activation_checkpointing: list = field(default_factory=list)  # sub-module names recomputed in backward
 
 
 @dataclass
@@ -114,6 +115,7 @@ class DistConfig:
     bucket_cap_mb: Optional[float] = None
     gradient_as_bucket_view: bool = True
     sync_batchnorm: bool = False
+    broadcast_buffers: Union[bool, str] = "auto"  # DDP buffer broadcast; "auto": off with SyncBatchNorm
     fsdp_wrap: list = field(default_factory=list)  # module class names to shard per block
     fsdp_min_params: int = 0  # or shard every module with at least this many parameters
     fsdp_cpu_offload: bool = False
@@ -137,7 +139,7 @@ class Config:
     threads: Optional[int] = None  # CPU threads; env TORCH_THREAD_NUM also honoured
     interop_threads: Optional[int] = None
     deterministic: bool = False
-    cudnn_benchmark: bool = False
+    cudnn_benchmark: Union[bool, str] = "auto"  # "auto": on for CUDA runs unless deterministic
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
     clip_norm_type: float = 2.0
@@ -518,7 +520,8 @@ RULES: dict[str, _Rule] = {
     "resume_weights_only": _BOOL,
     "device": _pattern("auto, cpu, cuda, cuda:N, xpu, xpu:N or mps", r"auto|cpu|mps|(?:cuda|xpu)(?::\d+)?"),
     "precision": _choice("fp32", "bf16", "fp16"), "threads": _optional(_int(1)),
-    "interop_threads": _optional(_int(1)), "deterministic": _BOOL, "cudnn_benchmark": _BOOL, "accumulate": _int(1),
+    "interop_threads": _optional(_int(1)), "deterministic": _BOOL,
+    "cudnn_benchmark": _or_auto(_BOOL, "true, false or 'auto'"), "accumulate": _int(1),
     "clip_grad_norm": _optional(_POSITIVE), "clip_norm_type": _num(0, lo_open=True, finite=False),
     "clip_grad_value": _optional(_POSITIVE), "loss": _TEXT, "label_smoothing": _num(0, 1),
     "metrics": _list_of(_TEXT, "a list of metric names"), "on_nonfinite": _choice("error", "skip"),
@@ -533,7 +536,9 @@ RULES: dict[str, _Rule] = {
     "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
-    "model.init": _optional(_TEXT), "model.channels_last": _BOOL, "model.compile": _BOOL,
+    "model.init": _optional(_TEXT), "model.compile": _BOOL,
+    "model.channels_last": _or_auto(_BOOL, "true, false or 'auto'"),
+    "model.activation_checkpointing": _list_of(_TEXT, "a list of sub-module names"),
     "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0),
     "optim.momentum": _num(0, 1, hi_open=True),
     "optim.nesterov": _BOOL, "optim.betas": _pair(_num(0, 1, hi_open=True), "two numbers in [0, 1)"),
@@ -557,6 +562,7 @@ RULES: dict[str, _Rule] = {
     "dist.rank": _optional(_int(0)), "dist.world_size": _optional(_int(1)), "dist.timeout": _POSITIVE,
     "dist.find_unused_parameters": _BOOL, "dist.static_graph": _BOOL, "dist.bucket_cap_mb": _optional(_POSITIVE),
     "dist.gradient_as_bucket_view": _BOOL, "dist.sync_batchnorm": _BOOL,
+    "dist.broadcast_buffers": _or_auto(_BOOL, "true, false or 'auto'"),
     "dist.fsdp_wrap": _list_of(_TEXT, "a list of module class names"), "dist.fsdp_min_params": _int(0),
     "dist.fsdp_cpu_offload": _BOOL, "dist.fsdp_reshard_after_forward": _BOOL, "dist.requeue": _BOOL,
     "dist.stop_timeout": _POSITIVE,

@@ -40,6 +40,46 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
     return batch
 
 
+def prefetch_to_device(batches: Any, device: torch.device) -> Iterator:
+    """Iterate ``batches`` already on ``device``: on CUDA the next batch's copy runs on a side stream while
+    the current step computes (pinned batches make the copy asynchronous); elsewhere plain iteration."""
+    if device.type != "cuda":
+        return iter(batches)
+    return _cuda_prefetch(iter(batches), device)
+
+
+def _cuda_prefetch(it: Iterator, device: torch.device) -> Iterator:
+    copy_stream = torch.cuda.Stream(device)
+
+    def issue(batch: Any) -> Any:
+        with torch.cuda.stream(copy_stream):
+            return to_device(batch, device)
+
+    def tensors(batch: Any) -> list:
+        if isinstance(batch, torch.Tensor):
+            return [batch]
+        if isinstance(batch, (list, tuple)):
+            return [t for v in batch for t in tensors(v)]
+        if isinstance(batch, dict):
+            return [t for v in batch.values() for t in tensors(v)]
+        return []
+
+    pending = next(it, _END)
+    pending = pending if pending is _END else issue(pending)
+    while pending is not _END:
+        current = pending
+        compute = torch.cuda.current_stream(device)
+        compute.wait_stream(copy_stream)  # the step's kernels start after its batch arrived
+        for t in tensors(current):
+            t.record_stream(compute)  # the caching allocator must not reuse it while the step runs
+        nxt = next(it, _END)
+        pending = nxt if nxt is _END else issue(nxt)  # overlaps the step about to run on `compute`
+        yield current
+
+
+_END = object()
+
+
 def _seed_worker_sample(seed: int, epoch: int, index: int) -> None:
     s = (seed * 1_000_003 + epoch * 7_919 + index) % (2**63 - 1)
     # The CPU generator is the one a worker's transforms draw from (workers never use CUDA):
@@ -68,7 +108,9 @@ class _SeededSamples(Dataset):
 
 def _auto_workers(local_world_size: int = 1) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(4, cores // max(1, local_world_size) - 1))
+    # every core this rank owns but one (the training process's own), up to 16: beyond that a worker
+    # adds memory (a dataset copy each) more than speed
+    return max(0, min(16, cores // max(1, local_world_size) - 1))
 
 
 class TensorBatches:
@@ -79,7 +121,11 @@ class TensorBatches:
 
     def __init__(self, tensors: tuple, sampler: ResumableSampler, batch_size: int, drop_last: bool,
                  pin: bool = False):
-        self.tensors = tuple(t.pin_memory() if pin else t for t in tensors)
+        self.tensors = tensors
+        # Batches are gathered straight into page-locked memory, so that to_device(non_blocking=True)
+        # really is asynchronous (a slice of a pinned tensor is not pinned: index_select allocates).
+        # Tensors already on an accelerator are indexed there: no copy at all.
+        self.pin = pin and all(t.device.type == "cpu" for t in tensors)
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -94,7 +140,15 @@ class TensorBatches:
         stop = (len(idx) // b) * b if self.drop_last else len(idx)
         for start in range(0, stop, b):
             sel = idx[start:start + b]
-            yield [t.index_select(0, sel) for t in self.tensors]  # a list, as default_collate gives
+            yield [self._gather(t, sel) for t in self.tensors]  # a list, as default_collate gives
+
+    def _gather(self, t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t.index_select(0, sel.to(t.device, non_blocking=True))
+        if not self.pin:
+            return t.index_select(0, sel)
+        out = torch.empty((len(sel), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, sel, out=out)
 
 
 class Batches:

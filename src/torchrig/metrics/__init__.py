@@ -23,6 +23,7 @@ class Metric:
 
     name = "metric"
     higher_is_better = True
+    device: Optional[torch.device] = None  # where new states live: the run's device (set by the trainer)
 
     def __init__(self) -> None:
         self.states = {}
@@ -35,7 +36,7 @@ class Metric:
         if self._pending:
             # a new count lives beside the metric's other states (on the GPU for a GPU run), so that
             # one all-reduce backend (NCCL) can sum them all
-            device = next(iter(self._states.values())).device if self._states else None
+            device = self.device or (next(iter(self._states.values())).device if self._states else None)
             for key, n in self._pending.items():
                 if key in self._states:
                     self._states[key] += n
@@ -60,7 +61,7 @@ class Metric:
             value = value.detach()
         state = self._states.get(key)
         if state is None:
-            self._states[key] = value.to(torch.float64, copy=True)
+            self._states[key] = value.to(self.device or value.device, torch.float64, copy=True)
         else:  # in place, promoted to float64 by the add itself: one op per update on the training path
             state += value if value.device == state.device else value.to(state.device)
 
@@ -223,13 +224,17 @@ _FACTORIES: dict[str, Callable[[], Metric]] = {
 METRIC_NAMES = tuple(_FACTORIES)
 
 
-def get_metrics(specs: Any) -> list[Metric]:
-    """Fresh metric objects for a name, a Metric, or a list of them (Metric objects are copied)."""
+def get_metrics(specs: Any, device: Optional[torch.device] = None) -> list[Metric]:
+    """Fresh metric objects for a name, a Metric, or a list of them (Metric objects are copied), whose
+    states live on ``device`` (the run's: one all-reduce backend, NCCL, sums them all)."""
     import copy
 
     if isinstance(specs, (str, Metric)):
         specs = [specs]
-    return [get_metric(copy.deepcopy(s) if isinstance(s, Metric) else s) for s in specs]
+    metrics = [get_metric(copy.deepcopy(s) if isinstance(s, Metric) else s) for s in specs]
+    for m in metrics:
+        m.device = device if device is not None else m.device
+    return metrics
 
 
 def get_metric(spec: Union[str, Metric]) -> Metric:

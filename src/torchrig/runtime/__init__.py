@@ -1,6 +1,8 @@
 """Where and how the process runs: device, threads, seeding, process group, precision, wrapping."""
 
-from .device import RuntimeSetupError, configure_backends, configure_threads, select_device
+from .accel import (AccelConfigError, apply_activation_checkpointing, compile_models, configure_backends,
+                    wants_channels_last)
+from .device import RuntimeSetupError, configure_threads, select_device
 from .dist import (DistInfo, DistributedError, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
                    collective_error, destroy_process_group, detect, explain_collective_errors, gather, get_rank,
                    get_world_size, init_process_group, is_initialized, is_main_process, restart_count)
@@ -16,4 +18,5 @@ __all__ = [
     "gather", "get_rank", "get_world_size", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "seed_everything", "set_rng_state", "no_sync", "resolve_strategy",
     "unwrap", "wrap_model", "no_sync_all", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job", "signal_name",
+    "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last",
 ]

@@ -46,7 +46,18 @@ def select_device(name: str = "auto", local_rank: Optional[int] = None) -> torch
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
             raise RuntimeSetupError(f"device {name!r} asked for, but MPS is not available on this machine; use device=cpu")
+    use_device(dev)
     return dev
+
+
+def use_device(dev: torch.device) -> None:
+    """Make ``dev`` the process's current CUDA device, whoever creates the process group.
+
+    Collectives, ``torch.cuda`` calls without an index and NCCL barriers all use the current device; left
+    at cuda:0, every rank of a machine would put its first allocations (and NCCL's) on GPU 0.
+    """
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
 
 
 def configure_threads(threads: Optional[int] = None, interop: Optional[int] = None) -> int:
@@ -75,10 +86,3 @@ def configure_threads(threads: Optional[int] = None, interop: Optional[int] = No
             pass  # already started parallel work; intra-op threads still apply
     return torch.get_num_threads()
 
-
-def configure_backends(deterministic: bool = False, cudnn_benchmark: bool = False) -> None:
-    torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic = True

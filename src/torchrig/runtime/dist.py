@@ -260,8 +260,13 @@ def is_main_process() -> bool:
 
 
 def barrier() -> None:
+    """Wait for every rank. Under NCCL the barrier runs on this rank's GPU (the current device, which
+    ``select_device`` set), not on a guess that NCCL would otherwise make and warn about."""
     if is_initialized() and get_world_size() > 1:
-        dist.barrier()
+        if dist.get_backend() == "nccl" and torch.cuda.is_available():
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Optional
 
@@ -61,6 +62,8 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
             kwargs.update(find_unused_parameters=dist_cfg.find_unused_parameters,
                           static_graph=dist_cfg.static_graph,
                           gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view)
+            if not broadcast_buffers(dist_cfg, model):
+                kwargs[_DDP_BUFFER_SYNC] = False
             if dist_cfg.bucket_cap_mb is not None:
                 kwargs["bucket_cap_mb"] = dist_cfg.bucket_cap_mb
         if not any(p.requires_grad for p in model.parameters()):
@@ -70,6 +73,21 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
     if strategy == "fsdp":
         return shard_model(model, device, dist_cfg, precision_dtype)
     raise RuntimeSetupError(f"unknown strategy {strategy!r}")
+
+
+# DDP's switch for the buffer broadcast before each forward: ``forward_sync_buffers`` in newer torch (which
+# deprecates ``broadcast_buffers``; both still copy rank 0's buffers once, at wrapping), else the old name.
+_DDP_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+                    inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+
+
+def broadcast_buffers(dist_cfg: Any, model: nn.Module) -> bool:
+    """``dist.broadcast_buffers``: as given, or ``auto``: off when SyncBatchNorm keeps the ranks' statistics
+    equal already (a broadcast of rank 0's buffers at every forward would only cost time), else on."""
+    value = getattr(dist_cfg, "broadcast_buffers", "auto")
+    if value == "auto":
+        return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    return bool(value)
 
 
 def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -106,15 +124,26 @@ def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Op
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under DataParallel / DDP wrappers (FSDP2 modifies the module in place)."""
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """A ``torch.compile`` wrapper (``OptimizedModule``), which hides the module it compiled."""
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
 def no_sync(model: nn.Module, skip: bool):
     """Skip gradient all-reduce for a micro-batch that does not end an accumulation window."""
     if not skip:
         return contextlib.nullcontext()
+    while _is_compiled(model):  # torch.compile(DDP(model)): the DDP inside decides
+        model = model._orig_mod
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2

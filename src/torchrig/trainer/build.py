@@ -17,8 +17,9 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
                 dtype: Any) -> tuple[nn.Module, dict[str, nn.Module]]:
     """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module."""
     model = model.to(device)
-    if cfg.model.channels_last:
+    if runtime.wants_channels_last(model, cfg.model.channels_last, device):
         model = model.to(memory_format=torch.channels_last)
+    runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
         # Several networks (a GAN): wrap each so that each forward does its own gradient sync.
         models = {k: runtime.wrap_model(m, strategy, device, cfg.dist, dtype) for k, m in model.items()}
@@ -27,7 +28,7 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
         wrapped = runtime.wrap_model(model, strategy, device, cfg.dist, dtype)
         models = dict(model.items()) if isinstance(model, nn.ModuleDict) else {}
     if cfg.model.compile:
-        wrapped = torch.compile(wrapped)
+        wrapped, models = runtime.compile_models(wrapped, models, model)
     return wrapped, models
 
 

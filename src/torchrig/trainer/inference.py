@@ -78,11 +78,15 @@ def evaluate(trainer: "Trainer", data: Any) -> dict:
         n = batch_size_of(batch)
         if isinstance(out, dict):  # a custom eval step: batch means to average per sample
             for k, v in out.items():
-                means.setdefault(k, MeanValue(k)).update(torch.as_tensor(v, dtype=torch.float64), n)
+                mean = means.setdefault(k, MeanValue(k))
+                mean.device = trainer.device  # a Python float too: on the device, where NCCL sums it
+                mean.update(torch.as_tensor(v, dtype=torch.float64, device=trainer.device), n)
             return
         output, target, loss = out
         if loss is not None:
-            means.setdefault("loss", MeanValue("loss")).update(loss.float(), n)
+            mean = means.setdefault("loss", MeanValue("loss"))
+            mean.device = trainer.device
+            mean.update(loss.float(), n)
         step.update_metrics(output, target)
 
     run(trainer, data, metrics, fn, consume)

@@ -61,6 +61,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
     opts = dict(options or {})
     fused_ok = device is not None and device.type == "cuda"
     if key == "sgd":
+        if fused_ok:  # one kernel per step, and a non-finite step is skipped on the GPU (no host read)
+            opts.setdefault("fused", True)
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **opts)
     if key in ("adam", "adamw"):
         cls = torch.optim.Adam if key == "adam" else torch.optim.AdamW

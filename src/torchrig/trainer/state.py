@@ -114,8 +114,8 @@ class MetricStates:
 
     def load_state_dict(self, state: dict) -> None:
         for m in self.metrics:
-            if m.name in state:
-                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(torch.float64)
+            if m.name in state:  # checkpoints load on the CPU; the states live on the run's device
+                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(m.device or v.device, torch.float64)
                             for k, v in state[m.name].items()}
 
 

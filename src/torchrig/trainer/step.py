@@ -59,19 +59,40 @@ class _FiniteCheck:
         self.one: Optional[torch.Tensor] = None
 
     def finite(self, grads: list) -> bool:
+        return not grads or not self.flag(grads).item()
+
+    def flag(self, grads: list, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """1.0 when any gradient (or ``norm``, when measured) is NaN / inf, else 0.0: a one-element tensor on
+        the gradients' device, read by no one here (the caller decides on the host or on the device)."""
+        if norm is not None:
+            return (~torch.isfinite(norm.detach())).float().reshape(1)
         if not grads:
-            return True
+            return torch.zeros(1)
         device = grads[0].device
         dtype = grads[0].dtype
         plain = all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device
                     and g.dtype == dtype for g in grads)
         if not plain:
-            return _finite(_total_norm_of(grads, 2.0))
+            return (~torch.isfinite(_total_norm_of(grads, 2.0))).float().reshape(1)
         if self.found is None or self.found.device != device:
             self.found, self.one = torch.zeros(1, device=device), torch.ones(1, device=device)
         self.found.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
-        return not self.found.item()
+        return self.found
+
+
+# Optimizers whose fused kernels take ``found_inf`` (as GradScaler passes it) and then skip the whole
+# update on the device, step counters included: a non-finite step is dropped without a host read.
+_DEVICE_SKIP = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` can drop a non-finite update on the device (plain tensors: FSDP2's sharded
+    parameters take the host check, one read per step)."""
+    if type(opt) not in _DEVICE_SKIP or not opt.defaults.get("fused"):
+        return False
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    return first is not None and not hasattr(first, "to_local")
 
 
 def _total_norm_of(grads: list, norm_type: float) -> torch.Tensor:
@@ -138,6 +159,13 @@ class Step:
         self._nonfinite: Optional[torch.Tensor] = None
         self._buffers: list = []
         self._check = _FiniteCheck()
+        # Host reads of the non-finite decision: on CPU a scalar read is a memory load; on an accelerator a
+        # read waits for the GPU, so the decision stays there (see optimizer_step) and is read at settle().
+        self.host_checks = device.type == "cpu"
+        self.world_size = runtime.get_world_size()
+        self._window_found: Optional[torch.Tensor] = None  # this window skipped on the device (1.0) or not
+        self._skipped: Optional[torch.Tensor] = None       # device-skipped windows since the last settle()
+        self._settled_step = 0
 
     @property
     def global_step(self) -> int:
@@ -149,6 +177,7 @@ class Step:
         """Before the first of the ``size`` micro-batches of one optimizer step."""
         self.window_size = size
         self._nonfinite = None
+        self._window_found = None
         self.grad_norm = None
         self.stepped = False
         if self.on_nonfinite == "skip":  # a skipped window must not leave NaN in BatchNorm running stats
@@ -165,6 +194,10 @@ class Step:
         if not self.stepped:  # a non-finite window skipped (one count, however many optimizers)
             self.state.skipped_steps += 1
             return False
+        if self._window_found is not None:  # decided on the device: counted there, read at settle()
+            self._skipped = self._window_found if self._skipped is None else self._skipped + self._window_found
+            if self.want_grad_norm:  # a log step reads the device anyway
+                self.settle(self.state.global_step + 1)
         self.state.global_step += 1
         for sch in self.per_step_schedulers:
             sch.step()
@@ -180,12 +213,12 @@ class Step:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of ``loss`` divided by the window size (and scaled for fp16)."""
-        if loss.is_cpu and loss.numel() == 1:
+        if loss.is_cpu and loss.numel() == 1 and self.host_checks:
             # On CPU reading the scalar is one cheap call; torch.isfinite would be five tensor ops.
             if not math.isfinite(loss.item()):
                 self._nonfinite = True
         else:  # on an accelerator the flag stays on the device: no sync before the optimizer step
-            finite = torch.isfinite(loss.detach())
+            finite = torch.isfinite(loss.detach()).all()
             self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
         scaled = loss / self.window_size if self.window_size > 1 else loss
         if self.precision.scaler is not None:
@@ -195,31 +228,78 @@ class Step:
     def optimizer_step(self, name: Optional[str] = None) -> bool:
         """At the end of a window: unscale, check, clip, step, zero_grad. Returns whether a step was taken.
 
-        Nothing non-finite is applied: a NaN / inf loss (this rank's) or gradient norm (the same on
-        every rank, since it is measured after the gradients were all-reduced) skips the step or
-        raises, as ``on_nonfinite`` says. Under fp16 the GradScaler finds inf gradients itself and
-        lowers its scale instead (the usual fp16 overflow, counted as a skipped step).
+        Nothing non-finite is applied: a NaN / inf gradient skips the step or raises, as ``on_nonfinite``
+        says. The decision is the same on every rank: it reads the gradients after their all-reduce (a NaN
+        loss on one rank gives NaN gradients on all); in one process a NaN loss decides too. Under fp16 the
+        GradScaler finds inf gradients itself and lowers its scale instead (counted as a skipped step).
+
+        On an accelerator with a fused SGD / Adam / AdamW (the default there) the decision stays on the
+        device: the fused kernel skips the update, and the count of such windows is read at the next log
+        step or checkpoint (``settle``), where ``on_nonfinite=error`` raises. Other optimizers read one
+        flag per optimizer step, since they would apply a non-finite update otherwise.
         """
         if not self.sync_gradients:
             return False
         opt = self.optimizers[name] if name is not None else self.optimizer
         scaler = self.precision.scaler
-        if self._nonfinite is not None and bool(self._nonfinite):
-            return self._reject(opt, "loss is not finite")
+        loss_flag = self._nonfinite if self.world_size == 1 else None  # several ranks: the gradients decide
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None:
+            if loss_flag is not None and bool(loss_flag):
+                return self._reject(opt, "loss is not finite")
             if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
                 scaler.unscale_(opt)
                 self._clip(params)
             scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
         else:
             norm = self._clip(params)  # when a norm is measured anyway, it carries the check
-            if not (_finite(norm) if norm is not None else self._check.finite([p.grad for p in params])):
-                return self._reject(opt, "gradients are not finite (the loss is)")
-            opt.step()
+            if not self.host_checks and skips_on_device(opt):
+                self._step_on_device(opt, params, norm, loss_flag)
+            else:
+                if loss_flag is not None and bool(loss_flag):
+                    return self._reject(opt, "loss is not finite")
+                if not (_finite(norm) if norm is not None else self._check.finite([p.grad for p in params])):
+                    local = self._nonfinite is not None and bool(self._nonfinite)
+                    return self._reject(opt, "gradients are not finite" + (
+                        " (this process's loss is not finite)" if local else " (the loss is)"))
+                opt.step()
         opt.zero_grad(set_to_none=True)
         self.stepped = True
         return True
+
+    def _step_on_device(self, opt: torch.optim.Optimizer, params: list, norm: Optional[torch.Tensor],
+                        loss_flag: Any) -> None:
+        """The fused update, skipped by the kernel itself when the flag is set (no host read)."""
+        found = self._check.flag([p.grad for p in params], norm) if params else torch.zeros(1, device=self.device)
+        found = found.reshape(())  # a new tensor: the check's buffer is reused by the window's next optimizer
+        found = torch.maximum(found, loss_flag.float()) if loss_flag is not None else found.clone()
+        opt.grad_scale, opt.found_inf = None, found
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale, opt.found_inf
+        if self.on_nonfinite == "skip" and self._buffers:
+            with torch.no_grad():
+                bad = found.bool()
+                for b, saved in zip(self.model.buffers(), self._buffers):
+                    b.copy_(torch.where(bad, saved, b))
+        self._window_found = found if self._window_found is None else torch.maximum(self._window_found, found)
+
+    def settle(self, upto: Optional[int] = None) -> None:
+        """Read the windows skipped on the device since the last call (one host read): count them, or raise
+        under ``on_nonfinite=error``. The loop calls it at log steps and before each checkpoint."""
+        if self._skipped is None:
+            return
+        n, self._skipped = int(self._skipped.sum().item()), None
+        first, self._settled_step = self._settled_step + 1, upto or self.state.global_step
+        if not n:
+            return
+        if self.on_nonfinite == "error":
+            raise NonFiniteLossError(
+                f"gradients were not finite in {n} optimizer step(s) between step {first} and step "
+                f"{self._settled_step}; those updates were not applied and the last checkpoint is intact. "
+                f"Lower optim.lr, set clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
+        self.state.skipped_steps += n
 
     def _reject(self, opt: torch.optim.Optimizer, what: str) -> bool:
         """A non-finite window: raise (``on_nonfinite=error``) or drop its gradients and skip it."""

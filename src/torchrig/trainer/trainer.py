@@ -21,7 +21,7 @@ from .. import config as C
 from .. import runtime
 from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
 from ..checkpoint.rundir import RunDir
-from ..data import prepare_train, to_device
+from ..data import prefetch_to_device, prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
@@ -90,7 +90,7 @@ class Trainer:
         self.world_size = runtime.get_world_size()
         self.is_main = self.rank == 0
         self.threads = runtime.configure_threads(cfg.threads, cfg.interop_threads)
-        runtime.configure_backends(cfg.deterministic, cfg.cudnn_benchmark)
+        runtime.configure_backends(cfg.deterministic, cfg.cudnn_benchmark, self.device)
         runtime.seed_everything(cfg.seed)
         self.precision = runtime.make_precision(cfg.precision, self.device)
         self.strategy = runtime.resolve_strategy(d.strategy, self.world_size, self.device)
@@ -130,7 +130,7 @@ class Trainer:
                     scheduler_interval=self.sched_interval, io=outputs.ModelIO.from_config(c))
 
     def _metric_objects(self) -> list[Metric]:
-        return get_metrics(self._objects.get("metrics", self.cfg.metrics))
+        return get_metrics(self._objects.get("metrics", self.cfg.metrics), device=self.device)
 
     def _lr(self) -> float:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
@@ -279,7 +279,7 @@ class Trainer:
         for m in self.models.values():
             m.train()
         out.start_epoch(epoch, cfg.epochs, epoch_len, initial=start)
-        it = iter(plan.batches)
+        it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         self.state.epoch, self.state.batch_in_epoch = epoch, i
         while i < epoch_len:
@@ -380,6 +380,7 @@ class Trainer:
 
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
         """A checkpoint of this instant (collective: every rank calls it)."""
+        self.step is not None and self.step.settle()  # non-finite steps skipped on the device: count or raise
         if not finite_parameters(runtime.unwrap(self.model), self.device):
             last = self.checkpoints.last_step
             raise NonFiniteLossError(

@@ -1,0 +1,104 @@
+"""Speed settings of a run: backend switches, memory format, activation checkpointing, torch.compile.
+
+Each default is the one a performance engineer picks on a GPU and changes nothing on a CPU run:
+``cudnn.benchmark`` and TF32 matmuls unless the run is deterministic, ``channels_last`` for
+convolutional models. A value the user chose (a config key, or ``torch.set_float32_matmul_precision``
+called before the Trainer) is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ..errors import TorchrigError, suggest
+
+
+class AccelConfigError(TorchrigError, ValueError):
+    """A speed setting names something the model does not have."""
+
+
+def configure_backends(deterministic: bool = False, cudnn_benchmark: Union[bool, str] = "auto",
+                       device: Any = None) -> None:
+    """cuDNN autotuning and TF32 matmuls on CUDA (``auto``), never in a deterministic run.
+
+    ``cudnn_benchmark`` true / false is applied as given (off anyway when deterministic); ``auto`` turns it
+    on for a CUDA run only. TF32 (``set_float32_matmul_precision("high")``) is set for a CUDA run unless the
+    run is deterministic or the process already chose a precision other than the default ``highest``.
+    """
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cudnn_benchmark == "auto":
+        if cuda:
+            torch.backends.cudnn.benchmark = not deterministic
+    else:
+        torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
+    if cuda and not deterministic and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision("high")
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        if torch.get_float32_matmul_precision() == "high" and cuda:
+            torch.set_float32_matmul_precision("highest")
+
+
+def has_conv(model: nn.Module) -> bool:
+    """Whether the model has a 2-D convolution (the layers channels_last speeds up)."""
+    return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
+
+
+def wants_channels_last(model: nn.Module, setting: Union[bool, str], device: Any) -> bool:
+    """``model.channels_last``: true / false as given; ``auto``: on for a conv model on CUDA."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda" and has_conv(model)
+    return bool(setting)
+
+
+def apply_activation_checkpointing(model: nn.Module, names: list) -> list[str]:
+    """Recompute the forward of each named sub-module in backward (``torch.utils.checkpoint``, non-reentrant).
+
+    The sub-modules keep their class and parameter names (only their ``forward`` is wrapped), so the
+    weights and checkpoints are those of the plain model. Returns the names wrapped.
+    """
+    if not names:
+        return []
+    modules = dict(model.named_modules())
+    done = []
+    for name in names:
+        sub = modules.get(name)
+        if sub is None or sub is model:
+            known = [n for n in modules if n]
+            listing = "sub-modules: " + ", ".join(known[:12]) + (" …" if len(known) > 12 else "")
+            raise AccelConfigError(f"model.activation_checkpointing: {name!r} is not a sub-module of "
+                                   f"{type(model).__name__}{suggest(name, known, listing=listing)}")
+        if not getattr(sub, "_torchrig_checkpointed", False):
+            # a method bound to the sub-module: a deepcopy of the model rebinds it to the copy
+            sub.forward = types.MethodType(_checkpointed_forward, sub)
+            sub._torchrig_checkpointed = True
+        done.append(name)
+    return done
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def compile_models(wrapped: nn.Module, models: dict, base: nn.Module) -> tuple[nn.Module, dict]:
+    """``torch.compile`` the module the loop calls; for several networks (a GAN's ``ModuleDict``) each one.
+
+    A ``ModuleDict`` has no forward of its own, so compiling it would compile nothing: each sub-model is
+    compiled instead, and the ``ModuleDict`` stays the container. ``no_sync`` and ``unwrap`` look through
+    the compiled wrapper (``_orig_mod``).
+    """
+    if models and (isinstance(wrapped, nn.ModuleDict) or wrapped is base):
+        return wrapped, {k: torch.compile(m) for k, m in models.items()}
+    return torch.compile(wrapped), models
