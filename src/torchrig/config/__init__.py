@@ -42,6 +42,7 @@ class DataConfig:
     val_fraction: float = 0.0  # carve a validation split out of the training data
     skip_bad_samples: bool = False
     options: dict = field(default_factory=dict)  # recipe-specific data options
+    factory: Optional[str] = None  # "module:attr": build_data(cfg) -> train | (train, val[, test]) | dict
 
 
 @dataclass
@@ -52,6 +53,8 @@ class ModelConfig:
     init: Optional[str] = None  # e.g. xavier_uniform, kaiming_normal, normal(0, 0.02)
     channels_last: bool = False
     compile: bool = False
+    factory: Optional[str] = None  # "module:attr": build_model(cfg) -> nn.Module (torchrig train --model)
+    python_class: Optional[str] = None  # "module:qualname" of a model given to Trainer in Python (not rebuildable)
 
 
 @dataclass
@@ -496,6 +499,8 @@ def _run_dir(v: Any) -> str:
 _BOOL = _Rule("true or false", lambda v: _accept(isinstance(v, bool), v))
 _TEXT = _Rule("a non-empty string", lambda v: _accept(isinstance(v, str) and v.strip() != "", v))
 _POSITIVE = _num(0, lo_open=True)
+_SPEC = _pattern("a 'module:attribute' string such as mypkg.models:build_model",
+                 r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 
 # Every key of the core sections, with the values it accepts. (Recipe sections bring their own checks.)
@@ -516,6 +521,7 @@ RULES: dict[str, _Rule] = {
     "data.fast_path": _BOOL, "data.path": _optional(_TEXT), "data.val_path": _optional(_TEXT),
     "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
+    "data.factory": _optional(_SPEC), "model.factory": _optional(_SPEC), "model.python_class": _optional(_TEXT),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
     "model.init": _optional(_TEXT), "model.channels_last": _BOOL, "model.compile": _BOOL,
     "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0),
