@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sys
 import textwrap
 
@@ -146,6 +147,30 @@ def test_model_alone_keeps_the_recipe_data(workdir):
     assert set(load_file(str(run / "checkpoints" / "latest" / "model.safetensors"))) == {"1.weight", "1.bias"}
 
 
+def test_resume_rebuilds_the_recorded_model_and_data(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, symlinks=True)
+    before = load_file(str(copy / "checkpoints" / "latest" / "model.safetensors"))
+    capsys.readouterr()
+    # no --model / --data / model.options: the run's config.yaml names them
+    assert main(["train", *QUICK, "--set", f"run_dir={copy}", "--set", "resume=latest", "--set", "epochs=3"]) == 0
+    assert "test: loss" in capsys.readouterr().out
+    cfg = yaml.safe_load((copy / "checkpoints" / "latest" / "config.yaml").read_text())
+    assert (cfg["recipe"], cfg["epochs"], cfg["model"]["options"]) == ("custom", 3, {"width": 8})
+    assert cfg["model"]["factory"] == f"{PKG}.task:build_model" and cfg["data"]["factory"] == f"{PKG}.task:build_data"
+    after = load_file(str(copy / "checkpoints" / "latest" / "model.safetensors"))
+    assert after.keys() == before.keys() and not torch.equal(after["0.weight"], before["0.weight"])
+
+
+def test_a_checkpoint_cannot_name_a_standard_library_function(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, symlinks=True)
+    config = copy / "checkpoints" / "latest" / "config.yaml"
+    config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: os:system"))
+    _one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
+                    "model.factory 'os:system': 'os' is a standard-library module")
+
+
 @pytest.mark.parametrize("flag,spec,fragments", [
     ("--model", "nosuchpkg_xyz.models:build", ["model.factory 'nosuchpkg_xyz.models:build'",
                                                "module 'nosuchpkg_xyz.models' not found", "current directory"]),
@@ -153,6 +178,7 @@ def test_model_alone_keeps_the_recipe_data(workdir):
                                             "did you mean 'build_model'"]),
     ("--model", f"{PKG}.task:answer", [f"model.factory '{PKG}.task:answer'", "'answer' is a int, not a function"]),
     ("--model", f"{PKG}.task:returns_dict", ["returned a dict, not a torch.nn.Module"]),
+    ("--model", "shutil:rmtree", ["model.factory 'shutil:rmtree': 'shutil' is a standard-library module"]),
     ("--model", "no colon here", ["config key 'model.factory'", "'module:attribute'", "'no colon here'"]),
     ("--data", f"{PKG}.task:returns_dict", [f"data.factory '{PKG}.task:returns_dict' returned a dict with key "
                                             "'weights'", "(train, val, test)"]),
@@ -187,6 +213,8 @@ def test_python_api_checkpoint_fails_with_the_exact_message(workdir, capsys, tmp
     message = (f"torchrig: error: checkpoint '{ckpt}': this checkpoint was saved from a model built in Python "
                f"({cls}); rebuild it in Python and use Trainer.evaluate, or train with --model pkg:fn")
     assert _one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "py")]) == message
+    resumed = _one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path / 'py'}", "--set", "resume=latest"])
+    assert resumed == message.replace("use Trainer.evaluate", "pass resume= to its Trainer")
     np.save(tmp_path / "x.npy", x.numpy())
     assert _one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "py"), "--input",
                                     str(tmp_path / "x.npy"), "--output", str(tmp_path / "p.csv")]) == message

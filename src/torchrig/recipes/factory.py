@@ -17,10 +17,11 @@ The specs are saved in the run's ``config.yaml`` as ``model.factory`` / ``data.f
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -42,6 +43,10 @@ def load_factory(spec: str, key: str) -> Callable:
     where = f"{key} '{spec}'"
     if not module_name or not attr:
         raise FactoryError(f"{where}: expected 'module:attribute', e.g. mypkg.models:build_model")
+    if module_name.partition(".")[0] in sys.stdlib_module_names:
+        # a spec read from a checkpoint's config.yaml must not reach os, subprocess, shutil …
+        raise FactoryError(f"{where}: '{module_name}' is a standard-library module; name a function of your own "
+                           f"(module:function) that builds from the config")
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)  # like `python -m`: modules beside you are found
@@ -129,3 +134,40 @@ def as_splits(value: Any, where: str) -> dict[str, Any]:
         if not _is_data(part):
             raise FactoryError(f"{where} returned a {type(part).__name__} as its '{name}' split; {expected}")
     return parts
+
+
+def python_built_message(path: Any, python_class: str, then: str = "use Trainer.evaluate") -> str:
+    """The one line for a checkpoint whose model was built in Python, not from its config."""
+    return (f"checkpoint '{path}': this checkpoint was saved from a model built in Python "
+            f"({python_class.replace(':', '.')}); rebuild it in Python and {then}, or train with --model pkg:fn")
+
+
+def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
+    """For ``train --set resume=…`` without ``--model`` / ``--data``: the factories (as overrides) and
+    the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt."""
+    if cfg.resume is None or cfg.model.factory or cfg.data.factory:
+        return [], None
+    import yaml
+
+    from ..checkpoint import CheckpointError, resolve
+
+    try:  # config.yaml alone (yaml.safe_load), not the optimizer state beside it
+        path = resolve(cfg.resume, cfg.run_dir)
+        saved = yaml.safe_load((path / "config.yaml").read_text()) if path is not None else None
+    except (CheckpointError, OSError, yaml.YAMLError, UnicodeDecodeError):
+        return [], None  # the resume itself reports what is wrong with the checkpoint
+    if not isinstance(saved, dict):
+        return [], None
+    model, data = saved.get("model") or {}, saved.get("data") or {}
+    if not (isinstance(model, dict) and isinstance(data, dict)):
+        return [], None
+    if model.get("python_class") and not model.get("factory"):
+        raise FactoryError(python_built_message(path, model["python_class"], "pass resume= to its Trainer"))
+    extra = []
+    for key, saved_section in (("model", model), ("data", data)):
+        if isinstance(saved_section.get("factory"), str):
+            extra.append(f"{key}.factory={saved_section['factory']}")
+            options = saved_section.get("options")
+            if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again
+                extra.append(f"{key}.options={json.dumps(options)}")
+    return extra, (saved.get("recipe") if extra else None)

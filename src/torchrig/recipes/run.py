@@ -24,8 +24,11 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
     probe = C.load_config(path, overrides)  # validates keys early and tells which recipe is asked for
     file_map = C.read_yaml(path) if path else {}
     named = recipe or "recipe" in file_map or any(o.partition("=")[0].strip() == "recipe" for o in overrides or [])
+    resumed, resumed_recipe = factory.resumed_run(probe)  # resume: the --model / --data the run was trained with
+    overrides = resumed + list(overrides or [])
     # your own data (--data) without a recipe named: the recipe with no data of its own
-    name = recipe or (probe.recipe if named or not probe.data.factory else "custom")
+    own_data = probe.data.factory or any(o.startswith("data.factory=") for o in resumed)
+    name = recipe or (probe.recipe if named else resumed_recipe or ("custom" if own_data else probe.recipe))
     base = _merge(get_recipe(name).defaults, {"recipe": name})
     cfg = C.load_config(None, overrides, base=_merge(base, file_map))
     cfg.recipe = name
@@ -137,9 +140,7 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
     if cfg.model.python_class and not cfg.model.factory:
-        shown = cfg.model.python_class.replace(":", ".")
-        raise CheckpointError(f"checkpoint '{path}': this checkpoint was saved from a model built in Python "
-                              f"({shown}); rebuild it in Python and use Trainer.evaluate, or train with --model pkg:fn")
+        raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
     cfg.model.weights = None
     model = factory.build_model(recipe, cfg)
