@@ -45,5 +45,7 @@ def test_every_python_block_runs(tmp_path, monkeypatch, capsys):
     assert namespace["probs"].shape == (64, 10)  # the Python API example predicted its new data
     torch.testing.assert_close(namespace["probs"].sum(1), torch.ones(64))
     assert (tmp_path / "runs" / "exp1" / "checkpoints" / "latest").exists()
-    model, data = namespace["build_model"](namespace["torchrig"].Config()), namespace["build_data"](None)
+    cfg = namespace["torchrig"].Config()
+    model, data = namespace["build_model"](cfg), namespace["build_data"](cfg)
     assert model(data[2][0]).shape == (100, 3)  # the command-line factories build what they promise
+    torch.testing.assert_close(namespace["build_data"](cfg)[2][0], data[2][0])  # the same data when rebuilt
