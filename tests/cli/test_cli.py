@@ -75,7 +75,7 @@ def test_train_yaml_file_and_overrides(tmp_path, capsys):
     (["train", "--set", "optim.lrr=1"], ["unknown config key 'optim.lrr'; did you mean 'lr'?"]),
     (["train", "--set", "epochs"], ["override 'epochs' is not KEY=VALUE"]),
     (["train", "missing.yaml"], ["config file 'missing.yaml' does not exist"]),
-    (["train", "--recipe", "digitz"], ["unknown recipe 'digitz'; did you mean 'digits'? Valid recipes: digits, "]),
+    (["train", "--recipe", "digitz"], ["unknown recipe 'digitz'; did you mean 'digits'? Valid recipes: custom, digits, "]),
     (["train", "--set", "optim.name=adamx", "--set", "epochs=1"],
      ["unknown optimizer 'adamx'; did you mean 'adam'? Valid names: sgd, adam, adamw, adagrad, rmsprop"]),
     (["train", "--set", "precision=fp16", "--set", "device=cpu"],

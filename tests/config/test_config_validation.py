@@ -96,6 +96,11 @@ BAD_VALUES = [
     ('model.channels_last=maybe', "true, false or 'auto', got 'maybe'"),
     ('model.activation_checkpointing=[1]', "a list of sub-module names, got [1]"),
     ('model.compile=maybe', "true or false, got 'maybe'"),
+    ('model.factory=mypkg.models', "a 'module:attribute' string such as mypkg.models:build_model or null, "
+                                   "got 'mypkg.models'"),
+    ('model.python_class=[1]', "a non-empty string or null, got [1]"),
+    ('data.factory=my-pkg:build', "a 'module:attribute' string such as mypkg.models:build_model or null, "
+                                  "got 'my-pkg:build'"),
     ("optim.name=''", "a non-empty string, got ''"),
     ('optim.lr=nan', "a finite number > 0, got 'nan'"),
     ('optim.weight_decay=-0.1', 'a finite number >= 0, got -0.1'),

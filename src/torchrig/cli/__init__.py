@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "embedded default job (a small CNN on the 8x8 digits).")
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
+    p.add_argument("--model", metavar="MODULE:FN", help="your model: FN(config) returns an nn.Module, imported from "
+                   "MODULE with the current directory on sys.path (config key model.factory)")
+    p.add_argument("--data", metavar="MODULE:FN", help="your data: FN(config) returns the training data, "
+                   "(train, val) or (train, val, test) (config key data.factory; recipe 'custom' unless one is named)")
     _set_arg(p)
     _add_common(p)
 
@@ -94,7 +98,8 @@ def _register_extra(sub) -> None:
 def cmd_train(args) -> int:
     from ..recipes.run import build_config, run_train
 
-    cfg = build_config(args.config, args.overrides, args.recipe)
+    factories = [f"{key}={spec}" for key, spec in (("model.factory", args.model), ("data.factory", args.data)) if spec]
+    cfg = build_config(args.config, args.overrides + factories, args.recipe)
     run_train(cfg)
     return 0
 

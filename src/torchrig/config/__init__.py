@@ -44,6 +44,7 @@ class DataConfig:
     options: dict = field(default_factory=dict)  # recipe-specific data options
     input_keys: Optional[list] = None  # dict batch keys passed to forward; None: those forward's signature accepts
     label_key: Optional[str] = None  # the target's key in dict batches; None: labels, label, target, targets or y
+    factory: Optional[str] = None  # "module:attr": build_data(cfg) -> train | (train, val[, test]) | dict
 
 
 @dataclass
@@ -55,6 +56,8 @@ class ModelConfig:
     channels_last: Union[bool, str] = "auto"  # "auto": on for convolutional models on CUDA
     compile: bool = False
     activation_checkpointing: list = field(default_factory=list)  # sub-module names recomputed in backward
+    factory: Optional[str] = None  # "module:attr": build_model(cfg) -> nn.Module (torchrig train --model)
+    python_class: Optional[str] = None  # "module:qualname" of a model given to Trainer in Python (not rebuildable)
 
 
 @dataclass
@@ -511,6 +514,8 @@ def _input_keys(v: Any) -> list:
 _BOOL = _Rule("true or false", lambda v: _accept(isinstance(v, bool), v))
 _TEXT = _Rule("a non-empty string", lambda v: _accept(isinstance(v, str) and v.strip() != "", v))
 _POSITIVE = _num(0, lo_open=True)
+_SPEC = _pattern("a 'module:attribute' string such as mypkg.models:build_model",
+                 r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 
 # Every key of the core sections, with the values it accepts. (Recipe sections bring their own checks.)
@@ -535,6 +540,7 @@ RULES: dict[str, _Rule] = {
     "data.fast_path": _BOOL, "data.path": _optional(_TEXT), "data.val_path": _optional(_TEXT),
     "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
+    "data.factory": _optional(_SPEC), "model.factory": _optional(_SPEC), "model.python_class": _optional(_TEXT),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
     "model.init": _optional(_TEXT), "model.compile": _BOOL,
     "model.channels_last": _or_auto(_BOOL, "true, false or 'auto'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..errors import suggest
 from .base import Recipe, RecipeError
+from .custom import CustomRecipe
 from .digits import DigitsRecipe
 from .image import ImageClassificationRecipe
 from .pix2pix import Pix2PixRecipe
@@ -15,6 +16,7 @@ _RECIPES: dict[str, type[Recipe]] = {
     "image-classification": ImageClassificationRecipe,
     "text-classification": TextClassificationRecipe,
     "pix2pix": Pix2PixRecipe,
+    "custom": CustomRecipe,
 }
 
 

@@ -218,27 +218,24 @@ class Pix2PixRecipe(Recipe):
         def step_fn(step, batch) -> dict:
             a, b = batch
             G, D = step.models["G"], step.models["D"]
-            d_plain = unwrap(D)
             state["epoch"] = step.epoch
             with step.autocast():
                 fake = G(a)
             # 1) D: real pairs -> 1, generated pairs -> 0 (G's output detached)
-            d_plain.requires_grad_(True)
             with step.autocast():
                 loss_d_fake = gan(D(torch.cat([a, fake.detach()], 1)), False)
                 loss_d_real = gan(D(torch.cat([a, b], 1)), True)
                 loss_d = 0.5 * (loss_d_fake + loss_d_real)
             step.backward(loss_d)
             step.optimizer_step("D")
-            # 2) G: fool D (frozen; called without its DDP wrapper, no gradient sync needed) + λ·L1
-            d_plain.requires_grad_(False)
-            with step.autocast():
+            # 2) G: fool D + λ·L1. D is frozen (G's backward leaves no gradient in D for D's next step)
+            #    and called without its DDP wrapper (no gradient of D to sync)
+            with step.frozen("D") as d_plain, step.autocast():
                 loss_g_gan = gan(d_plain(torch.cat([a, fake], 1)), True)
             l1 = F.l1_loss(fake.float(), b.float())
             loss_g = loss_g_gan.float() + lam * l1
             step.backward(loss_g)
             step.optimizer_step("G")
-            d_plain.requires_grad_(True)
             return {"loss_d": loss_d.detach(), "loss_g_gan": loss_g_gan.detach(), "l1": l1.detach(),
                     "loss_g": loss_g.detach()}
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from .. import config as C
 from ..errors import suggest
-from . import get_recipe
+from . import factory, get_recipe
 from .base import RecipeError
 
 
@@ -22,9 +22,14 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
                  recipe: Optional[str] = None) -> C.Config:
     """Defaults < the recipe's defaults < the YAML file < ``--set`` overrides (< ``--recipe``)."""
     probe = C.load_config(path, overrides)  # validates keys early and tells which recipe is asked for
-    name = recipe or probe.recipe
-    base = _merge(get_recipe(name).defaults, {"recipe": name})
     file_map = C.read_yaml(path) if path else {}
+    named = recipe or "recipe" in file_map or any(o.partition("=")[0].strip() == "recipe" for o in overrides or [])
+    resumed, resumed_recipe = factory.resumed_run(probe)  # resume: the --model / --data the run was trained with
+    overrides = resumed + list(overrides or [])
+    # your own data (--data) without a recipe named: the recipe with no data of its own
+    own_data = probe.data.factory or any(o.startswith("data.factory=") for o in resumed)
+    name = recipe or (probe.recipe if named else resumed_recipe or ("custom" if own_data else probe.recipe))
+    base = _merge(get_recipe(name).defaults, {"recipe": name})
     cfg = C.load_config(None, overrides, base=_merge(base, file_map))
     cfg.recipe = name
     return cfg
@@ -70,10 +75,11 @@ def _train(cfg: C.Config, out) -> dict:
 
     recipe = get_recipe(cfg.recipe)
     seed_everything(cfg.seed)  # the initial weights come from the seed too (every rank builds the same model)
-    model = recipe.build_model(cfg)
+    model = factory.build_model(recipe, cfg)
     prepare_model(model, cfg)
-    data = recipe.build_data(cfg)
+    data = factory.build_data(recipe, cfg)
     trainer = Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data))
+    trainer.config_builds_model = True  # the saved config.yaml rebuilds this model (evaluate, predict)
     try:
         run = trainer.open_run()  # locked and checked before the recipe writes its files there
         if trainer.is_main:
@@ -133,9 +139,11 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         key, _, raw = item.partition("=")
         C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
+    if cfg.model.python_class and not cfg.model.factory:
+        raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
     cfg.model.weights = None
-    model = recipe.build_model(cfg)
+    model = factory.build_model(recipe, cfg)
     load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
     return recipe, cfg, model, path
 
@@ -150,7 +158,7 @@ def _inference_trainer(recipe, cfg: C.Config, model, data: dict):
 
 def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[str]] = None) -> dict:
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
-    data = recipe.build_data(cfg)
+    data = factory.build_data(recipe, cfg)
     if split not in data or data[split] is None:
         raise RecipeError(f"recipe '{recipe.name}' has no '{split}' split; choose one of "
                           f"{', '.join(k for k, v in data.items() if v is not None)}")

@@ -326,6 +326,19 @@ class Step:
         return norm
 
     # -- conveniences --------------------------------------------------------------------------
+    def frozen(self, *models: Any):
+        """``with step.frozen("D") as D:`` — no gradient reaches these models' parameters in the block.
+
+        For a loss that goes through a network it must not train (a GAN's generator loss through D):
+        without it that backward leaves gradients in D which D's next optimizer step would add to its
+        own. Takes names of ``step.models`` or modules, and yields the plain module (a tuple for
+        several), without its DDP wrapper: call that one inside, since a DDP module whose parameters
+        get no gradient would wait for their all-reduce.
+        """
+        from .freeze import frozen
+
+        return frozen(self.models, models)
+
     def split(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, target)`` of a batch (a dict's target under ``data.label_key``)."""
         return split_batch(batch, self.io.label_key)

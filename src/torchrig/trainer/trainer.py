@@ -23,7 +23,7 @@ from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
 from ..checkpoint.rundir import RunDir
 from ..data import prefetch_to_device, prepare_train, to_device
 from ..metrics import Metric, get_metrics
-from . import build, inference, losses, outputs
+from . import build, inference, losses, outputs, provenance
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .logger import MetricsLogger
 from .options import resolve_options
@@ -52,6 +52,7 @@ class Trainer:
         self.cfg, self._objects = resolve_options(config, given, kwargs)
         self.model = model
         self.step_fn = step_fn or default_step
+        self.config_builds_model = False  # True when the config rebuilds `model` (the CLI); else its class is saved
         self.eval_fn, self.predict_fn = eval_fn, predict_fn
         self.callbacks = Callbacks(callbacks)
         self._run_callbacks = self.callbacks  # with early stopping and best-checkpoint tracking during fit
@@ -389,8 +390,8 @@ class Trainer:
                 + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
         meta = {"step": self.global_step, "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
                 "final": final, "torch": torch.__version__, "world_size": self.world_size, "precision": self.precision.name}
-        path = self.checkpoints.save(self.global_step, self._states(), config=C.to_dict(self.cfg), meta=meta,
-                                     metrics=metrics)
+        config = provenance.saved_config(self.cfg, self.model, self.config_builds_model)
+        path = self.checkpoints.save(self.global_step, self._states(), config=config, meta=meta, metrics=metrics)
         self._run_callbacks.call("on_save", self, path, metrics)
         return path
 

@@ -1,0 +1,173 @@
+"""Your own model and data on the command line: ``torchrig train --model pkg.module:build_model
+--data pkg.module:build_data``.
+
+A factory is named ``module:attribute`` (``attribute`` may be dotted, ``Class.method``) and imported
+with the current directory first on ``sys.path``, as ``python -m`` would. Both factories take the run's
+:class:`torchrig.Config` (``cfg.model.options`` / ``cfg.data.options`` carry their own keywords):
+
+- ``build_model(cfg)`` returns an ``nn.Module``;
+- ``build_data(cfg)`` returns the training data (a ``Dataset``, a ``DataLoader``, or a tuple of
+  tensors such as ``(x, y)``), or ``(train, val)``, or ``(train, val, test)`` (``val`` may be None),
+  or a dict with the keys ``train`` / ``val`` / ``test``.
+
+The specs are saved in the run's ``config.yaml`` as ``model.factory`` / ``data.factory``, so
+``torchrig evaluate`` and ``predict`` rebuild the same model (and data) from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import types
+from typing import Any, Callable, Optional
+
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .. import config as C
+from ..errors import suggest
+from .base import RecipeError
+
+SPLITS = ("train", "val", "test")
+
+
+class FactoryError(RecipeError):
+    """A ``--model`` / ``--data`` factory that cannot be imported, called, or returned the wrong thing."""
+
+
+def load_factory(spec: str, key: str) -> Callable:
+    """The callable named by ``spec`` (``module:attr``); ``key`` (``model.factory``) names it in errors."""
+    module_name, _, attr = spec.partition(":")
+    where = f"{key} '{spec}'"
+    if not module_name or not attr:
+        raise FactoryError(f"{where}: expected 'module:attribute', e.g. mypkg.models:build_model")
+    if module_name.partition(".")[0] in sys.stdlib_module_names:
+        # a spec read from a checkpoint's config.yaml must not reach os, subprocess, shutil …
+        raise FactoryError(f"{where}: '{module_name}' is a standard-library module; name a function of your own "
+                           f"(module:function) that builds from the config")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)  # like `python -m`: modules beside you are found
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise FactoryError(f"{where}: module '{module_name}' not found (searched the current directory "
+                               f"{here} and sys.path); run from the folder that holds it or install it") from None
+        raise FactoryError(f"{where}: importing module '{module_name}' failed: {exc}") from None
+    except Exception as exc:
+        raise FactoryError(f"{where}: importing module '{module_name}' raised {type(exc).__name__}: "
+                           f"{_first_line(exc)}") from None
+    obj: Any = module
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part) and isinstance(obj, types.ModuleType):
+            try:  # a submodule not imported by its package
+                importlib.import_module(f"{obj.__name__}.{part}")
+            except ImportError:
+                pass
+        if not hasattr(obj, part):
+            owner = module_name + "".join("." + p for p in attr.split(".")[:i])
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            raise FactoryError(f"{where}: '{owner}' has no attribute '{part}'{suggest(part, names)}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise FactoryError(f"{where}: '{attr}' is a {type(obj).__name__}, not a function; name a function "
+                           f"that takes the config")
+    return obj
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def build_model(recipe, cfg: C.Config) -> nn.Module:
+    """``model.factory(cfg)`` when the config names one, else the recipe's model."""
+    if not cfg.model.factory:
+        return recipe.build_model(cfg)
+    model = load_factory(cfg.model.factory, "model.factory")(cfg)
+    if not isinstance(model, nn.Module):
+        raise FactoryError(f"model.factory '{cfg.model.factory}' returned a {type(model).__name__}, "
+                           f"not a torch.nn.Module; return the model")
+    return model
+
+
+def build_data(recipe, cfg: C.Config) -> dict[str, Any]:
+    """``{"train", "val", "test"}`` from ``data.factory(cfg)`` when the config names one, else the recipe's."""
+    if not cfg.data.factory:
+        return recipe.build_data(cfg)
+    spec = cfg.data.factory
+    return as_splits(load_factory(spec, "data.factory")(cfg), f"data.factory '{spec}'")
+
+
+def _is_data(x: Any) -> bool:
+    if isinstance(x, (Dataset, DataLoader)):
+        return True
+    from torch import Tensor
+
+    return isinstance(x, Tensor) or (isinstance(x, (tuple, list)) and len(x) > 0
+                                      and all(isinstance(t, Tensor) for t in x))
+
+
+def as_splits(value: Any, where: str) -> dict[str, Any]:
+    """The data contract: one data set, ``(train, val[, test])``, or a dict of those splits."""
+    expected = ("expected the training data (a Dataset, a DataLoader or a tuple of tensors), "
+                "(train, val), (train, val, test), or a dict with 'train', 'val', 'test'")
+    if _is_data(value):  # a tuple of tensors is one data set, (x, y)
+        parts = {"train": value}
+    elif isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        parts = dict(zip(SPLITS, value))
+    elif isinstance(value, dict):
+        unknown = [k for k in value if k not in SPLITS]
+        if unknown:
+            raise FactoryError(f"{where} returned a dict with key '{unknown[0]}'; {expected}")
+        parts = dict(value)
+    else:
+        shown = f"a {len(value)}-item {type(value).__name__}" if isinstance(value, (tuple, list)) \
+            else f"a {type(value).__name__}"
+        raise FactoryError(f"{where} returned {shown}; {expected}")
+    for name, part in parts.items():
+        if part is None and name != "train":
+            continue
+        if not _is_data(part):
+            raise FactoryError(f"{where} returned a {type(part).__name__} as its '{name}' split; {expected}")
+    return parts
+
+
+def python_built_message(path: Any, python_class: str, then: str = "use Trainer.evaluate") -> str:
+    """The one line for a checkpoint whose model was built in Python, not from its config."""
+    return (f"checkpoint '{path}': this checkpoint was saved from a model built in Python "
+            f"({python_class.replace(':', '.')}); rebuild it in Python and {then}, or train with --model pkg:fn")
+
+
+def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
+    """For ``train --set resume=…`` without ``--model`` / ``--data``: the factories (as overrides) and
+    the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt."""
+    if cfg.resume is None or cfg.model.factory or cfg.data.factory:
+        return [], None
+    import yaml
+
+    from ..checkpoint import CheckpointError, resolve
+
+    try:  # config.yaml alone (yaml.safe_load), not the optimizer state beside it
+        path = resolve(cfg.resume, cfg.run_dir)
+        saved = yaml.safe_load((path / "config.yaml").read_text()) if path is not None else None
+    except (CheckpointError, OSError, yaml.YAMLError, UnicodeDecodeError):
+        return [], None  # the resume itself reports what is wrong with the checkpoint
+    if not isinstance(saved, dict):
+        return [], None
+    model, data = saved.get("model") or {}, saved.get("data") or {}
+    if not (isinstance(model, dict) and isinstance(data, dict)):
+        return [], None
+    if model.get("python_class") and not model.get("factory"):
+        raise FactoryError(python_built_message(path, model["python_class"], "pass resume= to its Trainer"))
+    extra = []
+    for key, saved_section in (("model", model), ("data", data)):
+        if isinstance(saved_section.get("factory"), str):
+            extra.append(f"{key}.factory={saved_section['factory']}")
+            options = saved_section.get("options")
+            if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again
+                extra.append(f"{key}.options={json.dumps(options)}")
+    return extra, (saved.get("recipe") if extra else None)
