@@ -92,7 +92,8 @@ def _train(cfg: C.Config, out) -> dict:
                                                           if (run / 'tensorboard').exists() else ""))
             plots = getattr(trainer, "plots", [])
             if plots:
-                out(f"plots:       {', '.join(str(p) for p in plots)}")
+                drawing = " (being drawn in the background)" if getattr(trainer, "plot_process", None) else ""
+                out(f"plots:       {', '.join(str(p) for p in plots)}{drawing}")
         return results
     finally:
         trainer.close()
