@@ -135,6 +135,9 @@ def plot_runs(run_dirs: list, out: Optional[str | Path] = None) -> Path:
         raise PlotError("plotting needs matplotlib, a torchrig dependency; pip install matplotlib")
     dirs = [Path(d) for d in run_dirs]
     runs = {_label(d, dirs): read_rows(d) for d in dirs}
+    for d, rows in zip(dirs, runs.values()):
+        if not series_of(rows):
+            raise PlotError(f"'{d / 'metrics.jsonl'}' holds no values to plot (only throughput and gradient norms)")
     if out is not None and str(out).endswith(".png"):
         path = Path(out)
     else:
@@ -149,10 +152,11 @@ def plot_runs(run_dirs: list, out: Optional[str | Path] = None) -> Path:
 
 
 def _label(d: Path, dirs: list[Path]) -> str:
-    """A run's name in legends: its folder, with the parent's when two runs share a folder name."""
+    """A run's name in legends: its folder, with the parent's for numbered runs (``digits/3``) and when
+    two runs share a folder name."""
     names = [x.resolve().name for x in dirs]
     r = d.resolve()
-    return f"{r.parent.name}/{r.name}" if names.count(r.name) > 1 else r.name
+    return f"{r.parent.name}/{r.name}" if names.count(r.name) > 1 or r.name.isdigit() else r.name
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -30,9 +30,12 @@ def fmt(v: Any) -> str:
 
 
 def short(v: Any) -> str:
-    """A value on a terminal: 4 significant digits (``0.4123``, ``2.5e-04``, ``1234``)."""
-    if isinstance(v, float):
-        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    """A value on a terminal: 4 decimals, fewer characters for large or tiny values (``0.4123``,
+    ``2.5e-04``, ``1234``)."""
+    if isinstance(v, float) and v != 0:
+        if abs(v) >= 1000:
+            return f"{v:.0f}"
+        return f"{v:.1e}" if abs(v) < 1e-3 else f"{v:.4f}"
     return str(v)
 
 
@@ -100,12 +103,14 @@ def _ordered(row: dict) -> list[str]:
 
 
 def epoch_summary(epoch: int, epochs: int, step: int, row: dict, columns: int) -> str:
-    """One terminal line of at most ``columns`` characters: the values that fit, most read first."""
+    """One terminal line of at most ``columns`` characters: the values that fit, most read first
+    (the first that does not fit ends the line, so no value is shown ahead of a more useful one)."""
     text = f"epoch {epoch}/{epochs}{SEP}step {step}"
     for k in _ordered(row):
         part = f"{SEP}{k} {short(row[k])}"
-        if len(text) + len(part) <= columns:
-            text += part
+        if len(text) + len(part) > columns:
+            break
+        text += part
     return text
 
 
