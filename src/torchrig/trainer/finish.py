@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from .plot import PLOT_FILE, plot_run_or_say
 
+_DRAW = "import sys; from torchrig.trainer.plot import draw_detached; sys.exit(draw_detached(sys.argv[1]))"
+
 
 def end_of_run(trainer: Any) -> tuple[list[Path], Optional[subprocess.Popen]]:
     """Print the run summary; start (or draw) the plot. Returns the PNG paths and the drawing process."""
@@ -44,13 +46,13 @@ def summary(trainer: Any) -> str:
 
 
 def plot_in_background(run_dir: Path) -> Optional[subprocess.Popen]:
-    """A detached ``python -m torchrig.trainer.plot RUN_DIR``; it writes ``plots/error.txt`` if it fails."""
+    """A detached Python process that draws the run's curves; it writes ``plots/error.txt`` if it fails."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])  # the torchrig this process runs, whatever the path
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")  # drawing needs no thread pool; leave the cores to the user
     try:
-        return subprocess.Popen([sys.executable, "-m", "torchrig.trainer.plot", str(run_dir)], env=env,
+        return subprocess.Popen([sys.executable, "-c", _DRAW, str(run_dir)], env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, close_fds=True)
     except OSError:

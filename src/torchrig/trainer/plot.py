@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -173,7 +172,7 @@ def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:
         return []
 
 
-def _main(run_dir: str) -> int:
+def draw_detached(run_dir: str) -> int:
     """The detached end-of-run drawing: a failure goes to ``plots/error.txt``, since no one reads stderr."""
     error = Path(run_dir) / "plots" / "error.txt"
     try:
@@ -185,6 +184,3 @@ def _main(run_dir: str) -> int:
         error.write_text(f"torchrig: no plots written ({exc}); draw them with: torchrig plot {run_dir}\n")
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1]))
