@@ -26,8 +26,10 @@ def end_of_run(trainer: Any) -> tuple[list[Path], Optional[subprocess.Popen]]:
     if not mode:
         return [], None
     if mode == "background":
-        return [Path(trainer.run_dir) / "plots" / PLOT_FILE], plot_in_background(trainer.run_dir)
-    return plot_run_or_say(trainer.run_dir, trainer.print), None
+        process = plot_in_background(trainer.run_dir)
+        if process is not None:
+            return [Path(trainer.run_dir) / "plots" / PLOT_FILE], process
+    return plot_run_or_say(trainer.run_dir, trainer.print), None  # log.plot=true, or no process could start
 
 
 def summary(trainer: Any) -> str:
