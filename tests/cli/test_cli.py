@@ -56,7 +56,7 @@ def test_train_output(tmp_path, capsys):
     assert out.startswith("test: loss ") and " accuracy " in out
     assert f"checkpoints: {run / 'checkpoints'} (latest -> step-00000003)" in out
     assert f"logs:        {run / 'metrics.jsonl'}" in out
-    assert "Epoch [1/1][1/" in err
+    assert "epoch 1/1 · step 1 · batch 1/" in err
 
 
 def test_train_yaml_file_and_overrides(tmp_path, capsys):
@@ -268,10 +268,10 @@ def test_predict_bad_input(trained, tmp_path, capsys, content, fragment):
 def test_plot_writes_pngs(trained, tmp_path, capsys):
     out = tmp_path / "plots"
     assert main(["plot", str(trained), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out.split()
-    assert {p.split("/")[-1] for p in printed} == {"loss.png", "lr.png", "metrics.png"}
-    for name in ("loss.png", "lr.png", "metrics.png"):
-        assert (out / name).read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().out.split() == [str(out / "curves.png")]
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["plot", str(trained), str(trained), "--out", str(tmp_path / "both.png")]) == 0  # overlaid
+    assert (tmp_path / "both.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_plot_bad_run_dirs(tmp_path, capsys):

@@ -129,7 +129,7 @@ BAD_VALUES = [
     ('log.every_steps=-1', 'an integer >= 0, got -1'),
     ('log.progress=fancy', "one of auto, bar, lines, none, got 'fancy'"),
     ('log.tensorboard=maybe', "true, false or 'auto', got 'maybe'"),
-    ('log.plot=maybe', "true or false, got 'maybe'"),
+    ('log.plot=maybe', "true, false or 'background', got 'maybe'"),
     ('dist.strategy=horovod', "one of auto, none, ddp, dp, fsdp, got 'horovod'"),
     ('dist.backend=nccl2', "a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl) or null, got 'nccl2'"),
     ('dist.init_method=localhost:29500', "a tcp://HOST:PORT, file:///PATH or env:// address or null, got 'localhost:29500'"),

@@ -225,21 +225,21 @@ def test_plain_progress_lines_when_not_a_terminal(make_trainer, data, capsys):
     trainer = make_trainer(progress="auto", log_every=2, epochs=2, metrics=["accuracy", "top3"])
     trainer.fit(data)
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("Epoch [")]
+    lines = [ln for ln in err.splitlines() if ln.startswith("epoch ") and "· batch " in ln]
     assert len(lines) == 5
-    assert re.match(r"^Epoch \[1/2\]\[2/5\]  train/loss \d+\.\d+  samples_per_s \d+  data_wait \S+  "
+    assert re.match(r"^epoch 1/2 · step 2 · batch 2/5  train/loss \d+\.\d+  samples_per_s \d+  data_wait \S+  "
                     r"train/accuracy \d\.\d+  train/top3 \d\.\d+  lr 0\.0500  grad_norm \S+$", lines[0]), lines[0]
-    assert lines[-1].startswith("Epoch [2/2][5/5]")
-    assert "epoch 2/2 · step 10 · train/loss" in err and "train/accuracy" in err
+    assert lines[-1].startswith("epoch 2/2 · step 10 · batch 5/5  ")
+    assert re.search(r"^epoch 2/2 · step 10 · epoch end  train/loss \S+  train/accuracy ", err, re.M), err
 
 
 def test_progress_bar_and_none(make_trainer, data, capsys):
     trainer = make_trainer(progress="bar", log_every=1)
     trainer.fit(data)
     err = capsys.readouterr().err
-    assert "epoch 1/1" in err and "Epoch [" not in err
+    assert "epoch 1/1 |" in err and not re.search(r"· batch \d+/5  ", err)
     make_trainer(progress="none", log_every=1, overwrite=True).fit(data)
-    assert "Epoch [" not in capsys.readouterr().err
+    assert not re.search(r"· batch \d+/5  ", capsys.readouterr().err)
 
 
 def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monkeypatch):
@@ -325,7 +325,8 @@ def test_public_api_example_works_as_written(tmp_path):
     assert isinstance(trainer.optimizers["default"], torch.optim.AdamW)
     assert (run / "checkpoints" / "latest" / "model.safetensors").exists()
     assert (run / "checkpoints" / "best").exists()
-    assert {p.name for p in (run / "plots").glob("*.png")} == {"loss.png", "lr.png", "metrics.png"}
+    assert trainer.plots == [run / "plots" / "curves.png"]  # drawn by a detached process (log.plot=background)
+    assert trainer.plot_process.wait(timeout=120) == 0 and trainer.plots[0].exists()
     # log.tensorboard=auto: event files exactly when TensorBoard is installed
     has_tensorboard = importlib.util.find_spec("tensorboard") is not None
     assert bool(list((run / "tensorboard").glob("events.out.tfevents.*"))) is has_tensorboard

@@ -64,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     _set_arg(p)
     _add_common(p)
 
-    p = sub.add_parser("plot", help="write loss / metric / lr curves of a run as PNG")
-    p.add_argument("run_dir", help="run directory holding metrics.jsonl")
-    p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+    p = sub.add_parser("plot", help="write the loss / metric / lr curves of a run (or several, overlaid) as PNG",
+                       description="One panel per metric family, train and validation together, lr on its own "
+                                   "panel. Several run directories are overlaid for comparison.")
+    p.add_argument("run_dir", nargs="+", help="run directory holding metrics.jsonl (several: overlay them)")
+    p.add_argument("--out", help="output .png file or folder (default RUN_DIR/plots/curves.png; several runs: "
+                                 "./compare.png)")
     _add_common(p)
 
     p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
@@ -127,10 +130,9 @@ def cmd_predict(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from ..trainer.plot import plot_run
+    from ..trainer.plot import plot_runs
 
-    for path in plot_run(args.run_dir, args.out):
-        print(path)
+    print(plot_runs(args.run_dir, args.out))
     return 0
 
 

@@ -102,7 +102,7 @@ class LogConfig:
     every_steps: int = 50  # progress lines / jsonl rows, in optimizer steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines, none
     tensorboard: Union[bool, str] = "auto"  # auto = when tensorboard is installed
-    plot: bool = True  # write PNG curves at the end of fit
+    plot: Union[bool, str] = "background"  # PNG curves after fit: background (a detached process), true, false
 
 
 @dataclass
@@ -559,7 +559,8 @@ RULES: dict[str, _Rule] = {
     "checkpoint.keep_best": _int(0), "checkpoint.monitor": _optional(_TEXT),
     "checkpoint.mode": _optional(_choice("min", "max")), "checkpoint.save_final": _BOOL,
     "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
-    "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"), "log.plot": _BOOL,
+    "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"),
+    "log.plot": _Rule("true, false or 'background'", lambda v: v if v == "background" else _BOOL.check(v)),
     "dist.strategy": _choice("auto", "none", "ddp", "dp", "fsdp"),
     "dist.backend": _optional(_pattern("a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl)",
                                        rf"{_BACKEND}(?:,{_BACKEND})*")),

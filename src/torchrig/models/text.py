@@ -143,7 +143,7 @@ class HFBertClassifier(nn.Module):
         try:
             from transformers import BertConfig, BertForSequenceClassification
         except ImportError:
-            raise ModelError("model 'hf_bert' needs the transformers package; pip install transformers "
+            raise ModelError("model 'hf_bert' needs the transformers package; pip install 'torchrig[text]' "
                              "(or use the built-in model 'bert')") from None
         config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                             num_attention_heads=heads, intermediate_size=intermediate or 4 * hidden,

@@ -144,7 +144,7 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
                 raise ModelError(f"torchvision model '{name}' does not accept options {sorted(options)} ({exc})") from None
         if source == "torchvision":
             if not tv:
-                raise ModelError(f"model 'torchvision:{name}' needs torchvision; pip install torchvision")
+                raise ModelError(f"model 'torchvision:{name}' needs torchvision; pip install 'torchrig[vision]'")
             raise ModelError(f"torchvision has no classification model '{name}'{suggest(name, tv)}")
     tm = timm_names()
     if name in tm:
@@ -153,7 +153,7 @@ def build_image_model(name: str, num_classes: int, in_channels: int = 3, options
         options.pop("pretrained", None)
         return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **options)
     if source == "timm":
-        raise ModelError(f"model 'timm:{name}' needs timm (pip install timm)" if not tm
+        raise ModelError(f"model 'timm:{name}' needs timm (pip install 'torchrig[timm]')" if not tm
                          else f"timm has no model '{name}'{suggest(name, tm)}")
     known = [n for n in sorted(builtins) if n not in NOT_IMAGE]
     listing = (f"Built-in: {', '.join(known)}; or any torchvision.models classification builder (resnet18, "

@@ -84,7 +84,7 @@ def _image_as_digit(path: Path) -> np.ndarray:
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise RecipeError("reading images needs Pillow; pip install pillow") from None
+        raise RecipeError("reading images needs Pillow; pip install 'torchrig[vision]'") from None
     try:
         with Image.open(path) as im:
             im = im.convert("L").resize((8, 8))

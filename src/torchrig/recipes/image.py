@@ -98,7 +98,7 @@ def build_transform(ic: ImageConfig, train: bool, normalize: bool = True):
         from torchvision.transforms import v2 as T
     except ImportError:
         raise RecipeError("recipe 'image-classification' needs torchvision for its transforms; "
-                          "pip install torchvision") from None
+                          "pip install 'torchrig[vision]'") from None
     ops: list = []
     if train and ic.random_resized_crop:
         if ic.resize:

@@ -94,11 +94,13 @@ def _train(cfg: C.Config, out) -> dict:
             out(f"test: {shown}" if results else "training finished")
             out(f"run dir:     {run}")
             out(f"checkpoints: {run / 'checkpoints'} (latest -> {_readlink(run / 'checkpoints' / 'latest')})")
-            out(f"logs:        {run / 'metrics.jsonl'}" + (f" · tensorboard: {run / 'tensorboard'}"
-                                                          if (run / 'tensorboard').exists() else ""))
+            out(f"logs:        {run / 'metrics.jsonl'}")
+            if (run / "tensorboard").exists():  # a line of its own: paths are never cut to fit a terminal
+                out(f"tensorboard: {run / 'tensorboard'}")
             plots = getattr(trainer, "plots", [])
             if plots:
-                out(f"plots:       {', '.join(str(p) for p in plots)}")
+                drawing = " (being drawn in the background)" if getattr(trainer, "plot_process", None) else ""
+                out(f"plots:       {', '.join(str(p) for p in plots)}{drawing}")
         return results
     finally:
         trainer.close()

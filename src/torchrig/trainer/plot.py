@@ -1,13 +1,26 @@
-"""``torchrig plot RUN_DIR``: loss, metric and learning-rate curves from metrics.jsonl as PNG files."""
+"""``torchrig plot RUN_DIR [RUN_DIR ...]``: the curves of ``metrics.jsonl`` as one PNG.
+
+One panel per metric family (``loss``, ``accuracy`` …) with its own y axis, log-scaled when its
+values span decades; train and validation share the family's panel; the learning rate has its own
+panel, last. Interval rows (every ``log.every_steps`` steps) and epoch rows (epoch means, validation)
+are separate series: a thin line for intervals, a line with markers for epochs. Several run
+directories are overlaid, one colour per run, to compare them.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from ..errors import TorchrigError
+
+PLOT_FILE = "curves.png"
+LOG_RATIO = 30.0  # max / min at or above which a panel uses a log y axis (about 1.5 decades)
+_NOT_PLOTTED = {"grad_norm", "samples_per_s", "data_wait", "skipped_steps", "epoch_time_s"}
 
 
 class PlotError(TorchrigError, RuntimeError):
@@ -21,7 +34,7 @@ def read_rows(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise PlotError(f"'{path}' does not exist; is '{run_dir}' a torchrig run directory?")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for line in path.read_text().splitlines():
         if not line.strip():
             continue
         try:
@@ -33,8 +46,125 @@ def read_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def family(key: str) -> Optional[str]:
+    """The panel of a logged key: ``train/loss`` and ``val/loss`` → ``loss``; ``lr/head`` → ``lr``."""
+    if key == "lr" or key.startswith("lr/"):
+        return "lr"
+    name = key.split("/", 1)[1] if key.startswith(("train/", "val/")) else key
+    return None if name.split("/")[-1] in _NOT_PLOTTED else name
+
+
+def series_of(rows: list[dict]) -> dict[str, dict[tuple[str, str], list]]:
+    """``{family: {(key, kind): [(step, value), ...]}}``; ``kind`` is "interval" or "epoch"."""
+    out: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        kind = row.get("kind") or ("interval" if "samples_per_s" in row else "epoch")
+        for k, v in row.items():
+            if k in ("step", "epoch", "kind") or not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            fam = family(k)
+            if fam is not None and math.isfinite(v):
+                out[fam][(k, kind)].append((row["step"], v))
+    return out
+
+
+def spans_decades(values: list[float]) -> bool:
+    return bool(values) and min(values) > 0 and max(values) / min(values) >= LOG_RATIO
+
+
+def _panel_order(families: set[str]) -> list[str]:
+    rest = sorted(f for f in families if f not in ("loss", "lr"))
+    return (["loss"] if "loss" in families else []) + rest + (["lr"] if "lr" in families else [])
+
+
+def _style(key: str, kind: str, run_index: int, runs: int) -> dict:
+    """Colour by split for one run, by run when comparing; epoch rows get markers, intervals a thin line."""
+    split = 1 if key.startswith("val/") else 0
+    colour = f"C{run_index if runs > 1 else split}"
+    if kind == "epoch":
+        return dict(color=colour, marker="o", markersize=3.5, linewidth=1.6, linestyle="--" if split else "-")
+    return dict(color=colour, linewidth=0.9, alpha=0.55)
+
+
+def build_figure(runs: dict[str, list[dict]]) -> Any:
+    """A matplotlib Figure of ``runs`` (``{label: rows}``): one panel per family, lr last."""
+    from matplotlib.figure import Figure
+
+    per_run = {label: series_of(rows) for label, rows in runs.items()}
+    families = _panel_order({f for s in per_run.values() for f in s})
+    if not families:
+        raise PlotError("metrics.jsonl holds no values to plot")
+    ncols = 1 if len(families) == 1 else 2
+    nrows = -(-len(families) // ncols)
+    fig = Figure(figsize=(6.4 * ncols, 3.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(families):]:
+        ax.set_visible(False)
+    for ax, fam in zip(axes, families):
+        _draw_panel(ax, fam, per_run)
+    fig.suptitle(" vs ".join(runs), fontsize=11)
+    return fig
+
+
+def _draw_panel(ax: Any, fam: str, per_run: dict) -> None:
+    values: list[float] = []
+    for i, (label, series) in enumerate(per_run.items()):
+        drawn = series.get(fam, {})
+        if fam == "lr" and any(kind == "interval" for _, kind in drawn):  # the epoch rows repeat it
+            drawn = {k: v for k, v in drawn.items() if k[1] == "interval"}
+        for (key, kind), points in sorted(drawn.items(), key=lambda kv: (kv[0][0].startswith("val/"),
+                                                                         kv[0][1] == "epoch", kv[0][0])):
+            xs, ys = zip(*points)
+            values += ys
+            name = f"{key} ({kind})"
+            ax.plot(xs, ys, label=f"{label}: {name}" if len(per_run) > 1 else name,
+                    **_style(key, kind, i, len(per_run)))
+    if spans_decades(values):
+        ax.set_yscale("log")
+    ax.set_title("learning rate" if fam == "lr" else fam, fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_runs(run_dirs: list, out: Optional[str | Path] = None) -> Path:
+    """Write the curves of one run (default ``RUN_DIR/plots/curves.png``) or the overlay of several
+    (default ``compare.png`` here); ``out`` is a ``.png`` file or a folder. Returns the PNG's path."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotError("plotting needs matplotlib, a torchrig dependency; pip install matplotlib")
+    dirs = [Path(d) for d in run_dirs]
+    runs = {_label(d, dirs): read_rows(d) for d in dirs}
+    for d, rows in zip(dirs, runs.values()):
+        if not series_of(rows):
+            raise PlotError(f"'{d / 'metrics.jsonl'}' holds no values to plot (only throughput and gradient norms)")
+    if out is not None and str(out).endswith(".png"):
+        path = Path(out)
+    else:
+        default_dir = dirs[0] / "plots" if len(dirs) == 1 else Path(".")
+        path = (Path(out) if out else default_dir) / (PLOT_FILE if len(dirs) == 1 else "compare.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = build_figure(runs)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)  # a reader never sees half a PNG
+    return path
+
+
+def _label(d: Path, dirs: list[Path]) -> str:
+    """A run's name in legends: its folder, with the parent's for numbered runs (``digits/3``) and when
+    two runs share a folder name."""
+    names = [x.resolve().name for x in dirs]
+    r = d.resolve()
+    return f"{r.parent.name}/{r.name}" if names.count(r.name) > 1 or r.name.isdigit() else r.name
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """The curves of one run as ``[path]`` (``RUN_DIR/plots/curves.png`` unless ``out_dir``)."""
+    return [plot_runs([run_dir], out_dir)]
+
+
 def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:
-    """The end-of-run plots; a failure is one line, never a failed run (plots are a convenience)."""
+    """The end-of-run plot; a failure is one line, never a failed run (plots are a convenience)."""
     try:
         return plot_run(run_dir)
     except Exception as exc:
@@ -42,50 +172,15 @@ def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:
         return []
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write ``loss.png``, ``metrics.png`` and ``lr.png`` (those with data) and return their paths."""
+def draw_detached(run_dir: str) -> int:
+    """The detached end-of-run drawing: a failure goes to ``plots/error.txt``, since no one reads stderr."""
+    error = Path(run_dir) / "plots" / "error.txt"
     try:
-        import matplotlib
-    except ImportError:
-        raise PlotError("plotting needs matplotlib; pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        plot_run(run_dir)
+        error.unlink(missing_ok=True)
+        return 0
+    except Exception as exc:
+        error.parent.mkdir(parents=True, exist_ok=True)
+        error.write_text(f"torchrig: no plots written ({exc}); draw them with: torchrig plot {run_dir}\n")
+        return 1
 
-    run_dir = Path(run_dir)
-    rows = read_rows(run_dir)
-    series: dict[str, list] = defaultdict(list)
-    for row in rows:
-        for k, v in row.items():
-            if k in ("step", "epoch") or not isinstance(v, (int, float)) or isinstance(v, bool):
-                continue
-            series[k].append((row["step"], v))
-    groups = {
-        "loss": sorted(k for k in series if k.endswith("loss")),
-        "lr": sorted(k for k in series if k == "lr" or k.startswith("lr/")),
-    }
-    skip = {"grad_norm", "samples_per_s", "data_wait", "skipped_steps", "epoch_time_s"}
-    groups["metrics"] = sorted(k for k in series if k not in groups["loss"] + groups["lr"]
-                               and k.split("/")[-1] not in skip)
-    out = Path(out_dir) if out_dir else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, keys in groups.items():
-        if not keys:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for k in keys:
-            xs, ys = zip(*series[k])
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=k)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(name)
-        if name == "lr":
-            ax.set_yscale("log") if all(y > 0 for k in keys for _, y in series[k]) else None
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.set_title(f"{run_dir.name}: {name}")
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written

@@ -14,16 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float) and abs(v) >= 100:
-        return f"{v:.0f}"
-    if isinstance(v, float):
-        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
-            return f"{v:.3e}"
-        return f"{v:.4f}"
-    return str(v)
+from . import terminal
 
 
 def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
@@ -50,6 +41,9 @@ class RunLogger:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self.started = time.perf_counter()  # for the end-of-run summary
+        self.start_step = start_step or 0
+        self.last_step = self.start_step
         if enabled and self.run_dir is not None:
             self._jsonl_path = self.run_dir / "metrics.jsonl"
             try:
@@ -71,12 +65,13 @@ class RunLogger:
                 except Exception:  # tensorboard not installed: "auto" means optional
                     if tensorboard is True or tensorboard == "true":
                         raise RuntimeError("log.tensorboard=true but tensorboard is not installed; "
-                                           "pip install tensorboard or set log.tensorboard=false") from None
+                                           "pip install 'torchrig[tensorboard]' or set log.tensorboard=false") from None
 
     # -- records -----------------------------------------------------------------------------
     def log(self, step: int, values: dict, epoch: Optional[int] = None, kind: Optional[str] = None) -> None:
         if not self.enabled:
             return
+        self.last_step = step
         row: dict[str, Any] = {"step": step}
         if epoch is not None:
             row["epoch"] = epoch
@@ -108,6 +103,8 @@ class RunLogger:
     def print(self, text: str) -> None:
         if not self.enabled:
             return
+        if self.mode == "bar":
+            text = terminal.fit_lines(text, terminal.width(self.stream))
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:
@@ -118,10 +115,15 @@ class RunLogger:
         self._epoch, self._epochs, self._total = epoch, epochs, total
         self._t0 = time.perf_counter()
         if self.mode == "bar":
-            from tqdm.auto import tqdm
+            from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", file=self.stream,
-                             dynamic_ncols=True, leave=True, unit="batch")
+            # A fixed width (the terminal's at the epoch's start) and a postfix cut to what is left
+            # keep the bar itself at least terminal.MIN_BAR cells wide.
+            desc = f"epoch {epoch + 1}/{epochs}"
+            self._columns = terminal.width(self.stream)
+            self._budget = terminal.bar_budget(desc, total, self._columns)
+            self._bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, ncols=self._columns,
+                             bar_format=terminal.BAR_FORMAT, leave=True, unit="batch")
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -130,11 +132,17 @@ class RunLogger:
     def progress(self, batch: int, values: dict) -> None:
         """Called at log steps with the running averages since the last log step."""
         if self.mode == "bar" and self._bar is not None:
-            self._bar.set_postfix({k: _fmt(v) for k, v in values.items()}, refresh=False)
+            self._bar.set_postfix_str(terminal.postfix(values, self._budget), refresh=False)
         elif self.mode == "lines":
-            parts = [f"Epoch [{self._epoch + 1}/{self._epochs}][{batch}/{self._total}]"]
-            parts += [f"{k} {_fmt(v)}" for k, v in values.items()]
-            print("  ".join(parts), file=self.stream, flush=True)
+            print(terminal.plain_line(self._epoch + 1, self._epochs, self.last_step, f"batch {batch}/{self._total}",
+                                      values), file=self.stream, flush=True)
+
+    def epoch_summary(self, epoch: int, epochs: int, step: int, row: dict) -> None:
+        """One line per epoch: on a terminal the values that fit its width, else every value."""
+        if self.mode == "bar":
+            self.print(terminal.epoch_summary(epoch, epochs, step, row, terminal.width(self.stream)))
+        else:
+            self.print(terminal.plain_line(epoch, epochs, step, "epoch end", row))
 
     def end_epoch(self) -> None:
         if self._bar is not None:

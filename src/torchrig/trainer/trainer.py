@@ -25,6 +25,7 @@ from ..data import prefetch_to_device, prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, provenance
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
+from .finish import end_of_run
 from .logger import MetricsLogger
 from .options import resolve_options
 from .progress import RunLogger
@@ -68,6 +69,7 @@ class Trainer:
         self.metrics_log: Optional[MetricsLogger] = None
         self.resumed_from: Optional[Path] = None
         self.plots: list = []
+        self.plot_process = None  # the end-of-run plot drawn in the background (log.plot=background)
         self._signals = runtime.StopSignal()
         self._owns_group = False
         self._run = RunDir()
@@ -260,13 +262,11 @@ class Trainer:
             self._stop_by_signal()
         if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.global_step:
             self._save(final=True)
-        if self.is_main and self.cfg.log.plot:
-            from .plot import plot_run_or_say
-
-            self.plots = plot_run_or_say(self.run_dir, self.print)
         if stopped == "early_stop":
             self.print(f"torchrig: early stop after epoch {self.epoch} ({self.monitor.name} did not improve "
                        f"for {self.cfg.early_stop_patience} epochs)")
+        if self.is_main:
+            self.plots, self.plot_process = end_of_run(self)
         self._run_callbacks.call("on_fit_end", self)
 
     def _run_epoch(self, plan: FitPlan, epoch: int, start: int) -> str:
@@ -345,8 +345,7 @@ class Trainer:
         self.state.epoch, self.state.batch_in_epoch = epoch + 1, 0
         self.history.append(dict(row, epoch=epoch + 1, step=self.global_step))
         self.metrics_log.log_epoch(self.global_step, epoch + 1, row)
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, float))
-        self.print(f"epoch {epoch + 1}/{cfg.epochs} · step {self.global_step} · {shown}")
+        self.metrics_log.out.epoch_summary(epoch + 1, cfg.epochs, self.global_step, row)
         self._run_callbacks.call("on_log", self, row, "epoch")
         if cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0:
             self._save(metrics=row)

@@ -46,7 +46,7 @@ def _pil():
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("reading images needs Pillow; pip install pillow") from None
+        raise DataError("reading images needs Pillow; pip install 'torchrig[vision]'") from None
     return Image
 
 

@@ -1,0 +1,69 @@
+"""The curves people read: a panel per metric family, interval and epoch rows as separate series,
+log scale where values span decades, lr on its own panel, several runs overlaid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchrig.trainer.plot import PlotError, build_figure, plot_runs
+
+pytest.importorskip("matplotlib")
+
+
+def _rows(scale: float = 1.0) -> list[dict]:
+    """Two epochs of 4 steps: interval rows every step, an epoch row (with validation) every 4 steps."""
+    rows = []
+    for step in range(1, 9):
+        rows.append({"step": step, "epoch": (step - 1) // 4 + 1, "kind": "interval", "train/loss": scale * 3 / step ** 2,
+                     "train/accuracy": step / 10, "samples_per_s": 900.0, "data_wait": 0.01, "grad_norm": 1.0,
+                     "lr": 0.1 * 0.5 ** step})
+        if step % 4 == 0:
+            rows.append({"step": step, "epoch": step // 4, "kind": "epoch", "train/loss": scale * 1.0 / step,
+                         "train/accuracy": step / 9, "val/loss": scale * 1.2 / step, "val/accuracy": step / 11,
+                         "lr": 0.1 * 0.5 ** step})
+    return rows
+
+
+def _panels(fig) -> dict:
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+
+
+def test_one_panel_per_family_with_separate_series():
+    panels = _panels(build_figure({"run": _rows()}))
+    assert list(panels) == ["loss", "accuracy", "learning rate"]  # lr last; throughput and grad norm left out
+    loss = {line.get_label(): line for line in panels["loss"].get_lines()}
+    assert set(loss) == {"train/loss (interval)", "train/loss (epoch)", "val/loss (epoch)"}
+    assert list(loss["train/loss (interval)"].get_xdata()) == list(range(1, 9))
+    assert list(loss["train/loss (epoch)"].get_xdata()) == [4, 8] == list(loss["val/loss (epoch)"].get_xdata())
+    assert loss["train/loss (epoch)"].get_marker() == "o" and loss["train/loss (interval)"].get_marker() == "None"
+    assert loss["val/loss (epoch)"].get_color() != loss["train/loss (epoch)"].get_color()  # train vs validation
+    assert [line.get_label() for line in panels["learning rate"].get_lines()] == ["lr (interval)"]
+
+
+def test_log_scale_only_where_values_span_decades():
+    panels = _panels(build_figure({"run": _rows()}))
+    assert panels["loss"].get_yscale() == "log"  # 3.0 .. 0.047
+    assert panels["learning rate"].get_yscale() == "log"  # 0.05 .. 0.0004
+    assert panels["accuracy"].get_yscale() == "linear"  # 0.1 .. 0.89
+
+
+def test_runs_overlaid_one_colour_each(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(scale)))
+    fig = build_figure({"a": _rows(1.0), "b": _rows(2.0)})
+    lines = {line.get_label(): line for line in _panels(fig)["loss"].get_lines()}
+    assert {"a: val/loss (epoch)", "b: val/loss (epoch)", "a: train/loss (interval)"} <= set(lines)
+    assert lines["a: val/loss (epoch)"].get_color() != lines["b: val/loss (epoch)"].get_color()
+    assert lines["a: val/loss (epoch)"].get_linestyle() == "--" != lines["a: train/loss (epoch)"].get_linestyle()
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png")
+    assert out == tmp_path / "cmp.png" and out.read_bytes().startswith(b"\x89PNG")
+    assert plot_runs([tmp_path / "a"]) == tmp_path / "a" / "plots" / "curves.png"
+
+
+def test_nothing_to_plot_is_one_clear_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "samples_per_s": 5.0}\n')
+    with pytest.raises(PlotError, match="holds no values to plot"):
+        plot_runs([tmp_path])
