@@ -42,6 +42,7 @@ class DataConfig:
     val_fraction: float = 0.0  # carve a validation split out of the training data
     skip_bad_samples: bool = False
     options: dict = field(default_factory=dict)  # recipe-specific data options
+    steps_per_epoch: Optional[int] = None  # optimizer steps per epoch for iterable data without a length
 
 
 @dataclass
@@ -516,6 +517,7 @@ RULES: dict[str, _Rule] = {
     "data.fast_path": _BOOL, "data.path": _optional(_TEXT), "data.val_path": _optional(_TEXT),
     "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
+    "data.steps_per_epoch": _optional(_int(1)),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
     "model.init": _optional(_TEXT), "model.channels_last": _BOOL, "model.compile": _BOOL,
     "optim.name": _TEXT, "optim.lr": _POSITIVE, "optim.weight_decay": _num(0),

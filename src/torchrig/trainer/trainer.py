@@ -119,7 +119,8 @@ class Trainer:
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
-                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last)))
+                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, steps_per_epoch=d.steps_per_epoch,
+                                             max_steps=self.cfg.max_steps, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
         c = self.cfg
@@ -169,7 +170,8 @@ class Trainer:
         return val_metrics
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
-        return FitPlan.for_data(prepare_train(train_data, **self._loader_kwargs()), self.cfg, val_data)
+        self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
+        return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
         self.schedulers, self.sched_interval, note = build.build_schedulers(
@@ -376,6 +378,7 @@ class Trainer:
             "window": self.metrics_log,
             "callbacks": self.callbacks,
             "rng": RNGState(),
+            "data": self._data,  # the training data's position where it can report one
         }
 
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
