@@ -1,12 +1,14 @@
 """One rank of the two-process iterable-data tests (started twice by tests/data/test_iterable.py).
 
-    python tests/data/iterable_worker.py OUT N_SAMPLES NUM_WORKERS sized|stream|resume
+    python tests/data/iterable_worker.py OUT
 
-``sized`` / ``stream``: trains 2 epochs on N_SAMPLES (x, y, id) samples read by NUM_WORKERS loader
-workers (a data set with ``__len__``, or one without and a nominal 100 steps per epoch). ``resume``:
-the same through torchdata's StatefulDataLoader over a data set that reports its position, trained
-once without a break and once stopped after step 2 and resumed. Writes ``OUT/rank-R.json``: the
-sample ids this rank trained on in each epoch of each run, the step counts and the final parameters.
+Every run trains 2 epochs on a stream of (x, y, id) samples read by 2 loader workers per rank:
+``even``: 40 samples, a data set with ``__len__``; ``uneven``: 35 samples, no length, a nominal 100
+steps per epoch; ``full`` / ``cut`` / ``resumed``: 40 samples through torchdata's StatefulDataLoader
+over a data set that reports its position, trained once without a break and once stopped after step 2
+and resumed. One process group serves them all (process start-up is the slow part). Writes
+``OUT/rank-R.json``: per run, the sample ids this rank trained on in each epoch, the step count and
+the final parameters.
 """
 
 from __future__ import annotations
@@ -92,22 +94,20 @@ def fit(out: Path, name: str, data, workers: int, **kw) -> dict:
 
 
 def main() -> None:
-    out, n, workers, mode = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    out, workers = Path(sys.argv[1]), 2
     rank = int(os.environ["TEST_RANK"])
     dist.init_process_group("gloo", init_method=os.environ["TEST_INIT"], rank=rank, world_size=2)
-    if mode == "resume":
-        from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-        def data():
-            return StatefulDataLoader(PositionStream(n), batch_size=4, num_workers=workers)
+    def data():
+        return StatefulDataLoader(PositionStream(40), batch_size=4, num_workers=workers, persistent_workers=True)
 
-        kw = {"data.steps_per_epoch": 4}
-        runs = {"full": fit(out, "full", data(), workers, **kw),
-                "cut": fit(out, "cut", data(), workers, callbacks=[StopAfterSave()], checkpoint_every=1, **kw),
-                "resumed": fit(out, "cut", data(), workers, resume="latest", **kw)}
-    else:
-        data = SizedStream(n) if mode == "sized" else Stream(n)
-        runs = {"fit": fit(out, "run", data, workers, **({} if mode == "sized" else {"data.steps_per_epoch": 100}))}
+    kw = {"data.steps_per_epoch": 4}
+    runs = {"even": fit(out, "even", SizedStream(40), workers),
+            "uneven": fit(out, "uneven", Stream(35), workers, **{"data.steps_per_epoch": 100}),
+            "full": fit(out, "full", data(), workers, **kw),
+            "cut": fit(out, "cut", data(), workers, callbacks=[StopAfterSave()], checkpoint_every=1, **kw),
+            "resumed": fit(out, "cut", data(), workers, resume="latest", **kw)}
     (out / f"rank-{rank}.json").write_text(json.dumps(runs))
     dist.destroy_process_group()
 

@@ -208,18 +208,21 @@ def test_plain_iterable_resume_replays_with_one_warning(tmp_path, capsys):
         assert torch.equal(a, b)
 
 
-def _two_ranks(out: Path, n: int, workers: int, mode: str, timeout: float = 60) -> list[dict]:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Both ranks' results of every run of ``iterable_worker.py`` (one launch serves the tests below)."""
     import subprocess
 
-    out.mkdir(parents=True, exist_ok=True)
+    pytest.importorskip("torchdata")
+    out = tmp_path_factory.mktemp("two_ranks")
     procs = []
     try:
         for rank in (0, 1):
             env = _env(dict(TEST_INIT=f"file://{out / 'store'}", TEST_RANK=rank, PYTHONPATH=":".join(sys.path)))
-            procs.append(subprocess.Popen([sys.executable, str(HERE / "iterable_worker.py"), str(out), str(n),
-                                           str(workers), mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "iterable_worker.py"), str(out)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        logs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:
             _kill_group(p)
@@ -228,33 +231,45 @@ def _two_ranks(out: Path, n: int, workers: int, mode: str, timeout: float = 60) 
     return [dict(json.loads((out / f"rank-{r}.json").read_text()), log=logs[r]) for r in (0, 1)]
 
 
-def test_two_ranks_two_workers_see_every_sample_once(tmp_path):
-    ranks = [r["fit"] for r in _two_ranks(tmp_path, n=40, workers=2, mode="sized")]
+def test_two_ranks_two_workers_see_every_sample_once(two_ranks):
+    ranks = [r["even"] for r in two_ranks]
     for epoch in ("0", "1"):
         ids = ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]
         assert sorted(ids) == list(range(40))
     assert ranks[0]["steps"] == ranks[1]["steps"] == 2 * 6  # 10 samples per (rank, worker): 4, 4, 2
 
 
-def test_uneven_shards_end_the_epoch_on_every_rank(tmp_path):
+def test_uneven_shards_end_the_epoch_on_every_rank(two_ranks):
     # No length, a long nominal epoch: rank 0 holds 9 + 9 samples (6 batches), rank 1 9 + 8 (5); the ranks
     # agree to end each epoch after 5 batches, when rank 1 runs out, and rank 0's last batch (1 sample) is unused.
-    ranks = _two_ranks(tmp_path, n=35, workers=2, mode="stream")
-    log = ranks[0]["log"]
-    ranks = [r["fit"] for r in ranks]
+    ranks = [r["uneven"] for r in two_ranks]
     assert ranks[0]["steps"] == ranks[1]["steps"] == 2 * 5
     for epoch in ("0", "1"):
         ids = ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]
         assert len(ids) == len(set(ids)) == 34
-    assert log.count("uneven shards") == 1
+    assert two_ranks[0]["log"].count("uneven shards") == 1
 
 
-def test_two_ranks_resume_from_stateful_loader_is_exact(tmp_path):
-    pytest.importorskip("torchdata")
-    for rank in _two_ranks(tmp_path, n=40, workers=2, mode="resume"):
+def test_two_ranks_resume_from_stateful_loader_is_exact(two_ranks):
+    for rank in two_ranks:
         full, cut, resumed = rank["full"], rank["cut"], rank["resumed"]
         assert cut["steps"] == 2 and resumed["steps"] == full["steps"] == 8
         assert cut["seen"]["0"] + resumed["seen"]["0"] == full["seen"]["0"]  # each rank's own position restored
         assert resumed["seen"]["1"] == full["seen"]["1"]
         assert resumed["params"] == full["params"]
         assert "re-reads" not in rank["log"]
+
+
+def test_partial_accumulation_window_at_stream_end_is_not_used(tmp_path, capsys):
+    # 5 batches per pass, windows of 2: the 5th batch is left over each epoch and must not leak into the next
+    stream = _trainer(tmp_path / "a", accumulate=2, **{"data.steps_per_epoch": 10})
+    stream.fit(Stream(40, sized=False))
+    out = capsys.readouterr().out
+    assert out.count("ended with 1 batch(es) left, fewer than one accumulation window (accumulate=2)") == 1
+    short = Stream(40)
+    short.x, short.y = short.x[:32], short.y[:32]  # the same first 4 batches, a length that ends on a window
+    exact = _trainer(tmp_path / "b", accumulate=2)
+    exact.fit(short)
+    assert stream.global_step == exact.global_step == 4
+    for a, b in zip(stream.model.parameters(), exact.model.parameters()):
+        assert torch.equal(a, b)

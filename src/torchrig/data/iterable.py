@@ -8,9 +8,10 @@ instead of :class:`ResumableSampler`:
   (k = processes × workers), so each sample is used once per epoch in all. A Hugging Face
   ``IterableDataset`` is split with ``datasets.distributed.split_dataset_by_node``, which also
   spreads its shards over the DataLoader workers.
-* **equal steps** – ranks agree before each micro-batch that every rank still has one (one tiny
-  all-reduce); when any rank runs out, the epoch ends on all of them, so DDP never waits for a rank
-  that has nothing left. With uneven shards the other ranks' last batches are not used that epoch.
+* **equal steps** – ranks agree before each accumulation window that every rank still has a whole
+  one (one tiny all-reduce per window); when any rank runs out, the epoch ends on all of them, so DDP
+  never waits for a rank that has nothing left. With uneven shards the other ranks' last batches are
+  not used that epoch, nor is a partial window at the end of a stream.
 * **position** – when the data set can report its position (``state_dict`` / ``load_state_dict``,
   as a Hugging Face ``IterableDataset`` does) and torchdata is installed, batches come from torchdata's
   ``StatefulDataLoader``, whose state (every worker's position) is saved in each checkpoint; a
@@ -22,6 +23,7 @@ instead of :class:`ResumableSampler`:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -158,8 +160,8 @@ class IterableBatches:
     """
 
     def __init__(self, loader: DataLoader, length: int, stateful: bool, *, rank: int, world_size: int,
-                 device: torch.device, seed: int):
-        self.loader, self.length, self.stateful = loader, length, stateful
+                 device: torch.device, seed: int, accumulate: int = 1):
+        self.loader, self.length, self.stateful, self.accumulate = loader, length, stateful, max(1, accumulate)
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
         self.batch_size = loader.batch_size or 1
         self.say: Callable[[str], None] = _rank0_print
@@ -205,22 +207,29 @@ class IterableBatches:
         return ds.dataset if isinstance(ds, ShardedIterable) else ds
 
     def _agreed(self, it: Iterator[Any]) -> Iterator[Any]:
-        """``it``'s batches while every rank still has one (one all-reduce of two numbers per batch)."""
-        while True:
-            batch = next(it, _END)
+        """``it``'s batches, one accumulation window at a time, while every rank still has a whole window
+        (one all-reduce of two numbers per window); a partial window at the end of the stream is not used."""
+        A = self.accumulate
+        while self.consumed < self.length:
+            want = min(A - self.consumed % A, self.length - self.consumed)
+            window = list(itertools.islice(it, want))
+            full = float(len(window) == want)
+            lacking, having = 1.0 - full, full
             if self.world_size > 1:
-                has = float(batch is not _END)
-                flags = runtime.all_reduce_max(torch.tensor([1.0 - has, has], device=self.device)).tolist()
-                if flags[0] and flags[1]:
-                    self._note("uneven", f"torchrig: epoch {self.epoch + 1} ended after {self.consumed} batches on "
-                                         f"every process because one process's share of the training data ran out; "
-                                         f"the others' remaining samples were not used (uneven shards)")
-                if flags[0]:
-                    return
-            elif batch is _END:
+                flags = runtime.all_reduce_max(torch.tensor([lacking, having], device=self.device)).tolist()
+                lacking, having = flags
+            if lacking and having:
+                self._note("uneven", f"torchrig: epoch {self.epoch + 1} ended after {self.consumed} batches on "
+                                     f"every process because one process's share of the training data ran out; "
+                                     f"the others' remaining samples were not used (uneven shards)")
+            elif lacking and window:
+                self._note("tail", f"torchrig: epoch {self.epoch + 1} ended with {len(window)} batch(es) left, "
+                                   f"fewer than one accumulation window (accumulate={A}); they were not used")
+            if lacking:
                 return
-            self.consumed += 1
-            yield batch
+            for batch in window:
+                self.consumed += 1
+                yield batch
 
     def _note(self, kind: str, text: str) -> None:
         if kind not in self._said:
@@ -265,4 +274,5 @@ def build_iterable(data: Any, *, batch_size: int, seed: int, rank: int, world_si
     g.manual_seed(seed)
     loader = cls(shard(source, rank, world_size), generator=g, **opts)
     length = epoch_length(source, loader, world_size, steps_per_epoch, max_steps, accumulate)
-    return IterableBatches(loader, length, stateful, rank=rank, world_size=world_size, device=device, seed=seed)
+    return IterableBatches(loader, length, stateful, rank=rank, world_size=world_size, device=device, seed=seed,
+                           accumulate=accumulate)
