@@ -86,6 +86,7 @@ BAD_VALUES = [
     ('data.val_fraction=1.5', 'a number in [0, 1), got 1.5'),
     ('data.skip_bad_samples=maybe', "true or false, got 'maybe'"),
     ('data.options=3', 'a mapping, got 3'),
+    ('data.steps_per_epoch=0', 'an integer >= 1 or null, got 0'),
     ("model.name=''", "a non-empty string, got ''"),
     ('model.options=[1]', 'a mapping, got [1]'),
     ("model.weights=''", "a non-empty string or null, got ''"),

@@ -97,15 +97,17 @@ def test_iterable_dataset_trains_every_sample_once_per_epoch(tmp_path, workers, 
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
-def test_epoch_length_from_steps_per_epoch_or_max_steps(tmp_path):
+def test_epoch_length_from_steps_per_epoch_or_max_steps(tmp_path, capsys):
     with pytest.raises(DataError, match=r"data\.steps_per_epoch .* or max_steps"):
         _trainer(tmp_path / "a").fit(Stream(40, sized=False))
     trainer = _trainer(tmp_path / "b", **{"data.steps_per_epoch": 3})
     trainer.fit(Stream(40, sized=False))
     assert trainer.global_step == 6 and trainer.history[-1]["epoch"] == 2
     trainer = _trainer(tmp_path / "c", max_steps=7, epochs=3)
+    capsys.readouterr()
     trainer.fit(Stream(40, sized=False))  # 5 batches per pass: the stream is read again until step 7
     assert trainer.global_step == 7
+    assert capsys.readouterr().out.count("the training data ran out after 5 of the 7 batches of epoch 1") == 1
     with pytest.raises(torchrig.config.ConfigError, match="data.steps_per_epoch"):
         _trainer(tmp_path / "d", **{"data.steps_per_epoch": 0})
 

@@ -24,6 +24,7 @@ instead of :class:`ResumableSampler`:
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -225,6 +226,9 @@ class IterableBatches:
             elif lacking and window:
                 self._note("tail", f"torchrig: epoch {self.epoch + 1} ended with {len(window)} batch(es) left, "
                                    f"fewer than one accumulation window (accumulate={A}); they were not used")
+            elif lacking:
+                self._note("short", f"torchrig: the training data ran out after {self.consumed} of the "
+                                    f"{self.length} batches of epoch {self.epoch + 1}; the epoch ends there")
             if lacking:
                 return
             for batch in window:
@@ -272,7 +276,9 @@ def build_iterable(data: Any, *, batch_size: int, seed: int, rank: int, world_si
     cls = StatefulDataLoader if stateful else DataLoader
     g = torch.Generator()
     g.manual_seed(seed)
-    loader = cls(shard(source, rank, world_size), generator=g, **opts)
+    with warnings.catch_warnings():  # torchdata's constructor calls torch.set_vital, deprecated in torch
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = cls(shard(source, rank, world_size), generator=g, **opts)
     length = epoch_length(source, loader, world_size, steps_per_epoch, max_steps, accumulate)
     return IterableBatches(loader, length, stateful, rank=rank, world_size=world_size, device=device, seed=seed,
                            accumulate=accumulate)
