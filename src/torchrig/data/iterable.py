@@ -195,9 +195,12 @@ class IterableBatches:
             self.loader.load_state_dict(saved["loader"])
         it = iter(self.loader)
         if skip and not exact:
+            source = self._source()
+            why = ("torchdata is not installed (pip install torchdata)" if is_stateful(source) else
+                   f"the training data {type(source).__name__} cannot report its position (give it "
+                   f"state_dict/load_state_dict to resume without this)")
             self._note("replay", f"torchrig: resuming in epoch {self.epoch + 1} re-reads the {skip} batches already "
-                                 f"used: the training data {type(self._source()).__name__} cannot report its position "
-                                 f"(give it state_dict/load_state_dict and install torchdata to resume without this)")
+                                 f"used: {why}")
             for _ in range(skip):
                 next(it, None)
         self.consumed = skip
