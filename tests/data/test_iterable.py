@@ -64,7 +64,10 @@ class PositionStream(Stream):
 
 def recorder(seen: dict):
     def step_fn(step, batch):
-        if isinstance(batch, dict):  # a Hugging Face row: {"x": ..., "labels": ...}
+        if isinstance(batch, dict):  # a Hugging Face row: {"x": ..., "labels": ..., maybe "id": ...}
+            batch = dict(batch)
+            if "id" in batch:
+                seen.setdefault(step.epoch, []).extend(batch.pop("id").tolist())
             return default_step(step, batch)
         x, y, ids = batch
         seen.setdefault(step.epoch, []).extend(ids.tolist())
@@ -145,6 +148,18 @@ def test_hugging_face_streaming_dataset_trains_and_resumes_exactly(tmp_path, cap
     assert "re-reads" not in capsys.readouterr().out  # the stream's own state_dict gave the position
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_hugging_face_stream_in_two_workers_gives_every_row_once_per_epoch(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    x, y = make_classification(n=40)
+    rows = {"x": x.tolist(), "labels": y.tolist(), "id": list(range(40))}
+    stream = datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=4)
+    seen: dict = {}
+    trainer = _trainer(tmp_path / "run", num_workers=2, step_fn=recorder(seen), **{"data.steps_per_epoch": 100})
+    trainer.fit(stream)
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(40))
+    assert trainer.global_step == 2 * 6  # 2 shards (20 rows) per worker: batches of 8, 8, 4
 
 
 class Interrupted(Exception):
