@@ -119,8 +119,8 @@ class Trainer:
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
-                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, steps_per_epoch=d.steps_per_epoch,
-                                             max_steps=self.cfg.max_steps, accumulate=self.cfg.accumulate)))
+                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, max_steps=self.cfg.max_steps,
+                                             steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
         c = self.cfg
