@@ -89,6 +89,7 @@ BAD_VALUES = [
     ("data.label_key=''", "a non-empty string or null, got ''"),
     ("output_key=-1", "an index >= 0 or a key name or null, got -1"),
     ('data.options=3', 'a mapping, got 3'),
+    ('data.steps_per_epoch=0', 'an integer >= 1 or null, got 0'),
     ("model.name=''", "a non-empty string, got ''"),
     ('model.options=[1]', 'a mapping, got [1]'),
     ("model.weights=''", "a non-empty string or null, got ''"),

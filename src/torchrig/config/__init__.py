@@ -45,6 +45,7 @@ class DataConfig:
     input_keys: Optional[list] = None  # dict batch keys passed to forward; None: those forward's signature accepts
     label_key: Optional[str] = None  # the target's key in dict batches; None: labels, label, target, targets or y
     factory: Optional[str] = None  # "module:attr": build_data(cfg) -> train | (train, val[, test]) | dict
+    steps_per_epoch: Optional[int] = None  # optimizer steps per epoch for iterable data without a length
 
 
 @dataclass
@@ -541,6 +542,7 @@ RULES: dict[str, _Rule] = {
     "data.test_path": _optional(_TEXT), "data.val_fraction": _num(0, 1, hi_open=True),
     "data.skip_bad_samples": _BOOL, "data.options": _mapping_of(None, "a mapping"),
     "data.factory": _optional(_SPEC), "model.factory": _optional(_SPEC), "model.python_class": _optional(_TEXT),
+    "data.steps_per_epoch": _optional(_int(1)),
     "model.name": _TEXT, "model.options": _mapping_of(None, "a mapping"), "model.weights": _optional(_TEXT),
     "model.init": _optional(_TEXT), "model.compile": _BOOL,
     "model.channels_last": _or_auto(_BOOL, "true, false or 'auto'"),

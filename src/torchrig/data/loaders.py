@@ -185,6 +185,12 @@ class Batches:
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)
 
+    def state_dict(self) -> dict:
+        return {}  # the position is the counters' (epoch, micro-batch) with the sampler's (seed, epoch) order
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def __iter__(self):
         it = iter(self.source)
         if self.sampler is None and self._skip_next:
@@ -210,13 +216,22 @@ def _as_dataset(data: Any) -> Dataset:
 def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, world_size: int,
            device: torch.device, num_workers: Any = "auto", pin_memory: Any = "auto",
            persistent_workers: bool = True, prefetch_factor: Optional[int] = None, shuffle: bool = True,
-           drop_last: bool = False, fast_path: bool = True, local_world_size: int = 1) -> Batches:
+           drop_last: bool = False, fast_path: bool = True, local_world_size: int = 1,
+           steps_per_epoch: Optional[int] = None, max_steps: Optional[int] = None, accumulate: int = 1) -> Any:
+    from .iterable import build_iterable, is_iterable_source, torch_format  # it builds on this module
+
     if isinstance(data, Batches):
         return data
-    if isinstance(data, DataLoader):
-        return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, fast_path=fast_path)
     workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
     pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
+    if train and is_iterable_source(data):
+        return build_iterable(data, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
+                              device=device, num_workers=workers, pin=pin, drop_last=drop_last,
+                              persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                              steps_per_epoch=steps_per_epoch, max_steps=max_steps, accumulate=accumulate)
+    if isinstance(data, DataLoader):
+        return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, fast_path=fast_path)
+    data = torch_format(data)
     options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin, drop_last=drop_last and train,
                    persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     return _resumable(_as_dataset(data), options, train=train, shuffle=shuffle and train, seed=seed, rank=rank,

@@ -5,7 +5,7 @@ wrapping); ``fit`` runs named phases: prepare the data, build the schedules, set
 step, callbacks, checkpoints, logs), restore a checkpoint, loop over epochs, finish. ``_run_epoch``
 is the loop: fetch a batch, run the step function, and at the end of each accumulation window let
 the step count the optimizer step, then log and maybe checkpoint. The step itself is
-``step.default_step``; a checkpoint is the ``{name: Stateful}`` mapping of ``_states``.
+``step.default_step``; a checkpoint is the ``{name: Stateful}`` mapping of ``saving.states``.
 """
 
 from __future__ import annotations
@@ -14,23 +14,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
 from .. import config as C
 from .. import runtime
-from ..checkpoint import CheckpointManager, find_checkpoint, load_weights_only
+from ..checkpoint import CheckpointManager
 from ..checkpoint.rundir import RunDir
 from ..data import prefetch_to_device, prepare_train, to_device
 from ..metrics import Metric, get_metrics
-from . import build, inference, losses, outputs, provenance
+from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .finish import end_of_run
 from .logger import MetricsLogger
 from .options import resolve_options
 from .progress import RunLogger
-from .state import FitPlan, Group, MetricStates, RNGState, ScalerState, TrainState
-from .step import NonFiniteLossError, Step, batch_size_of, default_step, finite_parameters
+from .state import FitPlan, MetricStates, TrainState
+from .step import Step, batch_size_of, default_step
 
 
 class Trainer:
@@ -122,7 +121,8 @@ class Trainer:
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
-                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last)))
+                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, max_steps=self.cfg.max_steps,
+                                             steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
         c = self.cfg
@@ -172,7 +172,8 @@ class Trainer:
         return val_metrics
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
-        return FitPlan.for_data(prepare_train(train_data, **self._loader_kwargs()), self.cfg, val_data)
+        self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
+        return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
         self.schedulers, self.sched_interval, note = build.build_schedulers(
@@ -362,57 +363,15 @@ class Trainer:
             self.print(runtime.requeue_slurm_job() or "torchrig: dist.requeue=true but SLURM_JOB_ID is not set")
         raise stop
 
-    # ------------------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------------------ checkpoints (saving.py)
     def _states(self) -> dict[str, Any]:
-        """Everything a checkpoint holds, as Stateful objects (the model and optimizers first)."""
-        return {
-            "model": runtime.unwrap(self.model),
-            "optimizers": self.optimizers,
-            "schedulers": Group(self.schedulers),
-            "scaler": ScalerState(self.precision.scaler),
-            "counters": self.state,
-            "tracker": self.early_stopping,
-            "train_metrics": MetricStates(self.train_metrics, self.rank, self.world_size),
-            "window": self.metrics_log,
-            "callbacks": self.callbacks,
-            "rng": RNGState(),
-        }
+        return saving.states(self)
 
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
-        """A checkpoint of this instant (collective: every rank calls it)."""
-        self.step is not None and self.step.settle()  # non-finite steps skipped on the device: count or raise
-        if not finite_parameters(runtime.unwrap(self.model), self.device):
-            last = self.checkpoints.last_step
-            raise NonFiniteLossError(
-                f"the model's parameters hold NaN or inf at step {self.global_step}; no checkpoint was written"
-                + (f" (the last one, step {last}, is intact)" if last is not None else "")
-                + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
-        meta = {"step": self.global_step, "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
-                "final": final, "torch": torch.__version__, "world_size": self.world_size, "precision": self.precision.name}
-        config = provenance.saved_config(self.cfg, self.model, self.config_builds_model)
-        path = self.checkpoints.save(self.global_step, self._states(), config=config, meta=meta, metrics=metrics)
-        self._run_callbacks.call("on_save", self, path, metrics)
-        return path
+        return saving.save(self, metrics, final)
 
     def _resume(self, spec: str) -> tuple[int, int]:
-        """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
-        path = find_checkpoint(spec, self.run_dir)
-        if path is None:  # resume="latest" with nothing saved yet: a fresh start, said once
-            self.print(f"torchrig: resume={spec}: {self.run_dir} holds no checkpoint yet; training starts at step 0")
-            return 0, 0
-        if self.cfg.resume_weights_only:
-            load_weights_only(runtime.unwrap(self.model), path, sharded=self.strategy == "fsdp")
-            self.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
-                       f"(resume_weights_only=true)")
-            return 0, 0
-        self.checkpoints.load(path, self._states(), print_fn=self.print)
-        for opt in self.optimizers.values():
-            opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-        self.resumed_from = path
-        epoch, batch, note = self.state.resume_at(self.world_size)
-        if note:
-            self.print(note)
-        return epoch, batch
+        return saving.resume(self, spec)
 
     # ------------------------------------------------------------------------------ evaluate / predict
     @runtime.explain_collective_errors
