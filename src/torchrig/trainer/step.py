@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import runtime
 from ..errors import TorchrigError
+from . import normalize
 from .state import TrainState
 
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
@@ -132,7 +133,8 @@ class Step:
                  precision: Any, device: torch.device, clip_grad_norm: Optional[float] = None,
                  clip_norm_type: float = 2.0, clip_grad_value: Optional[float] = None,
                  on_nonfinite: str = "error", metrics: Optional[list] = None, state: Optional[TrainState] = None,
-                 schedulers: Optional[dict] = None, scheduler_interval: str = "step"):
+                 schedulers: Optional[dict] = None, scheduler_interval: str = "step",
+                 loss_normalization: str = "auto", grad_ranks: int = 1, count_unit: float = 1.0):
         self.model = model              # what to call (DDP / FSDP wrapped); the user's module otherwise
         self.models = models            # name -> wrapped sub-model, for nn.ModuleDict models (GANs)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
@@ -147,6 +149,17 @@ class Step:
         self.state = state if state is not None else TrainState()
         self.schedulers = schedulers or {}
         self.per_step_schedulers = list(self.schedulers.values()) if scheduler_interval == "step" else []
+        # loss normalisation (see trainer/normalize.py)
+        self.loss_normalization = loss_normalization
+        self.grad_ranks = grad_ranks    # ranks whose gradients DDP / FSDP2 average
+        self.count_unit = count_unit    # a fixed scale (per-rank batch size): loss × count / unit stays near loss
+        self.shift_labels = normalize.shifts_labels(model)
+        self.batch: Any = None          # the current micro-batch, set by the loop
+        self.weight = 1                 # 0 for a rank's filler micro-batch (its loss counts nothing)
+        self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
+        self._window_count: normalize.Count = 0
+        self._counted = False
+        self._factor: Any = None
         # where the loop is
         self.epoch = 0
         self.batch_index = 0           # micro-batch index in the epoch
@@ -169,6 +182,7 @@ class Step:
     def begin_window(self, size: int) -> None:
         """Before the first of the ``size`` micro-batches of one optimizer step."""
         self.window_size = size
+        self._window_count, self._factor = 0, None
         self._nonfinite = None
         self.grad_norm = None
         self.stepped = False
@@ -191,6 +205,29 @@ class Step:
             sch.step()
         return True
 
+    def set_batch(self, batch: Any, weight: int = 1) -> None:
+        """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing)."""
+        self.batch, self.weight = batch, weight
+        self.count, self._counted = 0, False
+
+    def count_of(self, target: Any = None) -> normalize.Count:
+        """Items (samples or valid tokens, as ``loss_normalization`` says) of the current micro-batch's
+        ``target`` (its own target when None); a device tensor for tokens, so nothing waits."""
+        if target is None:
+            target = split_batch(self.batch)[1]
+        mode = self.loss_normalization
+        if mode == "micro_batches":
+            return 1
+        return normalize.count_items(mode, target, batch_size_of(self.batch), self.shift_labels)
+
+    @property
+    def log_weight(self) -> normalize.Count:
+        """How much the current micro-batch's logged values weigh: its count (the samples of the batch when
+        the step function did not call :meth:`backward`), or 1 per micro-batch with ``micro_batches``."""
+        if self.loss_normalization == "micro_batches":
+            return self.weight
+        return self.count if self._counted else batch_size_of(self.batch) * self.weight
+
     # -- the primitives ----------------------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -199,8 +236,12 @@ class Step:
     def autocast(self):
         return self.precision.autocast()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of ``loss`` divided by the window size (and scaled for fp16)."""
+    def backward(self, loss: torch.Tensor, count: Optional[normalize.Count] = None, *,
+                 retain_graph: bool = False) -> None:
+        """Backward of ``loss``, a mean over ``count`` items (samples or valid tokens; by default those of
+        the current micro-batch, see :meth:`count_of`), weighted so that the optimizer step sees the mean
+        over the whole global batch (and scaled for fp16). The first backward of a micro-batch adds its
+        count to the window; further ones (a GAN's second loss) reuse the batch's count."""
         if loss.is_cpu and loss.numel() == 1:
             # On CPU reading the scalar is one cheap call; torch.isfinite would be five tensor ops.
             if not math.isfinite(loss.item()):
@@ -208,10 +249,31 @@ class Step:
         else:  # on an accelerator the flag stays on the device: no sync before the optimizer step
             finite = torch.isfinite(loss.detach())
             self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
-        scaled = loss / self.window_size if self.window_size > 1 else loss
+        scaled = self._weighted(loss, count)
         if self.precision.scaler is not None:
             scaled = self.precision.scaler.scale(scaled)
         scaled.backward(retain_graph=retain_graph)
+
+    def _weighted(self, loss: torch.Tensor, count: Optional[normalize.Count]) -> torch.Tensor:
+        if self.loss_normalization == "micro_batches":
+            if self.weight == 0:
+                return loss * 0.0
+            return loss / self.window_size if self.window_size > 1 else loss
+        if count is None:
+            count = self.count if self._counted else self.count_of()
+        count = count * self.weight
+        if not self._counted:
+            self.count, self._counted = count, True
+            self._window_count = self._window_count + count
+        return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
+
+    def _window_factor(self) -> Any:
+        """What turns the window's summed gradients into the global-batch mean; one all-reduce of the
+        count per window, made by every rank before any may reject the window (no rank left waiting)."""
+        if self._factor is None and self.loss_normalization != "micro_batches":
+            self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
+                                                   self.device)
+        return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
         """At the end of a window: unscale, check, clip, step, zero_grad. Returns whether a step was taken.
@@ -225,9 +287,12 @@ class Step:
             return False
         opt = self.optimizers[name] if name is not None else self.optimizer
         scaler = self.precision.scaler
+        factor = self._window_factor()
         if self._nonfinite is not None and bool(self._nonfinite):
             return self._reject(opt, "loss is not finite")
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
+            normalize.scale_gradients([p.grad for p in params], factor)
         if scaler is not None:
             if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
                 scaler.unscale_(opt)
@@ -274,7 +339,7 @@ class Step:
         return call_model(model or self.model, inputs)
 
     def update_metrics(self, output: Any, target: Any) -> None:
-        if target is None:
+        if target is None or not self.metrics or self.weight == 0:
             return
         out = output.detach()
         if out.is_floating_point() and out.dtype != torch.float32:
@@ -297,7 +362,7 @@ def default_step(step: Step, batch: Any) -> dict:
     with step.autocast():
         output = call_model(step.model, inputs)
         loss = step.loss_fn(output, target)
-    step.backward(loss)
+    step.backward(loss, step.count_of(target))
     step.optimizer_step()
     step.update_metrics(output, target)
     return {"loss": loss.detach()}
