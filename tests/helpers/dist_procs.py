@@ -70,9 +70,9 @@ def free_port() -> int:
 
 
 def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
-         init: Optional[str] = None) -> list[Result]:
-    """Two worker processes joined through an explicit init method (``file://STORE`` unless ``init``
-    gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun involved."""
+         init: Optional[str] = None, worker: Path = WORKER) -> list[Result]:
+    """Two worker processes (``worker SCENARIO OUT``, by default dist_worker.py) joined through an explicit
+    init method (``file://STORE`` unless ``init`` gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun."""
     out.mkdir(parents=True, exist_ok=True)
     if store.exists():
         store.unlink()
@@ -83,7 +83,7 @@ def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optio
             e = _env(dict(env or {}, TEST_INIT=init or f"file://{store}", TEST_RANK=rank, TEST_WORLD=2))
             o, r = open(out / f"{scenario}-{rank}.out", "w+"), open(out / f"{scenario}-{rank}.err", "w+")
             logs.append((o, r))
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], stdout=o, stderr=r,
+            procs.append(subprocess.Popen([sys.executable, str(worker), scenario, str(out)], stdout=o, stderr=r,
                                           env=e, start_new_session=True))
         for p in procs:
             try:
