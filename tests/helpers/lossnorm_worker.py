@@ -1,6 +1,6 @@
 """Models, data and the 2-rank runs of the loss-normalisation tests (tests/trainer/test_loss_normalization.py).
 
-    python tests/helpers/lossnorm_worker.py ddp OUT   # a file:// pair (TEST_INIT, TEST_RANK, TEST_WORLD)
+    python tests/helpers/lossnorm_worker.py ddp OUT   # a file:// pair (TEST_INIT, TEST_RANK, TEST_WORLD): DDP and FSDP2
 
 Each DDP run saves its parameters (rank 0) and, per rank, which samples each micro-batch held and with
 what weight, so the test can check that every sample is used exactly once per epoch.
@@ -78,7 +78,8 @@ def settings(run_dir: Path, **extra) -> dict:
 
 
 def params(model: nn.Module) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in full.items()}
 
 
 # Runs on two ranks: (model, data, per-rank settings), each against one process with a batch twice as large.
@@ -88,6 +89,7 @@ def runs() -> dict:
         "mlp33": (mlp, lambda: classification(33), dict(batch_size=4)),       # 1 + 0: rank 1 runs a filler
         "mlp37_acc": (mlp, lambda: classification(37), dict(batch_size=2, accumulate=2)),  # a filler in a window
         "gpt2": (gpt2, lambda: Sequences(21), dict(batch_size=3, loss=next_token_loss)),
+        "fsdp33_clip": (mlp, lambda: classification(33), dict(batch_size=4, clip_grad_norm=0.5)),  # sharded grads
     }
 
 
@@ -107,11 +109,13 @@ def ddp(out: Path) -> None:
                 rows.append([step.epoch, step.weight, (batch[0][:, 0] * n).round().long().tolist()])
             return default_step(step, batch)
 
-        t = Trainer(make_model(), step_fn=recording_step, strategy="ddp", **settings(out / name, **extra), **group)
+        strategy = "fsdp" if name.startswith("fsdp") else "ddp"
+        t = Trainer(make_model(), step_fn=recording_step, strategy=strategy, **settings(out / name, **extra), **group)
         first = first or t
         t.fit(data)
+        p = params(t.model)  # collective under FSDP2: every rank gathers
         if rank == 0:
-            torch.save(params(t.model), out / f"{name}.pt")
+            torch.save(p, out / f"{name}.pt")
     (out / f"seen-{rank}.json").write_text(json.dumps(seen))
     first.close()
 

@@ -110,7 +110,7 @@ def test_two_ranks_equal_one_process_with_double_batch(two_ranks, tmp_path, name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,n", [("mlp37", 37), ("mlp33", 33), ("mlp37_acc", 37)])
+@pytest.mark.parametrize("name,n", [("mlp37", 37), ("mlp33", 33), ("mlp37_acc", 37), ("fsdp33_clip", 33)])
 def test_two_ranks_use_every_sample_once_per_epoch(two_ranks, name, n):
     _, seen = two_ranks
     for epoch in (0, 1):
