@@ -120,3 +120,31 @@ def test_two_ranks_use_every_sample_once_per_epoch(two_ranks, name, n):
     batches = [sum(1 for row in rank[name]) for rank in seen]
     assert batches[0] == batches[1]  # every rank runs every step
     assert fillers == ([] if name == "mlp37" else [(1, 1), (1, 1)])  # one zero-weight sample per epoch
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["scaler_step", "unscale_then_clip"])
+def test_fp16_scaler_sees_the_global_batch_mean(clip):
+    """Under a GradScaler the optimizer gets the mean over the window's samples (3 + 1), unscaled."""
+    from torch import nn
+
+    from torchrig.runtime.precision import Precision
+    from torchrig.trainer.step import Step
+
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 1), torch.randn(4, 3), torch.randn(4, 1)
+    want = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append([p.grad.clone() for p in model.parameters()]))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    step = Step(model=model, models={}, optimizers={"default": opt}, loss_fn=None, device=torch.device("cpu"),
+                precision=Precision("fp16", torch.device("cpu"), None, scaler), clip_grad_norm=1e6 if clip else None,
+                loss_normalization="samples", count_unit=3)
+    step.begin_window(2)
+    for rows, last in ((slice(0, 3), False), (slice(3, 4), True)):
+        step.set_batch((x[rows], y[rows]))
+        step.sync_gradients = last
+        step.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
+        step.optimizer_step()
+    assert step.end_window() and len(seen) == 1
+    assert max((g - w).abs().max().item() for g, w in zip(seen[0], want)) < ATOL
