@@ -93,7 +93,8 @@ def test_loss_normalization_is_validated(tmp_path):
 def two_ranks(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("lossnorm")
-    results = dist_procs.pair("ddp", out, out / "init-store", timeout=180, worker=dist_procs.HELPERS / "lossnorm_worker.py")
+    results = dist_procs.pair("ddp", out, out / "init-store", timeout=180,
+                              worker=dist_procs.HELPERS / "lossnorm_worker.py")
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
     return out, [json.loads((out / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
@@ -148,3 +149,22 @@ def test_fp16_scaler_sees_the_global_batch_mean(clip):
         step.optimizer_step()
     assert step.end_window() and len(seen) == 1
     assert max((g - w).abs().max().item() for g, w in zip(seen[0], want)) < ATOL
+
+
+def test_gradients_of_a_backward_outside_the_step_are_left_alone():
+    """A step function that calls loss.backward() itself keeps its own scaling: nothing was counted."""
+    from torch import nn
+
+    from torchrig.runtime.precision import Precision
+    from torchrig.trainer.step import Step
+
+    model = nn.Linear(2, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append(model.weight.grad.clone()))
+    step = Step(model=model, models={}, optimizers={"default": opt}, loss_fn=None, device=torch.device("cpu"),
+                precision=Precision("fp32", torch.device("cpu"), None, None), count_unit=8)
+    step.begin_window(1)
+    step.set_batch((torch.ones(3, 2), torch.zeros(3)))
+    model(torch.tensor([[3.0, 4.0]])).sum().backward()
+    assert step.optimizer_step() and torch.equal(seen[0], torch.tensor([[3.0, 4.0]]))

@@ -39,6 +39,7 @@ Count = Union[int, torch.Tensor]
 def shifts_labels(model: Any) -> bool:
     """Whether ``model`` (bare or wrapped) is a causal LM that predicts ``labels[..., 1:]``."""
     model = getattr(model, "module", model)  # DDP / DataParallel wrappers
+    model = getattr(model, "_orig_mod", model)  # torch.compile
     can_generate = getattr(model, "can_generate", None)
     config = getattr(model, "config", None)
     return (config is not None and callable(can_generate) and bool(can_generate())
@@ -82,7 +83,8 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -
 
     if ranks == 1 and not isinstance(total, torch.Tensor):
         return ranks * unit / max(total, 1)
-    n = torch.as_tensor(total, dtype=torch.float64, device=device).reshape(1)
+    exact = torch.float32 if device.type == "mps" else torch.float64  # float32 counts exactly to 2**24 only
+    n = torch.as_tensor(total, dtype=exact, device=device).reshape(1)
     if ranks > 1:
         n = runtime.all_reduce_sum(n)
     factor = (ranks * unit) / n.clamp_min(1)
@@ -97,7 +99,10 @@ def scale_gradients(grads: list, factor: Union[float, torch.Tensor]) -> None:
     groups: dict = {}
     for g in grads:
         g = g.to_local() if hasattr(g, "to_local") else g
-        groups.setdefault((g.device, g.dtype), []).append(g)
+        if g.is_sparse:
+            g.mul_(factor if isinstance(factor, float) else factor.to(g.device, g.dtype))
+        else:
+            groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), group in groups.items():
         f = factor if isinstance(factor, float) else factor.to(device=device, dtype=dtype)
         torch._foreach_mul_(group, f)

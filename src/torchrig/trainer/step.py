@@ -157,7 +157,7 @@ class Step:
         self.batch: Any = None          # the current micro-batch, set by the loop
         self.weight = 1                 # 0 for a rank's filler micro-batch (its loss counts nothing)
         self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
-        self._window_count: normalize.Count = 0
+        self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
         self._counted = False
         self._factor: Any = None
         # where the loop is
@@ -182,7 +182,7 @@ class Step:
     def begin_window(self, size: int) -> None:
         """Before the first of the ``size`` micro-batches of one optimizer step."""
         self.window_size = size
-        self._window_count, self._factor = 0, None
+        self._window_count, self._factor = None, None
         self._nonfinite = None
         self.grad_norm = None
         self.stepped = False
@@ -264,13 +264,14 @@ class Step:
         count = count * self.weight
         if not self._counted:
             self.count, self._counted = count, True
-            self._window_count = self._window_count + count
+            self._window_count = count if self._window_count is None else self._window_count + count
         return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
 
     def _window_factor(self) -> Any:
         """What turns the window's summed gradients into the global-batch mean; one all-reduce of the
-        count per window, made by every rank before any may reject the window (no rank left waiting)."""
-        if self._factor is None and self.loss_normalization != "micro_batches":
+        count per window, made by every rank before any may reject the window (no rank left waiting).
+        None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
+        if self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None:
             self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
                                                    self.device)
         return self._factor
