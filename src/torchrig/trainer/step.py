@@ -265,6 +265,8 @@ class Step:
         if not self._counted:
             self.count, self._counted = count, True
             self._window_count = count if self._window_count is None else self._window_count + count
+        if not isinstance(count, torch.Tensor) and count == self.count_unit:
+            return loss  # a full batch of samples: nothing to weigh (and no extra op per micro-batch)
         return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
 
     def _window_factor(self) -> Any:
