@@ -12,7 +12,7 @@ from torchrig.config import Config, ConfigError, from_dict, load_config, read_ya
 README_DEFAULTS = {
     "recipe": "digits", "seed": 0, "epochs": 10, "max_steps": None, "run_dir": None, "resume": None,
     "device": "auto", "precision": "fp32", "threads": None, "interop_threads": None, "deterministic": False,
-    "cudnn_benchmark": "auto", "accumulate": 1, "clip_grad_norm": None, "clip_norm_type": 2.0,
+    "cudnn_benchmark": "auto", "accumulate": 1, "loss_normalization": "auto", "clip_grad_norm": None, "clip_norm_type": 2.0,
     "clip_grad_value": None, "loss": "auto", "label_smoothing": 0.0, "metrics": ["accuracy"],
     "on_nonfinite": "error", "eval_every_epochs": 1, "early_stop_patience": None, "data.batch_size": 64,
     "data.num_workers": "auto", "data.pin_memory": "auto", "data.persistent_workers": True, "data.fast_path": True,

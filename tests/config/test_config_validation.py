@@ -62,6 +62,7 @@ BAD_VALUES = [
     ('deterministic=2', 'true or false, got 2'),
     ('cudnn_benchmark=yes please', "true, false or 'auto', got 'yes please'"),
     ('accumulate=0', 'an integer >= 1, got 0'),
+    ("loss_normalization=mean", "one of auto, samples, tokens, micro_batches, got 'mean'"),
     ('clip_grad_norm=-1', 'a finite number > 0 or null, got -1'),
     ('clip_norm_type=0', 'a number > 0 or inf, got 0'),
     ('clip_grad_value=inf', "a finite number > 0 or null, got 'inf'"),

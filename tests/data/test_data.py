@@ -138,15 +138,23 @@ def test_eval_keeps_order_and_every_sample():
 
 
 def test_sampler_sharding():
-    # training shards pad to equal length; evaluation shards cover every sample exactly once
-    # (like DistributedSampler: the epoch's permutation, padded from its start, dealt out round-robin)
+    # training shards split each global batch (world_size × batch_size consecutive samples of the epoch's
+    # order) across the ranks, never repeating a sample; a rank with nothing left in the short last global
+    # batch gets one filler sample, weighed 0 by the loop; evaluation shards cover every sample exactly once
     shards = [ResumableSampler(10, shuffle=True, seed=1, rank=r, world_size=3, pad=True) for r in range(3)]
     perm = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()  # seed + epoch 0
-    padded = perm + perm[:2]
-    assert [s.indices().tolist() for s in shards] == [padded[0::3], padded[1::3], padded[2::3]]
+    assert [s.indices().tolist() for s in shards] == [perm[0:9:3] + [perm[9]], perm[1:9:3] + [perm[9]],
+                                                      perm[2:9:3] + [perm[9]]]
+    assert [s.filler_batch for s in shards] == [None, 3, 3] and {len(s) for s in shards} == {4}
     shards[1].set_epoch(4)
     perm4 = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
-    assert shards[1].indices().tolist() == (perm4 + perm4[:2])[1::3]
+    assert shards[1].indices().tolist() == perm4[1:9:3] + [perm4[9]]
+    # batch 2 on 2 ranks, 11 samples: global batches of 4; the short one (3 samples) splits 2 + 1
+    b2 = [ResumableSampler(11, shuffle=False, rank=r, world_size=2, batch_size=2) for r in range(2)]
+    assert [s.indices().tolist() for s in b2] == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10]]
+    assert [s.filler_batch for s in b2] == [None, None]
+    dl = [ResumableSampler(11, shuffle=False, rank=r, world_size=2, batch_size=2, drop_last=True) for r in range(2)]
+    assert [s.indices().tolist() for s in dl] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     ev = [ResumableSampler(10, shuffle=False, rank=r, world_size=3, pad=False) for r in range(3)]
     assert [s.indices().tolist() for s in ev] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     s = ResumableSampler(10, shuffle=True, seed=1)

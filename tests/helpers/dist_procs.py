@@ -71,8 +71,8 @@ def free_port() -> int:
 
 def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
          init: Optional[str] = None, worker: Path = WORKER) -> list[Result]:
-    """Two worker processes joined through an explicit init method (``file://STORE`` unless ``init``
-    gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun involved. ``worker`` is the script to run."""
+    """Two worker processes (``worker SCENARIO OUT``, by default dist_worker.py) joined through an explicit
+    init method (``file://STORE`` unless ``init`` gives one, e.g. ``tcp://127.0.0.1:PORT``); no torchrun."""
     out.mkdir(parents=True, exist_ok=True)
     if store.exists():
         store.unlink()

@@ -138,9 +138,9 @@ def _two_ranks_by_hand(cfg, world: int = 2) -> tuple[dict, dict]:
     G, D = model["G"], model["D"]
     opt = {k: torch.optim.SGD(m.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum) for k, m in model.items()}
     gan = gan_loss(cfg.pix2pix.gan_mode)
-    for step in range(cfg.max_steps):  # data.shuffle=false: rank r takes samples r, r + world, … of each step
+    for step in range(cfg.max_steps):  # data.shuffle=false: rank r takes the r-th slice of each global batch
         first = step * world * batch
-        shards = [default_collate([pairs[first + r + world * j] for j in range(batch)]) for r in range(world)]
+        shards = [default_collate([pairs[first + r * batch + j] for j in range(batch)]) for r in range(world)]
         fakes = [G(a) for a, _ in shards]
         for (a, b), fake in zip(shards, fakes):
             loss_d = 0.5 * (gan(D(torch.cat([a, fake.detach()], 1)), False) + gan(D(torch.cat([a, b], 1)), True))

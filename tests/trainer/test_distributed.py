@@ -2,8 +2,8 @@
 
 One pair of worker processes (joined by a ``file://`` init method) runs DDP, DDP with accumulation
 and FSDP2 fits plus evaluation and prediction; the tests compare each with a single process using a
-batch twice as large over the same data order (rank r takes perm[r::2], so the two ranks' batches at a
-step are the single process's batch). Then a DDP run is killed with SIGKILL and resumed, and a
+batch twice as large over the same data order (rank r takes the r-th slice of each global batch, so the
+two ranks' batches at a step are the single process's batch). Then a DDP run is killed with SIGKILL and resumed, and a
 ``torchrig launch --max-restarts 1`` run loses a worker and restarts itself: both end where the
 uninterrupted run ends.
 """

@@ -145,6 +145,7 @@ class Config:
     deterministic: bool = False
     cudnn_benchmark: Union[bool, str] = "auto"  # "auto": on for CUDA runs unless deterministic
     accumulate: int = 1
+    loss_normalization: str = "auto"  # a step's loss is the mean over: samples, tokens, micro_batches; auto
     clip_grad_norm: Optional[float] = None
     clip_norm_type: float = 2.0
     clip_grad_value: Optional[float] = None
@@ -528,6 +529,7 @@ RULES: dict[str, _Rule] = {
     "precision": _choice("fp32", "bf16", "fp16"), "threads": _optional(_int(1)),
     "interop_threads": _optional(_int(1)), "deterministic": _BOOL,
     "cudnn_benchmark": _or_auto(_BOOL, "true, false or 'auto'"), "accumulate": _int(1),
+    "loss_normalization": _choice("auto", "samples", "tokens", "micro_batches"),
     "clip_grad_norm": _optional(_POSITIVE), "clip_norm_type": _num(0, lo_open=True, finite=False),
     "clip_grad_value": _optional(_POSITIVE), "loss": _TEXT, "label_smoothing": _num(0, 1),
     "metrics": _list_of(_TEXT, "a list of metric names"), "on_nonfinite": _choice("error", "skip"),

@@ -186,6 +186,10 @@ class IterableBatches:
     def __len__(self) -> int:
         return self.length
 
+    def weight(self, index: int) -> int:
+        """Every streamed batch is real: ranks stop together instead of running filler batches."""
+        return 1
+
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
         saved, self._pending = self._pending, None

@@ -182,6 +182,10 @@ class Batches:
         else:
             self.sampler.skip = n * self.batch_size
 
+    def weight(self, index: int) -> int:
+        """0 for batch ``index`` of the epoch when it is this rank's filler (see ResumableSampler), else 1."""
+        return 0 if self.sampler is not None and index == self.sampler.filler_batch else 1
+
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)
 
@@ -275,7 +279,7 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
         raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
     batch_size, drop_last = options["batch_size"], options["drop_last"]
     sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                               drop_last=drop_last, pad=train)
+                               drop_last=drop_last, pad=train, batch_size=batch_size)
     if fast_path and type(dataset) is TensorDataset:
         return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last, pin=options["pin_memory"]),
                        sampler, batch_size)

@@ -2,14 +2,20 @@
 
 The order of an epoch depends only on ``(seed, epoch)`` through a private generator, never on the
 global RNG, so resuming mid-epoch replays the same sequence and skips what was already consumed.
-Training shards pad the permutation (like ``DistributedSampler``) so every rank has the same number
-of batches; evaluation shards do not pad, so every sample is seen exactly once.
+
+Training shards split each global batch (``world_size × batch_size`` consecutive samples of the
+epoch's order) across the ranks, rank r taking the r-th slice, so the ranks' k-th batches together
+are exactly the one-process batch k of size ``world_size × batch_size``, and no sample is repeated.
+The last, short global batch is dealt out as evenly as it goes (sizes differ by at most one); a rank
+left without a sample gets one *filler* batch (a real sample that the loop weighs 0: it keeps every
+rank in the collectives and changes no gradient), so all ranks run the same number of batches.
+With ``drop_last`` the short global batch is dropped on every rank. Evaluation shards deal the
+samples out round-robin (rank r holds samples r, r+W, …), each exactly once.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import Sampler
@@ -17,7 +23,8 @@ from torch.utils.data import Sampler
 
 class ResumableSampler(Sampler[int]):
     def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = False, pad: bool = True, with_epoch: bool = False):
+                 world_size: int = 1, drop_last: bool = False, pad: bool = True, with_epoch: bool = False,
+                 batch_size: int = 1):
         if num_samples < 1:
             raise ValueError("the data set is empty (0 samples); check the data path or split")
         self.n = num_samples
@@ -26,20 +33,48 @@ class ResumableSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
-        self.pad = pad
+        self.pad = pad  # training shards: every rank gets the same number of batches (see the module's text)
         self.with_epoch = with_epoch  # yield (index, epoch) so workers can seed per sample
+        self.batch_size = max(1, batch_size)
         self.epoch = 0
         self.skip = 0  # samples of this rank's shard already consumed (resume)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _split(self) -> tuple[int, int, int]:
+        """(full global batches, start of this rank's slice of the short one, its size) of a training shard."""
+        per_step = self.world_size * self.batch_size
+        full, rest = divmod(self.n, per_step)
+        if rest == 0 or self.drop_last:
+            return full, 0, 0
+        q, extra = divmod(rest, self.world_size)
+        return full, full * per_step + self.rank * q + min(self.rank, extra), q + (self.rank < extra)
+
+    @property
+    def filler_batch(self) -> Optional[int]:
+        """Index (in the epoch) of this rank's zero-weight filler batch, or None when it has none."""
+        if not self.pad:
+            return None
+        full, _, size = self._split()
+        short = self.n % (self.world_size * self.batch_size) and not self.drop_last
+        return full if short and size == 0 else None
+
     def _shard_size(self) -> int:
         if not self.pad:
             return len(range(self.rank, self.n, self.world_size))
-        if self.drop_last and self.n % self.world_size:
-            return self.n // self.world_size
-        return math.ceil(self.n / self.world_size)
+        full, _, size = self._split()
+        return full * self.batch_size + (max(size, 1) if self.n % (self.world_size * self.batch_size)
+                                         and not self.drop_last else 0)
+
+    def _positions(self) -> torch.Tensor:
+        """Positions in the epoch's order that this rank's training shard takes."""
+        full, start, size = self._split()
+        b, per_step = self.batch_size, self.world_size * self.batch_size
+        pos = (torch.arange(full)[:, None] * per_step + self.rank * b + torch.arange(b)[None, :]).reshape(-1)
+        if self.filler_batch is not None:
+            return torch.cat([pos, torch.tensor([full * per_step])])  # weighed 0 by the loop
+        return torch.cat([pos, torch.arange(start, start + size)]) if size else pos
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch, after the resume skip, as an int64 tensor."""
@@ -49,14 +84,8 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
-        if self.pad and self.world_size > 1:
-            total = self._shard_size() * self.world_size
-            if total > self.n:
-                reps = math.ceil((total - self.n) / self.n)
-                order = torch.cat([order] + [order] * reps)[:total]
-            else:
-                order = order[:total]
-        return order[self.rank::self.world_size][self.skip:]
+        shard = order[self._positions()] if self.pad else order[self.rank::self.world_size]
+        return shard[self.skip:]
 
     def __iter__(self) -> Iterator:
         idx = self.indices().tolist()

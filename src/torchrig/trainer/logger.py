@@ -40,13 +40,17 @@ class MetricsLogger:
     def should_log(self, global_step: int) -> bool:
         return bool(self.every_steps) and global_step % self.every_steps == 0
 
-    def record(self, out: Optional[dict], n: int) -> None:
-        self.count += 1
+    def record(self, out: Optional[dict], n: int, weight: Any = 1) -> None:
+        """Add one micro-batch's values, weighted by ``weight``: the items its loss is a mean over (samples
+        or valid tokens, a tensor that stays on the device), so that a logged mean is the mean over the
+        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged)."""
+        self.count = self.count + weight
         self.samples += n
         if out:
             for k, v in out.items():
                 if isinstance(v, torch.Tensor) and v.requires_grad:
                     v = v.detach()
+                v = v if isinstance(weight, int) and weight == 1 else v * weight
                 self.sums[k] = self.sums[k] + v if k in self.sums else v
 
     def start_epoch(self, resumed: bool) -> None:
@@ -60,7 +64,7 @@ class MetricsLogger:
         """An interval row: means since the last row, throughput, and ``extra`` (metrics, lr …)."""
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
-        values = {f"train/{k}": v / max(1, self.count) for k, v in self._fold().items()}
+        values = {f"train/{k}": v / max(1e-12, float(self.count)) for k, v in self._fold().items()}
         values = _mean_over_ranks(values, self.world_size, self.device)
         values["samples_per_s"] = self.samples * self.world_size / elapsed
         values["data_wait"] = self.wait / elapsed
@@ -73,7 +77,7 @@ class MetricsLogger:
         """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
         self._fold()
         self.sums, self.count = {}, 0
-        values = {f"train/{k}": v / max(1, self.epoch_count) for k, v in self.epoch_sums.items()}
+        values = {f"train/{k}": v / max(1e-12, self.epoch_count) for k, v in self.epoch_sums.items()}
         return _mean_over_ranks(values, self.world_size, self.device)
 
     def log_epoch(self, step: int, epoch: int, row: dict) -> None:
@@ -84,7 +88,7 @@ class MetricsLogger:
         sums = {k: float(v) for k, v in self.sums.items()}
         for k, v in sums.items():
             self.epoch_sums[k] = self.epoch_sums.get(k, 0.0) + v
-        self.epoch_count += self.count
+        self.epoch_count += float(self.count)
         return sums
 
     # -- Stateful ---------------------------------------------------------------------------------
@@ -93,14 +97,14 @@ class MetricsLogger:
         flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
         flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
         flat = _mean_over_ranks(flat, self.world_size, self.device)
-        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": self.count,
+        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": float(self.count),
                 "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
-                "epoch_count": self.epoch_count}
+                "epoch_count": float(self.epoch_count)}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state:
-            self.sums, self.count = dict(state["sums"]), int(state["count"])
-            self.epoch_sums, self.epoch_count = dict(state["epoch_sums"]), int(state["epoch_count"])
+            self.sums, self.count = dict(state["sums"]), float(state["count"])
+            self.epoch_sums, self.epoch_count = dict(state["epoch_sums"]), float(state["epoch_count"])
 
 
 def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:

@@ -20,6 +20,7 @@ from .. import runtime
 from ..errors import TorchrigError
 from . import outputs
 from .outputs import ModelIO, call_model, split_batch
+from . import normalize
 from .state import TrainState
 
 LABEL_KEYS = outputs.LABEL_KEYS  # a dict batch's target keys, tried in this order (data.label_key overrides)
@@ -131,7 +132,8 @@ class Step:
                  precision: Any, device: torch.device, clip_grad_norm: Optional[float] = None,
                  clip_norm_type: float = 2.0, clip_grad_value: Optional[float] = None,
                  on_nonfinite: str = "error", metrics: Optional[list] = None, state: Optional[TrainState] = None,
-                 schedulers: Optional[dict] = None, scheduler_interval: str = "step", io: Optional[ModelIO] = None):
+                 schedulers: Optional[dict] = None, scheduler_interval: str = "step", io: Optional[ModelIO] = None,
+                 loss_normalization: str = "auto", grad_ranks: int = 1, count_unit: float = 1.0):
         self.model = model              # what to call (DDP / FSDP wrapped); the user's module otherwise
         self.models = models            # name -> wrapped sub-model, for nn.ModuleDict models (GANs)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
@@ -147,6 +149,17 @@ class Step:
         self.state = state if state is not None else TrainState()
         self.schedulers = schedulers or {}
         self.per_step_schedulers = list(self.schedulers.values()) if scheduler_interval == "step" else []
+        # loss normalisation (see trainer/normalize.py)
+        self.loss_normalization = loss_normalization
+        self.grad_ranks = grad_ranks    # ranks whose gradients DDP / FSDP2 average
+        self.count_unit = count_unit    # a fixed scale (per-rank batch size): loss × count / unit stays near loss
+        self.shift_labels = normalize.shifts_labels(model)
+        self.batch: Any = None          # the current micro-batch, set by the loop
+        self.weight = 1                 # 0 for a rank's filler micro-batch (its loss counts nothing)
+        self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
+        self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
+        self._counted = False
+        self._factor: Any = None
         # where the loop is
         self.epoch = 0
         self.batch_index = 0           # micro-batch index in the epoch
@@ -176,6 +189,7 @@ class Step:
     def begin_window(self, size: int) -> None:
         """Before the first of the ``size`` micro-batches of one optimizer step."""
         self.window_size = size
+        self._window_count, self._factor = None, None
         self._nonfinite = None
         self._window_found = None
         self.grad_norm = None
@@ -203,6 +217,29 @@ class Step:
             sch.step()
         return True
 
+    def set_batch(self, batch: Any, weight: int = 1) -> None:
+        """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing)."""
+        self.batch, self.weight = batch, weight
+        self.count, self._counted = 0, False
+
+    def count_of(self, target: Any = None) -> normalize.Count:
+        """Items (samples or valid tokens, as ``loss_normalization`` says) of the current micro-batch's
+        ``target`` (its own target when None); a device tensor for tokens, so nothing waits."""
+        if target is None:
+            target = split_batch(self.batch)[1]
+        mode = self.loss_normalization
+        if mode == "micro_batches":
+            return 1
+        return normalize.count_items(mode, target, batch_size_of(self.batch), self.shift_labels)
+
+    @property
+    def log_weight(self) -> normalize.Count:
+        """How much the current micro-batch's logged values weigh: its count (the samples of the batch when
+        the step function did not call :meth:`backward`), or 1 per micro-batch with ``micro_batches``."""
+        if self.loss_normalization == "micro_batches":
+            return self.weight
+        return self.count if self._counted else batch_size_of(self.batch) * self.weight
+
     # -- the primitives ----------------------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -211,8 +248,12 @@ class Step:
     def autocast(self):
         return self.precision.autocast()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of ``loss`` divided by the window size (and scaled for fp16)."""
+    def backward(self, loss: torch.Tensor, count: Optional[normalize.Count] = None, *,
+                 retain_graph: bool = False) -> None:
+        """Backward of ``loss``, a mean over ``count`` items (samples or valid tokens; by default those of
+        the current micro-batch, see :meth:`count_of`), weighted so that the optimizer step sees the mean
+        over the whole global batch (and scaled for fp16). The first backward of a micro-batch adds its
+        count to the window; further ones (a GAN's second loss) reuse the batch's count."""
         if loss.is_cpu and loss.numel() == 1 and self.host_checks:
             # On CPU reading the scalar is one cheap call; torch.isfinite would be five tensor ops.
             if not math.isfinite(loss.item()):
@@ -220,10 +261,34 @@ class Step:
         else:  # on an accelerator the flag stays on the device: no sync before the optimizer step
             finite = torch.isfinite(loss.detach()).all()
             self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
-        scaled = loss / self.window_size if self.window_size > 1 else loss
+        scaled = self._weighted(loss, count)
         if self.precision.scaler is not None:
             scaled = self.precision.scaler.scale(scaled)
         scaled.backward(retain_graph=retain_graph)
+
+    def _weighted(self, loss: torch.Tensor, count: Optional[normalize.Count]) -> torch.Tensor:
+        if self.loss_normalization == "micro_batches":
+            if self.weight == 0:
+                return loss * 0.0
+            return loss / self.window_size if self.window_size > 1 else loss
+        if count is None:
+            count = self.count if self._counted else self.count_of()
+        count = count * self.weight
+        if not self._counted:
+            self.count, self._counted = count, True
+            self._window_count = count if self._window_count is None else self._window_count + count
+        if not isinstance(count, torch.Tensor) and count == self.count_unit:
+            return loss  # a full batch of samples: nothing to weigh (and no extra op per micro-batch)
+        return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
+
+    def _window_factor(self) -> Any:
+        """What turns the window's summed gradients into the global-batch mean; one all-reduce of the
+        count per window, made by every rank before any may reject the window (no rank left waiting).
+        None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
+        if self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None:
+            self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
+                                                   self.device)
+        return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
         """At the end of a window: unscale, check, clip, step, zero_grad. Returns whether a step was taken.
@@ -242,8 +307,11 @@ class Step:
             return False
         opt = self.optimizers[name] if name is not None else self.optimizer
         scaler = self.precision.scaler
+        factor = self._window_factor()  # its all-reduce runs before any rank may reject the window
         loss_flag = self._nonfinite if self.world_size == 1 else None  # several ranks: the gradients decide
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
+            normalize.scale_gradients([p.grad for p in params], factor)
         if scaler is not None:
             if loss_flag is not None and bool(loss_flag):
                 return self._reject(opt, "loss is not finite")
@@ -361,7 +429,7 @@ class Step:
 
     def update_metrics(self, output: Any, target: Any) -> None:
         """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""
-        if target is None or not self.metrics:
+        if target is None or not self.metrics or self.weight == 0:
             return
         out = outputs.unpack(output, self.io.output_key)[0]
         if not isinstance(out, torch.Tensor):
@@ -388,7 +456,7 @@ def default_step(step: Step, batch: Any) -> dict:
     with step.autocast():
         output = step.forward(inputs, target=target)
         prediction, loss = step.loss(output, target)
-    step.backward(loss)
+    step.backward(loss, step.count_of(target))
     step.optimizer_step()
     step.update_metrics(prediction, target)
     return {"loss": loss.detach()}

@@ -130,7 +130,9 @@ class Trainer:
                     precision=self.precision, device=self.device, clip_grad_norm=c.clip_grad_norm,
                     clip_norm_type=c.clip_norm_type, clip_grad_value=c.clip_grad_value,
                     on_nonfinite=c.on_nonfinite, metrics=metrics, state=self.state, schedulers=self.schedulers,
-                    scheduler_interval=self.sched_interval, io=outputs.ModelIO.from_config(c))
+                    scheduler_interval=self.sched_interval, loss_normalization=c.loss_normalization,
+                    grad_ranks=self.world_size if self.strategy in ("ddp", "fsdp") else 1,
+                    count_unit=c.data.batch_size, io=outputs.ModelIO.from_config(c))
 
     def _metric_objects(self) -> list[Metric]:
         return get_metrics(self._objects.get("metrics", self.cfg.metrics), device=self.device)
@@ -300,9 +302,10 @@ class Trainer:
                 step.want_grad_norm = log.should_log(self.global_step + 1)
             step.sync_gradients = i == w_start + step.window_size - 1
             step.epoch, step.batch_index = epoch, i
+            step.set_batch(batch, plan.batches.weight(i))
             with runtime.no_sync_all(synced, not step.sync_gradients, self.world_size):
                 values = self.step_fn(step, batch)
-            log.record(values, batch_size_of(batch))
+            log.record(values, batch_size_of(batch) * step.weight, step.log_weight)
             i += 1
             self.state.batch_in_epoch = i
             out.advance()
