@@ -64,9 +64,10 @@ class Sequences(Dataset):
         return {"input_ids": ids, "attention_mask": mask.long(), "labels": torch.where(mask, ids, -100)}
 
 
-def next_token_loss(output, labels):
-    """The mean cross-entropy over the valid next-token predictions, as GPT-2 computes it given labels."""
-    logits = output.logits[:, :-1]
+def next_token_loss(logits, labels):
+    """The mean cross-entropy over the valid next-token predictions, as GPT-2 computes it given labels
+    (a loss given to the Trainer receives the prediction: the output's ``logits``)."""
+    logits = logits[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 

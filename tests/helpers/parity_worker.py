@@ -37,7 +37,8 @@ def make_data():
 
 
 def epoch_order(epoch: int) -> torch.Tensor:
-    """The documented data order: a permutation drawn from (seed, epoch); rank r takes r, r+W, …"""
+    """The documented data order: a permutation drawn from (seed, epoch), cut into global batches of
+    W × BATCH samples; rank r takes the r-th slice of BATCH of each."""
     g = torch.Generator()
     g.manual_seed(SEED + epoch)
     return torch.randperm(N, generator=g)
@@ -50,9 +51,9 @@ def hand_loop(rank: int, world: int) -> nn.Module:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = make_data()
     for epoch in range(EPOCHS):
-        mine = epoch_order(epoch)[rank::world]
-        for start in range(0, len(mine), BATCH):
-            idx = mine[start:start + BATCH]
+        order = epoch_order(epoch)
+        for start in range(0, N, world * BATCH):  # N divides by world × BATCH here
+            idx = order[start + rank * BATCH:start + (rank + 1) * BATCH]
             loss = nn.functional.cross_entropy(ddp(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()

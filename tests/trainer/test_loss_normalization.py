@@ -61,6 +61,11 @@ def test_padded_sequences_weigh_by_valid_tokens(tmp_path):
     big, _ = _fit(W.gpt2, data, tmp_path / "big", batch_size=12, loss=W.next_token_loss)
     acc, _ = _fit(W.gpt2, data, tmp_path / "acc", batch_size=3, accumulate=4, loss=W.next_token_loss)
     assert _max_diff(acc, big) < ATOL
+    # the model's own loss (loss="auto": GPT-2 given labels) is a token mean too, and counted as such
+    own_big, _ = _fit(W.gpt2, data, tmp_path / "own_big", batch_size=12)
+    own_acc, _ = _fit(W.gpt2, data, tmp_path / "own_acc", batch_size=3, accumulate=4)
+    assert _max_diff(own_acc, own_big) < ATOL
+    assert _max_diff(own_big, big) < ATOL  # the same mathematics as the hand-written token loss
     samples, _ = _fit(W.gpt2, data, tmp_path / "samples", batch_size=3, accumulate=4, loss=W.next_token_loss,
                       loss_normalization="samples")  # a short sequence would weigh as much as a long one
     assert _max_diff(samples, big) > 1e-4
