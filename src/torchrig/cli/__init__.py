@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "embedded default job (a small CNN on the 8x8 digits).")
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
+    p.add_argument("--profile", action="store_true",
+                   help="profile optimizer steps 10-15 (or profile.steps) with torch.profiler; writes RUN_DIR/profile")
     _set_arg(p)
     _add_common(p)
 
@@ -95,6 +97,8 @@ def cmd_train(args) -> int:
     from ..recipes.run import build_config, run_train
 
     cfg = build_config(args.config, args.overrides, args.recipe)
+    if args.profile and not cfg.profile.steps:
+        cfg.profile.steps = [10, 15]
     run_train(cfg)
     return 0
 

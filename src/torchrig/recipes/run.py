@@ -83,6 +83,7 @@ def _train(cfg: C.Config, out) -> dict:
         test = data.get("test")
         if test is not None:
             results = trainer.evaluate(test)
+        trainer.logger.finish({f"test/{k}": v for k, v in results.items()})  # the trackers' final metrics
         if trainer.is_main:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
             out(f"test: {shown}" if results else "training finished")

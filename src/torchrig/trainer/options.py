@@ -24,6 +24,7 @@ KWARG_KEYS = {
     "find_unused_parameters": "dist.find_unused_parameters", "static_graph": "dist.static_graph",
     "bucket_cap_mb": "dist.bucket_cap_mb", "fsdp_wrap": "dist.fsdp_wrap", "warmup_steps": "scheduler.warmup_steps",
     "scheduler_interval": "scheduler.interval", "channels_last": "model.channels_last", "compile": "model.compile",
+    "trackers": "log.trackers", "flops": "log.flops",
 }
 
 
