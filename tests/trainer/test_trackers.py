@@ -1,0 +1,235 @@
+"""Trackers: every value of metrics.jsonl, read back through each package's own API.
+
+CSV and TensorBoard files, an MLflow store (SQLite, and the file store) read with ``MlflowClient``,
+a W&B offline run folder read with wandb's own record format; a resumed run goes on in the same
+tracker run; a tracker whose package is missing stops the run before training, naming the extra.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import torchrig
+from helpers import QUIET, TinyNet, make_classification
+from torchrig.config import ConfigError
+from torchrig.trainer.trackers import TrackerError
+
+FINAL = {"test/accuracy": 0.625, "test/loss": 1.25}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A runs/ folder shared by the MLflow tests: its mlruns/mlflow.db is created (slowly) once."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def fit(run_dir: Path, trackers: list, **kw):
+    """A tiny run (4 optimizer steps per epoch, a row every 2) whose trackers end with FINAL."""
+    x, y = make_classification(32)
+    torch.manual_seed(0)
+    opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=2, log_every=2, num_workers=0,
+                trackers=trackers)
+    opts.update(kw)
+    trainer = torchrig.Trainer(TinyNet(), **opts)
+    trainer.fit(TensorDataset(x, y), TensorDataset(x[:8], y[:8]))
+    trainer.logger.finish(FINAL)
+    trainer.close()
+    return trainer
+
+
+def jsonl_values(run_dir: Path) -> list[tuple[int, str, float]]:
+    """(step, name, value) of every number in metrics.jsonl, in order."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out += [(row["step"], k, float(v)) for k, v in row.items()
+                if k not in ("step", "epoch", "kind") and isinstance(v, (int, float))]
+    return out
+
+
+def by_name(values) -> dict[str, list[tuple[int, float]]]:
+    out = defaultdict(list)
+    for step, name, value in values:
+        out[name].append((step, value))
+    return dict(out)
+
+
+def test_csv_and_tensorboard_hold_every_logged_value(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    fit(run, ["csv", "tensorboard"], tensorboard="auto")
+    logged = jsonl_values(run)
+    assert {"train/loss", "samples_per_s", "val/accuracy"} <= {n for _, n, _ in logged}
+
+    with open(run / "csv" / "metrics.csv", newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["step", "name", "value"]
+    assert [(int(s), n, float(v)) for s, n, v in rows[1:]] == logged
+    with open(run / "csv" / "params.csv", newline="") as fh:
+        params = dict(list(csv.reader(fh))[1:])
+    assert params["optim.lr"] == "0.001" and params["data.batch_size"] == "8" and params["run_dir"] == str(run)
+    with open(run / "csv" / "final.csv", newline="") as fh:
+        final = dict(list(csv.reader(fh))[1:])
+    assert {k: float(final[k]) for k in FINAL} == FINAL and final["run_dir"] == str(run)
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    for name, points in by_name(logged).items():
+        assert [(e.step, e.value) for e in acc.Scalars(name)] == [(s, pytest.approx(v)) for s, v in points]
+    assert acc.Scalars("test/accuracy")[-1].value == pytest.approx(FINAL["test/accuracy"])
+    assert acc.Scalars("test/accuracy")[-1].step == 8  # the last step
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(acc.PluginTagToContent("hparams"))
+
+
+def test_mlflow_sqlite_store_beside_the_run_holds_every_value(runs):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    run = runs / "1"
+    fit(run, ["mlflow"], tensorboard=False)
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")  # the default store
+    got = client.get_run(run_id)
+    assert got.info.status == "FINISHED" and got.info.run_name == "1"
+    assert got.data.tags["torchrig.run_dir"] == str(run.resolve())
+    assert got.data.params["optim.lr"] == "0.001" and got.data.params["log.trackers"] == "['mlflow']"
+    for name, points in by_name(jsonl_values(run)).items():
+        history = client.get_metric_history(run_id, name)
+        assert sorted((m.step, m.value) for m in history) == sorted(points), name
+    assert {k: got.data.metrics[k] for k in FINAL} == FINAL
+
+
+def test_mlflow_file_store_and_a_project_name(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for this to use a file store
+    uri = (tmp_path / "store").as_uri()
+    run = tmp_path / "run"
+    fit(run, ["mlflow"], tensorboard=False, epochs=1, log={"mlflow_uri": uri, "project": "digits",
+                                                          "run_name": "first"})
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert [r.info.run_name for r in runs] == ["first"]
+    points = by_name(jsonl_values(run))["train/loss"]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) == \
+        sorted(points)
+
+
+def wandb_records(run_folder: Path) -> list:
+    """The records of an offline run's ``run-ID.wandb`` file, parsed with wandb's own protobuf
+    ``Record`` (the file: a 7-byte header, then 32 KiB blocks of checksummed, length-prefixed chunks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next(run_folder.glob("run-*.wandb")).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, records, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _crc, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if size == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + size]
+        pos += 7 + size
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+            buf = b""
+    return records
+
+
+def wandb_run(run_folder: Path) -> tuple[str, dict, dict[int, dict], dict]:
+    """(run id, config, history by step, summary) of one offline run folder."""
+    run_id, config, history, summary = "", {}, {}, {}
+    key = lambda item: item.key or "/".join(item.nested_key)  # noqa: E731
+    for r in wandb_records(run_folder):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run_id = r.run.run_id
+            config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
+        elif kind == "history":
+            row = {key(i): json.loads(i.value_json) for i in r.history.item}
+            history[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
+        elif kind == "summary":
+            summary.update({key(u): json.loads(u.value_json) for u in r.summary.update})
+    return run_id, config, history, summary
+
+
+def test_wandb_offline_run_holds_every_value(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    fit(run, ["wandb"], tensorboard=False, log={"project": "digits"})
+    folders = list((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 1
+    run_id, config, history, summary = wandb_run(folders[0])
+    assert run_id == json.loads((run / "trackers.json").read_text())["wandb"]
+    assert config["optim"]["lr"] == 0.001 and config["run_dir"] == str(run)
+    expected: dict[int, dict] = defaultdict(dict)
+    for step, name, value in jsonl_values(run):  # rows of one step merge; a later value wins
+        expected[step][name] = value
+    assert history == {s: pytest.approx(v) for s, v in expected.items()}
+    assert {k: summary[k] for k in FINAL} == FINAL
+
+
+def test_a_resumed_run_goes_on_in_the_same_tracker_runs(runs, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = runs / "2"
+    first = fit(run, ["csv", "mlflow", "wandb"], tensorboard=False, max_steps=6, checkpoint_every=2)
+    ids = json.loads((run / "trackers.json").read_text())
+    assert first.global_step == 6
+    fit(run, ["csv", "mlflow", "wandb"], tensorboard=False, resume="latest")
+    assert json.loads((run / "trackers.json").read_text()) == ids
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("torchrig").experiment_id], "attributes.run_name = '2'")
+    assert [r.info.run_id for r in found] == [ids["mlflow"]]  # one MLflow run, not two
+    assert {m.step for m in client.get_metric_history(ids["mlflow"], "train/loss")} == {2, 4, 6, 8}
+
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2  # W&B writes one folder per process; `wandb sync` joins them by id
+    parts = [wandb_run(f) for f in folders]
+    assert [p[0] for p in parts] == [ids["wandb"]] * 2
+    assert sorted(parts[0][2]) == [2, 4, 6] and sorted(parts[1][2]) == [8]
+
+    with open(run / "csv" / "metrics.csv", newline="") as fh:
+        steps = [int(r[0]) for r in list(csv.reader(fh))[1:] if r[1] == "train/loss"]
+    assert steps == [s for s, n, _ in jsonl_values(run) if n == "train/loss"]
+
+
+@pytest.mark.parametrize("name", ["mlflow", "wandb"])
+def test_a_missing_tracker_package_stops_the_run_before_training(name, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, name, None)  # `import mlflow` now fails, as when it is not installed
+    x, y = make_classification(16)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path / "run"), trackers=["csv", name], batch_size=8,
+                               epochs=1, **QUIET)
+    with pytest.raises(TrackerError) as err:
+        trainer.fit(TensorDataset(x, y))
+    assert str(err.value) == (f"log.trackers: '{name}' needs the {name} package, which is not installed; "
+                              f'pip install "torchrig[{name}]" or remove {name} from log.trackers')
+    assert trainer.global_step == 0
+
+
+def test_tensorboard_listed_and_switched_off_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'log.tensorboard': false, but log.trackers lists"):
+        torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), trackers=["tensorboard"], tensorboard=False)
