@@ -272,8 +272,8 @@ def test_logged_loss_holds_no_graph(make_trainer, data):
     windows = []
     real = T.record
 
-    def spy(self, out, n):
-        real(self, out, n)
+    def spy(self, out, n, *batch):
+        real(self, out, n, *batch)
         windows.append(self)
 
     T.record, restore = spy, real
