@@ -233,3 +233,52 @@ def test_a_missing_tracker_package_stops_the_run_before_training(name, tmp_path,
 def test_tensorboard_listed_and_switched_off_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^config key 'log.tensorboard': false, but log.trackers lists"):
         torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), trackers=["tensorboard"], tensorboard=False)
+
+
+def test_a_second_fit_of_one_trainer_logs_into_the_same_mlflow_run(runs):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    x, y = make_classification(32)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(runs / "3"), batch_size=8, epochs=1, log_every=2,
+                               num_workers=0, trackers=["mlflow"], **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    trainer.fit(TensorDataset(x, y))  # trains 4 more steps
+    trainer.close()
+    run_id = json.loads((runs / "3" / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+    assert steps == [s for s, n, _ in jsonl_values(runs / "3") if n == "train/loss"] == [2, 4, 4, 6, 8, 8]
+    found = client.search_runs([client.get_experiment_by_name("torchrig").experiment_id], "attributes.run_name = '3'")
+    assert len(found) == 1
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    from torchrig.trainer import trackers
+
+    class FullDisk(trackers.CSVTracker):
+        def log(self, values, step):
+            if step >= 4:
+                raise OSError(28, "No space left on device")
+            super().log(values, step)
+
+    monkeypatch.setitem(trackers.REGISTRY, "csv", FullDisk)
+    trainer = fit(tmp_path, ["csv"])
+    assert trainer.global_step == 8
+    assert ("torchrig: tracker 'csv' failed at step 4 (OSError: [Errno 28] No space left on device); it is off "
+            "for the rest of this run, metrics.jsonl has every value") in capsys.readouterr().err
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as fh:
+        assert {int(r[0]) for r in list(csv.reader(fh))[1:]} == {2}
+    assert max(s for s, _, _ in jsonl_values(tmp_path)) == 8
+
+
+def test_tensorboard_asked_for_by_log_tensorboard_names_that_key_when_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    x, y = make_classification(16)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=8, epochs=1, plot=False,
+                               progress="none", tensorboard=True)
+    with pytest.raises(TrackerError, match=r"^log.tensorboard: 'tensorboard' needs the tensorboard package, which "
+                                           r"is not installed; pip install \"torchrig\[tensorboard\]\" or set "
+                                           r"log.tensorboard=false$"):
+        trainer.fit(TensorDataset(x, y))

@@ -55,7 +55,7 @@ class RunLogger:
         names = tracker_names(getattr(config, "log", None), tensorboard)
         self.trackers = TrackerSet()
         if not (enabled and self.run_dir is not None):
-            check_installed(names)  # every rank stops at once when a tracker cannot start
+            check_installed(names, getattr(getattr(config, "log", None), "trackers", []))  # every rank stops
             return
         self._jsonl_path = self.run_dir / "metrics.jsonl"
         try:

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -271,13 +272,16 @@ def tracker_names(log: Any, tensorboard: Any = "auto") -> list[str]:
     return names
 
 
-def check_installed(names: list[str]) -> None:
-    """Fail before training when a tracker's package is missing (every rank checks, so all stop)."""
+def check_installed(names: list[str], listed: list) -> None:
+    """Fail before training when a tracker's package is missing (every rank checks, so all stop).
+    ``listed``: the names the user wrote in ``log.trackers`` (TensorBoard may come from ``log.tensorboard``)."""
     for name in names:
         package = REGISTRY[name].package
         if package and _missing(package):
-            raise TrackerError(f"log.trackers: '{name}' needs the {package} package, which is not installed; "
-                               f'pip install "torchrig[{name}]" or remove {name} from log.trackers')
+            key = "log.trackers" if name in listed else "log.tensorboard"
+            undo = f"remove {name} from log.trackers" if key == "log.trackers" else "set log.tensorboard=false"
+            raise TrackerError(f"{key}: '{name}' needs the {package} package, which is not installed; "
+                               f'pip install "torchrig[{name}]" or {undo}')
 
 
 def _missing(package: str) -> bool:
@@ -288,7 +292,13 @@ def _missing(package: str) -> bool:
 
 
 class TrackerSet:
-    """The trackers of one run, on the main process; an empty set elsewhere."""
+    """The trackers of one run, on the main process; an empty set elsewhere.
+
+    A tracker that fails while logging (a store gone, a full disk) is dropped with one message on
+    stderr: the training run, its checkpoints and ``metrics.jsonl`` go on.
+    """
+
+    _open: dict[str, "TrackerSet"] = {}  # run directory -> its open set: a second fit() ends the first
 
     def __init__(self, trackers: Optional[list[Tracker]] = None):
         self.items = list(trackers or [])
@@ -298,7 +308,10 @@ class TrackerSet:
     def open(cls, names: list[str], run_dir: Path, config: dict, options: Any = None,
              start_step: int = 0) -> "TrackerSet":
         """Start every tracker; after step 0 (a resume) the ids of ``trackers.json`` continue their runs."""
-        check_installed(names)
+        check_installed(names, getattr(options, "trackers", []))
+        earlier = cls._open.pop(str(run_dir.resolve()), None)
+        if earlier is not None:
+            earlier.finish()
         ids_path = run_dir / IDS_FILE
         ids = _read_ids(ids_path) if start_step > 0 else {}
         self = cls()
@@ -317,11 +330,19 @@ class TrackerSet:
                 ids[name] = run_id
         if ids:
             _write_ids(ids_path, ids)
+        if self.items:
+            cls._open[str(run_dir.resolve())] = self
         return self
 
     def log(self, values: dict, step: int) -> None:
-        for t in self.items:
-            t.log(values, step)
+        for t in list(self.items):
+            try:
+                t.log(values, step)
+            except Exception as exc:  # noqa: BLE001 - any tracker error: the run itself must go on
+                self.items.remove(t)
+                print(f"torchrig: tracker '{t.name}' failed at step {step} ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it is off for the rest "
+                      f"of this run, metrics.jsonl has every value", file=sys.stderr, flush=True)
 
     def flush(self) -> None:
         for t in [] if self.finished else self.items:
@@ -332,6 +353,8 @@ class TrackerSet:
         if self.finished:
             return
         self.finished = True
+        for key in [k for k, v in TrackerSet._open.items() if v is self]:
+            del TrackerSet._open[key]
         for t in self.items:
             t.finish(dict(final_metrics or {}), failed)
 
