@@ -282,3 +282,22 @@ def test_tensorboard_asked_for_by_log_tensorboard_names_that_key_when_missing(tm
                                            r"is not installed; pip install \"torchrig\[tensorboard\]\" or set "
                                            r"log.tensorboard=false$"):
         trainer.fit(TensorDataset(x, y))
+
+
+@pytest.mark.slow
+def test_under_ddp_only_rank_0_writes_trackers_and_profiles(tmp_path):
+    from helpers import dist_procs
+
+    results = dist_procs.pair("trackers", tmp_path, tmp_path / "init-store", timeout=90)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    assert [json.loads((tmp_path / f"trackers-{r}.json").read_text()) for r in (0, 1)] == [
+        {"steps": 4, "wrote": True}, {"steps": 4, "wrote": False}]
+    run = tmp_path / "run"
+    with open(run / "csv" / "metrics.csv", newline="") as fh:
+        assert [(int(s), n, float(v)) for s, n, v in list(csv.reader(fh))[1:]] == jsonl_values(run)  # once, not twice
+    per_sample = 4 * 16 * 32 + 6 * 32 * 32 + 6 * 32 * 4  # 16 -> 32 -> 32 -> 4, as in test_throughput
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "flops_per_s" in r] == [1, 2, 3, 4]
+    assert all(r["flops_per_s"] == pytest.approx(per_sample * r["samples_per_s"]) for r in rows if "flops_per_s" in r)
+    assert (run / "profile" / "trace.json").stat().st_size > 0
+    assert "profiled steps 2-3" in results[0].stderr and "profiled" not in results[1].stderr
