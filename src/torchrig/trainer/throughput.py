@@ -103,7 +103,8 @@ class FlopCounter:
             log.flops_per_sample = self.flops_per_sample
             log.peak_flops = peak_flops(trainer.device, trainer.precision.name)
             trainer.print(f"torchrig: {self.flops_per_sample:.4g} FLOPs per sample (forward + backward)"
-                          + ("" if log.peak_flops else "; no peak known for this device: flops_per_s only, no mfu"))
+                          + ("" if log.peak_flops else f"; no peak FLOP/s known for {trainer.device}: "
+                                                        f"rows get flops_per_s, no mfu"))
             return values
 
         self._restore = lambda: setattr(trainer, "step_fn", original)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -170,6 +171,8 @@ class MLflowTracker(Tracker):
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
+        for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         store = run_dir.resolve().parent / "mlruns"
         uri = self._option("mlflow_uri")
         if uri is None:
@@ -264,7 +267,7 @@ REGISTRY: dict[str, type[Tracker]] = {t.name: t for t in (CSVTracker, TensorBoar
 
 def tracker_names(log: Any, tensorboard: Any = "auto") -> list[str]:
     """``log.trackers`` plus TensorBoard, which ``log.tensorboard`` (auto: when installed) turns on."""
-    names = list(getattr(log, "trackers", None) or [])
+    names = list(dict.fromkeys(getattr(log, "trackers", None) or []))  # each once, in the order given
     tensorboard = getattr(log, "tensorboard", tensorboard)
     if "tensorboard" not in names and (tensorboard is True or tensorboard == "true" or (
             tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None)):
