@@ -11,6 +11,7 @@ import csv
 import json
 import struct
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def test_mlflow_sqlite_store_beside_the_run_holds_every_value(runs):
     from mlflow.tracking import MlflowClient
 
     run = runs / "1"
-    fit(run, ["mlflow"], tensorboard=False)
+    trainer = fit(run, ["mlflow"], tensorboard=False)
     run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")  # the default store
     got = client.get_run(run_id)
@@ -108,6 +109,7 @@ def test_mlflow_sqlite_store_beside_the_run_holds_every_value(runs):
         history = client.get_metric_history(run_id, name)
         assert sorted((m.step, m.value) for m in history) == sorted(points), name
     assert {k: got.data.metrics[k] for k in FINAL} == FINAL
+    assert trainer.logger.trackers.where() == [f"mlflow run {run_id} in sqlite:///{runs.resolve() / 'mlruns' / 'mlflow.db'}"]
 
 
 def test_mlflow_file_store_and_a_project_name(tmp_path, monkeypatch):
@@ -144,6 +146,8 @@ def wandb_records(run_folder: Path) -> list:
         if size == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + size > len(data):  # a chunk still being written
+            break
         buf += data[pos + 7:pos + 7 + size]
         pos += 7 + size
         if kind in (1, 4):  # a full record, or the last chunk of one
@@ -158,11 +162,19 @@ def wandb_run(run_folder: Path) -> tuple[str, dict, dict[int, dict], dict]:
     """(run id, config, history by step, summary) of one offline run folder."""
     run_id, config, history, summary = "", {}, {}, {}
     key = lambda item: item.key or "/".join(item.nested_key)  # noqa: E731
-    for r in wandb_records(run_folder):
+    deadline = time.monotonic() + 20
+    records = wandb_records(run_folder)
+    # run.finish() returns before wandb's service process has written the file's last records
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = wandb_records(run_folder)
+    for r in records:
         kind = r.WhichOneof("record_type")
-        if kind == "run":
-            run_id = r.run.run_id
+        if kind == "run":  # the first one names the run; later ones may only update it
+            run_id = run_id or r.run.run_id
             config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
+        elif kind == "config":
+            config.update({u.key: json.loads(u.value_json) for u in r.config.update})
         elif kind == "history":
             row = {key(i): json.loads(i.value_json) for i in r.history.item}
             history[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
@@ -175,7 +187,7 @@ def test_wandb_offline_run_holds_every_value(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = tmp_path / "run"
-    fit(run, ["wandb"], tensorboard=False, log={"project": "digits"})
+    trainer = fit(run, ["wandb"], tensorboard=False, log={"project": "digits"})
     folders = list((run / "wandb").glob("offline-run-*"))
     assert len(folders) == 1
     run_id, config, history, summary = wandb_run(folders[0])
@@ -186,6 +198,8 @@ def test_wandb_offline_run_holds_every_value(tmp_path, monkeypatch):
         expected[step][name] = value
     assert history == {s: pytest.approx(v) for s, v in expected.items()}
     assert {k: summary[k] for k in FINAL} == FINAL
+    assert trainer.logger.trackers.where() == [f"wandb run {run_id} in {folders[0]} (offline: upload with wandb sync "
+                                               f"{folders[0]})"]
 
 
 def test_a_resumed_run_goes_on_in_the_same_tracker_runs(runs, monkeypatch):

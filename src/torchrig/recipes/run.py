@@ -91,6 +91,8 @@ def _train(cfg: C.Config, out) -> dict:
             out(f"checkpoints: {run / 'checkpoints'} (latest -> {_readlink(run / 'checkpoints' / 'latest')})")
             out(f"logs:        {run / 'metrics.jsonl'}" + (f" · tensorboard: {run / 'tensorboard'}"
                                                           if (run / 'tensorboard').exists() else ""))
+            for line in trainer.logger.trackers.where():
+                out(f"tracker:     {line}")
             plots = getattr(trainer, "plots", [])
             if plots:
                 out(f"plots:       {', '.join(str(p) for p in plots)}")

@@ -58,6 +58,7 @@ class Tracker:
     def __init__(self, options: Any = None, start_step: int = 0):
         self.options, self.start_step = options, start_step
         self.last_step = start_step
+        self.where = ""  # for the end-of-run summary: where to find this run
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         return None
@@ -90,6 +91,7 @@ class CSVTracker(Tracker):
         self._fh = open(path, "w", newline="", buffering=1)
         self._csv = csv.writer(self._fh)
         self._csv.writerows([["step", "name", "value"], *kept])
+        self.where = f"csv {self.dir}"
         return None
 
     def log(self, values: dict, step: int) -> None:
@@ -185,6 +187,7 @@ class MLflowTracker(Tracker):
             params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in have]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(self.run_id, params=params[i:i + 100])
+            self.where = f"mlflow run {self.run_id} in {uri}"
         except MlflowException as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TrackerError(f"log.mlflow_uri {uri!r}: MLflow refused the run: {first}; set log.mlflow_uri "
@@ -240,6 +243,9 @@ class WandbTracker(Tracker):
         self.run = wandb.init(project=self._option("project") or "torchrig", name=self._option("run_name") or
                               run_dir.name, dir=str(run_dir), config={**config, "run_dir": str(run_dir)},
                               id=resume_id, resume="allow" if resume_id else None, mode=mode, settings=settings)
+        folder = Path(self.run.dir).parent
+        self.where = f"wandb run {self.run.id} in {folder}" + (
+            f" (offline: upload with wandb sync {folder})" if self.run.settings.mode == "offline" else "")
         return self.run.id
 
     def log(self, values: dict, step: int) -> None:
@@ -346,6 +352,10 @@ class TrackerSet:
                 print(f"torchrig: tracker '{t.name}' failed at step {step} ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it is off for the rest "
                       f"of this run, metrics.jsonl has every value", file=sys.stderr, flush=True)
+
+    def where(self) -> list[str]:
+        """Where each tracker's run is (TensorBoard's folder is said with the logs)."""
+        return [t.where for t in self.items if t.where]
 
     def flush(self) -> None:
         for t in [] if self.finished else self.items:
