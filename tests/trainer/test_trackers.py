@@ -315,3 +315,25 @@ def test_under_ddp_only_rank_0_writes_trackers_and_profiles(tmp_path):
     assert all(r["flops_per_s"] == pytest.approx(per_sample * r["samples_per_s"]) for r in rows if "flops_per_s" in r)
     assert (run / "profile" / "trace.json").stat().st_size > 0
     assert "profiled steps 2-3" in results[0].stderr and "profiled" not in results[1].stderr
+
+
+def test_a_run_that_fails_ends_its_mlflow_run_as_failed(runs):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from torchrig.trainer.step import default_step
+
+    def broken_at_3(step, batch):
+        if step.global_step == 2:
+            raise RuntimeError("out of memory")
+        return default_step(step, batch)
+
+    x, y = make_classification(32)
+    trainer = torchrig.Trainer(TinyNet(), step_fn=broken_at_3, run_dir=str(runs / "4"), batch_size=8, epochs=1,
+                               log_every=1, num_workers=0, trackers=["mlflow"], **QUIET)
+    with pytest.raises(RuntimeError, match="out of memory"), trainer:
+        trainer.fit(TensorDataset(x, y))
+    run_id = json.loads((runs / "4" / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2]

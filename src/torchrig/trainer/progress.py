@@ -50,7 +50,7 @@ class RunLogger:
         self.mode = progress if enabled else "none"
         self._jsonl = None
         self._bar = None
-        self.failed = False
+        self.status = "FINISHED"  # of the tracker runs: FAILED or KILLED when closed by an error or a stop
         # the trackers (TensorBoard, CSV, MLflow, W&B) of ``config.log``, or TensorBoard per ``tensorboard``
         names = tracker_names(getattr(config, "log", None), tensorboard)
         self.trackers = TrackerSet()
@@ -135,10 +135,12 @@ class RunLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        self.failed = self.failed or sys.exc_info()[0] is not None  # closed while an error propagates
+        exc = sys.exc_info()[1]  # closed while an error or a stop propagates
+        if exc is not None and self.status == "FINISHED":
+            self.status = "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED"
         self.trackers.flush()
 
     def finish(self, final_metrics: Optional[dict] = None) -> None:
         """End the tracker runs, with the final metrics (``test/accuracy`` …); once, after ``close``."""
         self.close()
-        self.trackers.finish(final_metrics, failed=self.failed)
+        self.trackers.finish(final_metrics, status=self.status)

@@ -66,8 +66,8 @@ class Tracker:
     def log(self, values: dict, step: int) -> None:
         pass
 
-    def finish(self, final_metrics: dict, failed: bool = False) -> None:
-        pass
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        """``status``: FINISHED, FAILED (an error), or KILLED (a stop signal or Ctrl-C: resumable)."""
 
     def flush(self) -> None:
         pass
@@ -101,7 +101,7 @@ class CSVTracker(Tracker):
     def flush(self) -> None:
         self._fh.flush()
 
-    def finish(self, final_metrics: dict, failed: bool = False) -> None:
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
         if not self._fh.closed:
             self._fh.close()
         _write_pairs(self.dir / "final.csv", {**_numbers(final_metrics), "run_dir": str(self.dir.parent)})
@@ -154,7 +154,7 @@ class TensorBoardTracker(Tracker):
     def flush(self) -> None:
         self._writer.flush()
 
-    def finish(self, final_metrics: dict, failed: bool = False) -> None:
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
         self.log(final_metrics, self.last_step)
         self._writer.flush()
         self._writer.close()
@@ -223,9 +223,9 @@ class MLflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics)
         self.last_step = step
 
-    def finish(self, final_metrics: dict, failed: bool = False) -> None:
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
         self.log(final_metrics, self.last_step)
-        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        self.client.set_terminated(self.run_id, status)
 
 
 class WandbTracker(Tracker):
@@ -252,9 +252,9 @@ class WandbTracker(Tracker):
         self.run.log(_numbers(values), step=step)
         self.last_step = step
 
-    def finish(self, final_metrics: dict, failed: bool = False) -> None:
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
         self.run.summary.update({**_numbers(final_metrics), "run_dir": str(self.run.dir)})
-        self.run.finish(exit_code=1 if failed else 0)
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 def _has_wandb_key() -> bool:
@@ -332,7 +332,7 @@ class TrackerSet:
                 raise TrackerError(f"log.trackers: '{name}' could not import {exc.name or tracker.package}: {exc}; "
                                    f'pip install "torchrig[{name}]" or remove {name} from log.trackers') from None
             except BaseException:
-                self.finish({}, failed=True)  # the ones already started
+                self.finish({}, status="FAILED")  # the ones already started
                 raise
             self.items.append(tracker)
             if run_id is not None:
@@ -361,7 +361,7 @@ class TrackerSet:
         for t in [] if self.finished else self.items:
             t.flush()
 
-    def finish(self, final_metrics: Optional[dict] = None, failed: bool = False) -> None:
+    def finish(self, final_metrics: Optional[dict] = None, status: str = "FINISHED") -> None:
         """Final metrics (``test/accuracy`` …), then each tracker's end; once."""
         if self.finished:
             return
@@ -369,7 +369,7 @@ class TrackerSet:
         for key in [k for k, v in TrackerSet._open.items() if v is self]:
             del TrackerSet._open[key]
         for t in self.items:
-            t.finish(dict(final_metrics or {}), failed)
+            t.finish(dict(final_metrics or {}), status)
 
 
 def _read_ids(path: Path) -> dict[str, str]:
