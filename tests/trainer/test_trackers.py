@@ -337,3 +337,18 @@ def test_a_run_that_fails_ends_its_mlflow_run_as_failed(runs):
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2]
+
+
+def test_a_store_mlflow_refuses_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = (tmp_path / "store").as_uri()
+    x, y = make_classification(16)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, trackers=["mlflow"],
+                               log={"mlflow_uri": uri}, **QUIET)
+    with pytest.raises(TrackerError) as err:
+        trainer.fit(TensorDataset(x, y))
+    message = str(err.value)
+    assert message.startswith(f"log.mlflow_uri {uri!r}: MLflow refused the run: ") and "\n" not in message
+    assert "MLFLOW_ALLOW_FILE_STORE" in message and message.endswith("e.g. sqlite:///mlflow.db")
+    assert trainer.global_step == 0
