@@ -352,3 +352,13 @@ def test_a_store_mlflow_refuses_is_one_line_naming_the_key(tmp_path, monkeypatch
     assert message.startswith(f"log.mlflow_uri {uri!r}: MLflow refused the run: ") and "\n" not in message
     assert "MLFLOW_ALLOW_FILE_STORE" in message and message.endswith("e.g. sqlite:///mlflow.db")
     assert trainer.global_step == 0
+
+
+def test_importing_torchrig_imports_no_tracker_package():
+    import subprocess
+
+    code = ("import sys, torchrig, torchrig.trainer.trackers, torchrig.trainer.profiling; "
+            "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch.utils.tensorboard') if m in sys.modules))")
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(torchrig.__file__).parent.parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "[]"

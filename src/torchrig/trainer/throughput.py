@@ -98,6 +98,11 @@ class FlopCounter:
         def counted(step: Any, batch: Any) -> Any:
             trainer.step_fn = original
             values, flops = count_flops(lambda: original(step, batch))
+            if not flops:  # e.g. a compiled model, whose operators the counter does not see
+                trainer.print("torchrig: log.flops: no FLOPs counted in the first step (a compiled model hides its "
+                              "operators from FlopCounterMode); rows carry no flops_per_s. Set model.compile=false "
+                              "to count them")
+                return values
             self.flops_per_sample = flops / max(1, batch_size_of(batch))
             log = trainer.metrics_log
             log.flops_per_sample = self.flops_per_sample
