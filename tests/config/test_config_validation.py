@@ -26,7 +26,7 @@ EXAMPLES = [
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
     ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, log, model, optim, "
-                  "pix2pix, scheduler, text"),
+                  "pix2pix, profile, scheduler, text"),
 ]
 
 
@@ -132,6 +132,13 @@ BAD_VALUES = [
     ('log.progress=fancy', "one of auto, bar, lines, none, got 'fancy'"),
     ('log.tensorboard=maybe', "true, false or 'auto', got 'maybe'"),
     ('log.plot=maybe', "true, false or 'background', got 'maybe'"),
+    ('log.trackers=[mlfow]', "a list of csv, tensorboard, mlflow, wandb, got ['mlfow']"),
+    ('log.mlflow_uri=""', "a non-empty string or null, got ''"),
+    ('log.project=""', "a non-empty string or null, got ''"),
+    ('log.run_name=""', "a non-empty string or null, got ''"),
+    ('log.flops=maybe', "true or false, got 'maybe'"),
+    ('profile.steps=[5,2]', "[] or [first, last] with 1 <= first <= last, got [5, 2]"),
+    ('profile.memory_snapshot=maybe', "true or false, got 'maybe'"),
     ('dist.strategy=horovod', "one of auto, none, ddp, dp, fsdp, got 'horovod'"),
     ('dist.backend=nccl2', "a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl) or null, got 'nccl2'"),
     ('dist.init_method=localhost:29500', "a tcp://HOST:PORT, file:///PATH or env:// address or null, got 'localhost:29500'"),
@@ -160,7 +167,7 @@ def test_every_core_key_has_a_rule_and_a_bad_value_here():
         value = getattr(Config(), f.name)
         if not dataclasses.is_dataclass(value):
             core.add(f.name)
-        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "dist"):
+        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist"):
             core |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
     assert set(RULES) == core
     assert {o.split("=", 1)[0] for o, _ in BAD_VALUES} == core

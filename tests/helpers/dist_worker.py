@@ -3,6 +3,7 @@
     python tests/helpers/dist_worker.py equiv  OUT     # file:// pair: DDP, DDP+accumulation, FSDP fits; evaluate; predict
     python tests/helpers/dist_worker.py resume OUT     # file:// pair: DDP fit, rank 1 SIGKILLs itself at KILL_AT_STEP
     python tests/helpers/dist_worker.py features OUT   # file:// pair: DDP options, gradient syncs, metrics, SyncBatchNorm on CPU
+    python tests/helpers/dist_worker.py trackers OUT   # file:// pair: a CSV tracker, FLOP counting, the profiler
     python tests/helpers/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/helpers/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
 
@@ -326,6 +327,19 @@ def fit(out: Path) -> None:
             print(f"finished at step {t.global_step}; resumed from {getattr(t, 'resumed_from', None)}", flush=True)
 
 
+def trackers(out: Path) -> None:
+    """A DDP fit with a CSV tracker, FLOP counting and the profiler: rank 0 alone writes their files."""
+    from torchrig import Trainer
+
+    x, y = train_data()
+    t = Trainer(make_model(), **settings(out / "run", strategy="ddp", max_steps=4, trackers=["csv"], flops=True,
+                                         profile={"steps": [2, 3]}, **{"log.every_steps": 1}), **_pair_kwargs())
+    with t:
+        t.fit((x, y))
+        t.logger.finish({"test/accuracy": 0.5})
+        (out / f"trackers-{t.rank}.json").write_text(json.dumps({"steps": t.global_step, "wrote": t.logger.enabled}))
+
+
 def cli(args: list[str]) -> int:
     import torch.distributed as dist
 
@@ -345,4 +359,4 @@ if __name__ == "__main__":
         sys.exit(cli(sys.argv[2:]))
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"equiv": equiv, "resume": resume, "fit": fit, "features": features}[what](target)
+    {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers}[what](target)

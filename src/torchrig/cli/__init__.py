@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "MODULE with the current directory on sys.path (config key model.factory)")
     p.add_argument("--data", metavar="MODULE:FN", help="your data: FN(config) returns the training data, "
                    "(train, val) or (train, val, test) (config key data.factory; recipe 'custom' unless one is named)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile optimizer steps 10-15 (or profile.steps) with torch.profiler; writes RUN_DIR/profile")
     _set_arg(p)
     _add_common(p)
 
@@ -103,6 +105,8 @@ def cmd_train(args) -> int:
 
     factories = [f"{key}={spec}" for key, spec in (("model.factory", args.model), ("data.factory", args.data)) if spec]
     cfg = build_config(args.config, args.overrides + factories, args.recipe)
+    if args.profile and not cfg.profile.steps:
+        cfg.profile.steps = [10, 15]
     run_train(cfg)
     return 0
 

@@ -104,6 +104,17 @@ class LogConfig:
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines, none
     tensorboard: Union[bool, str] = "auto"  # auto = when tensorboard is installed
     plot: Union[bool, str] = "background"  # PNG curves after fit: background (a detached process), true, false
+    trackers: list = field(default_factory=list)  # csv, tensorboard, mlflow, wandb (rank 0 only)
+    mlflow_uri: Optional[str] = None  # None: sqlite:///<run dir's parent>/mlruns/mlflow.db
+    project: Optional[str] = None  # MLflow experiment / W&B project; None: "torchrig"
+    run_name: Optional[str] = None  # tracker run name; None: the run directory's name
+    flops: bool = False  # count FLOPs per sample once and log flops_per_s (and mfu on known GPUs)
+
+
+@dataclass
+class ProfileConfig:
+    steps: list = field(default_factory=list)  # [first, last] optimizer steps to record; [] = off
+    memory_snapshot: bool = False  # also write a CUDA memory snapshot of those steps (GPU only)
 
 
 @dataclass
@@ -162,6 +173,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
     # Recipe sections (``cfg.image``, ``cfg.text`` …) are not fields: see register_section.
@@ -513,6 +525,13 @@ def _input_keys(v: Any) -> list:
     return [_accept(isinstance(k, str) and k.strip() != "", k) for k in v]
 
 
+def _steps(v: Any) -> list:
+    """[] (off) or two optimizer steps [first, last], first >= 1, last >= first."""
+    _accept(isinstance(v, (list, tuple)) and len(v) in (0, 2) and all(_is_int(x) for x in v), v)
+    return _accept(not v or 1 <= v[0] <= v[1], list(v))
+
+
+TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")
 _BOOL = _Rule("true or false", lambda v: _accept(isinstance(v, bool), v))
 _TEXT = _Rule("a non-empty string", lambda v: _accept(isinstance(v, str) and v.strip() != "", v))
 _POSITIVE = _num(0, lo_open=True)
@@ -565,6 +584,10 @@ RULES: dict[str, _Rule] = {
     "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
     "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"),
     "log.plot": _Rule("true, false or 'background'", lambda v: v if v == "background" else _BOOL.check(v)),
+    "log.trackers": _list_of(_choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
+    "log.mlflow_uri": _optional(_TEXT), "log.project": _optional(_TEXT), "log.run_name": _optional(_TEXT),
+    "log.flops": _BOOL, "profile.steps": _Rule("[] or [first, last] with 1 <= first <= last", _steps),
+    "profile.memory_snapshot": _BOOL,
     "dist.strategy": _choice("auto", "none", "ddp", "dp", "fsdp"),
     "dist.backend": _optional(_pattern("a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl)",
                                        rf"{_BACKEND}(?:,{_BACKEND})*")),
@@ -610,6 +633,8 @@ def validate(cfg: Config) -> Config:
     if cfg.overwrite and cfg.resume in ("latest", "best"):
         raise ConfigError(f"config key 'overwrite': true would remove the run that resume={cfg.resume!r} continues; "
                           f"set one of them")
+    if cfg.log.tensorboard is False and "tensorboard" in cfg.log.trackers:
+        raise ConfigError("config key 'log.tensorboard': false, but log.trackers lists tensorboard; remove one of them")
     _validate_sections(cfg)
     return cfg
 
@@ -688,6 +713,6 @@ def from_dict(mapping: dict) -> Config:
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig", "CheckpointConfig",
-    "LogConfig", "DistConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate", "get_key", "set_key",
-    "register_section", "sections",
+    "LogConfig", "ProfileConfig", "DistConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate",
+    "get_key", "set_key", "register_section", "sections",
 ]

@@ -89,6 +89,7 @@ def _train(cfg: C.Config, out) -> dict:
         test = data.get("test")
         if test is not None:
             results = trainer.evaluate(test)
+        trainer.logger.finish({f"test/{k}": v for k, v in results.items()})  # the trackers' final metrics
         if trainer.is_main:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
             out(f"test: {shown}" if results else "training finished")
@@ -97,6 +98,8 @@ def _train(cfg: C.Config, out) -> dict:
             out(f"logs:        {run / 'metrics.jsonl'}")
             if (run / "tensorboard").exists():  # a line of its own: paths are never cut to fit a terminal
                 out(f"tensorboard: {run / 'tensorboard'}")
+            for line in trainer.logger.trackers.where():
+                out(f"tracker:     {line}")
             plots = getattr(trainer, "plots", [])
             if plots:
                 drawing = " (being drawn in the background)" if getattr(trainer, "plot_process", None) else ""

@@ -5,7 +5,7 @@ told apart by their ``kind`` field:
 
 * ``interval`` rows every ``log.every_steps`` optimizer steps: the means of the step function's values
   (``train/loss`` …) over the micro-batches since the previous row, samples/s, data-wait fraction,
-  the train metrics so far, lr, grad norm;
+  the train metrics so far, lr, grad norm (and tokens/s, FLOP/s, MFU: see :mod:`.throughput`);
 * ``epoch`` rows at each epoch's end: means over the whole epoch, validation values, lr.
 
 Per micro-batch, :meth:`MetricsLogger.record` only adds tensors (no ``.item()``); values are read on
@@ -21,6 +21,7 @@ import torch
 
 from .. import runtime
 from .progress import RunLogger
+from .throughput import rates, tokens_of
 
 
 class MetricsLogger:
@@ -31,6 +32,9 @@ class MetricsLogger:
         self.sums: dict[str, Any] = {}         # logging interval: running sums (tensors stay tensors)
         self.count = 0                          # micro-batches in the interval
         self.samples = 0
+        self.tokens: Any = None                 # token count of token-id batches (a tensor until flush)
+        self.flops_per_sample: Optional[float] = None  # set once by throughput.FlopCounter (log.flops)
+        self.peak_flops: Optional[float] = None
         self.wait = 0.0                         # seconds spent waiting for data in the interval
         self.epoch_sums: dict[str, float] = {}  # folded in at each flush, so per step costs nothing extra
         self.epoch_count = 0
@@ -40,12 +44,15 @@ class MetricsLogger:
     def should_log(self, global_step: int) -> bool:
         return bool(self.every_steps) and global_step % self.every_steps == 0
 
-    def record(self, out: Optional[dict], n: int, weight: Any = 1) -> None:
+    def record(self, out: Optional[dict], n: int, weight: Any = 1, batch: Any = None) -> None:
         """Add one micro-batch's values, weighted by ``weight``: the items its loss is a mean over (samples
         or valid tokens, a tensor that stays on the device), so that a logged mean is the mean over the
-        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged)."""
+        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged). ``batch`` gives the token count of token data."""
         self.count = self.count + weight
         self.samples += n
+        tokens = tokens_of(batch)
+        if tokens is not None:
+            self.tokens = tokens if self.tokens is None else self.tokens + tokens
         if out:
             for k, v in out.items():
                 if isinstance(v, torch.Tensor) and v.requires_grad:
@@ -66,10 +73,11 @@ class MetricsLogger:
         elapsed = max(now - self._t_last, 1e-9)
         values = {f"train/{k}": v / max(1e-12, float(self.count)) for k, v in self._fold().items()}
         values = _mean_over_ranks(values, self.world_size, self.device)
-        values["samples_per_s"] = self.samples * self.world_size / elapsed
+        values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
+                            self.peak_flops))
         values["data_wait"] = self.wait / elapsed
         values.update(extra)
-        self.sums, self.count, self.samples, self.wait, self._t_last = {}, 0, 0, 0.0, now
+        self.sums, self.count, self.samples, self.tokens, self.wait, self._t_last = {}, 0, 0, None, 0.0, now
         self.out.log(step, values, epoch=epoch, kind="interval")
         return values
 

@@ -26,6 +26,7 @@ KWARG_KEYS = {
     "bucket_cap_mb": "dist.bucket_cap_mb", "fsdp_wrap": "dist.fsdp_wrap", "warmup_steps": "scheduler.warmup_steps",
     "scheduler_interval": "scheduler.interval", "channels_last": "model.channels_last", "compile": "model.compile",
     "activation_checkpointing": "model.activation_checkpointing", "broadcast_buffers": "dist.broadcast_buffers",
+    "trackers": "log.trackers", "flops": "log.flops",
 }
 
 

@@ -1,4 +1,4 @@
-"""Progress and logs: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, TensorBoard.
+"""Progress and logs: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, the trackers.
 
 Values arrive as Python floats (the loop calls ``.item()`` only at log steps), so nothing logged
 keeps a tensor, let alone a graph, alive.
@@ -7,14 +7,15 @@ keeps a tensor, let alone a graph, alive.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
+from ..config import to_dict
 from . import terminal
+from .trackers import TrackerSet, check_installed, tracker_names
 
 
 def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
@@ -31,7 +32,7 @@ class RunLogger:
     """
 
     def __init__(self, run_dir: Optional[Path], enabled: bool = True, progress: str = "auto",
-                 tensorboard: Any = "auto", stream=None, start_step: Optional[int] = None):
+                 tensorboard: Any = "auto", stream=None, start_step: Optional[int] = None, config: Any = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.stream = stream or sys.stderr
@@ -39,33 +40,27 @@ class RunLogger:
             progress = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
         self.mode = progress if enabled else "none"
         self._jsonl = None
-        self._tb = None
         self._bar = None
         self.started = time.perf_counter()  # for the end-of-run summary
         self.start_step = start_step or 0
         self.last_step = self.start_step
-        if enabled and self.run_dir is not None:
-            self._jsonl_path = self.run_dir / "metrics.jsonl"
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                if start_step is not None:
-                    trim_metrics(self._jsonl_path, start_step)
-                self._jsonl = open(self._jsonl_path, "a", buffering=1)
-            except OSError as exc:
-                raise _write_error(exc, self._jsonl_path, "opening") from None
-            if tensorboard:
-                try:
-                    from tensorboard.compat.proto.summary_pb2 import Summary
-                    from torch.utils.tensorboard import SummaryWriter
-
-                    # purge_step: TensorBoard hides events a stopped run wrote after the step resumed from
-                    purge = None if start_step is None else start_step + 1
-                    self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
-                    self._tb_summary = Summary
-                except Exception:  # tensorboard not installed: "auto" means optional
-                    if tensorboard is True or tensorboard == "true":
-                        raise RuntimeError("log.tensorboard=true but tensorboard is not installed; "
-                                           "pip install 'torchrig[tensorboard]' or set log.tensorboard=false") from None
+        self.status = "FINISHED"  # of the tracker runs: FAILED or KILLED when closed by an error or a stop
+        # the trackers (TensorBoard, CSV, MLflow, W&B) of ``config.log``, or TensorBoard per ``tensorboard``
+        names = tracker_names(getattr(config, "log", None), tensorboard)
+        self.trackers = TrackerSet()
+        if not (enabled and self.run_dir is not None):
+            check_installed(names, getattr(getattr(config, "log", None), "trackers", []))  # every rank stops
+            return
+        self._jsonl_path = self.run_dir / "metrics.jsonl"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if start_step is not None:
+                trim_metrics(self._jsonl_path, start_step)
+            self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        except OSError as exc:
+            raise _write_error(exc, self._jsonl_path, "opening") from None
+        plain = to_dict(config) if config is not None else {}
+        self.trackers = TrackerSet.open(names, self.run_dir, plain, getattr(config, "log", None), start_step or 0)
 
     # -- records -----------------------------------------------------------------------------
     def log(self, step: int, values: dict, epoch: Optional[int] = None, kind: Optional[str] = None) -> None:
@@ -84,13 +79,7 @@ class RunLogger:
             except OSError as exc:
                 self._drop_jsonl()
                 raise _write_error(exc, self._jsonl_path, f"writing step {step} to") from None
-        if self._tb is not None:
-            # One event per row, not one per value: the event writer checksums every event in pure
-            # Python, which made TensorBoard the dearest part of logging.
-            scalars = [self._tb_summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-            if scalars:
-                self._tb._get_file_writer().add_summary(self._tb_summary(value=scalars), step)
+        self.trackers.log(values, step)
 
     def _drop_jsonl(self) -> None:
         """Close a file that failed to write; what it still buffers cannot be written either."""
@@ -154,7 +143,12 @@ class RunLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
-            self._tb = None
+        exc = sys.exc_info()[1]  # closed while an error or a stop propagates
+        if exc is not None and self.status == "FINISHED":
+            self.status = "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED"
+        self.trackers.flush()
+
+    def finish(self, final_metrics: Optional[dict] = None) -> None:
+        """End the tracker runs, with the final metrics (``test/accuracy`` …); once, after ``close``."""
+        self.close()
+        self.trackers.finish(final_metrics, status=self.status)

@@ -30,6 +30,7 @@ from .options import resolve_options
 from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
 from .step import Step, batch_size_of, default_step
+from .throughput import fit_callbacks
 
 
 class Trainer:
@@ -161,11 +162,11 @@ class Trainer:
             self._run.close()
 
     def _train(self, plan: FitPlan) -> dict:
-        self.callbacks.call("on_fit_start", self)
+        self._run_callbacks.call("on_fit_start", self)
         try:
             val_metrics, stopped = self._loop(plan)
         except BaseException as exc:
-            self.callbacks.call("on_exception", self, exc)
+            self._run_callbacks.call("on_exception", self, exc)
             raise
         finally:
             self._signals.uninstall()
@@ -195,7 +196,7 @@ class Trainer:
         self.monitor = Monitor(name, cfg.checkpoint.mode)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
-        self._run_callbacks = Callbacks([self.early_stopping, best, *self.callbacks.items])
+        self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best,
                                              writes=self.is_main, sharded=self.strategy == "fsdp")
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
@@ -224,7 +225,7 @@ class Trainer:
                        f"max_steps, or start a new run")
             return True
         self.metrics_log.out = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
-                                         tensorboard=cfg.log.tensorboard, start_step=self.global_step)
+                                         start_step=self.global_step, config=cfg)  # and the trackers
         A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
@@ -305,7 +306,7 @@ class Trainer:
             step.set_batch(batch, plan.batches.weight(i))
             with runtime.no_sync_all(synced, not step.sync_gradients, self.world_size):
                 values = self.step_fn(step, batch)
-            log.record(values, batch_size_of(batch) * step.weight, step.log_weight)
+            log.record(values, batch_size_of(batch) * step.weight, step.log_weight, batch if step.weight else None)
             i += 1
             self.state.batch_in_epoch = i
             out.advance()
@@ -399,6 +400,8 @@ class Trainer:
     def close(self) -> None:
         """Release the run directory and destroy the process group this Trainer created (also done at exit)."""
         self._run.close()
+        if self.metrics_log is not None:  # the tracker runs end here: test metrics may follow fit
+            self.metrics_log.out.finish()
         if self._owns_group:
             runtime.destroy_process_group()
             self._owns_group = False

@@ -1,0 +1,386 @@
+"""Experiment trackers: CSV, TensorBoard, MLflow and Weights & Biases behind one small interface.
+
+Each tracker is one class with ``start(config, run_dir, resume_id) -> run id or None``,
+``log(values, step)`` and ``finish(final_metrics)``; :data:`REGISTRY` maps the names of
+``log.trackers`` to them. :class:`TrackerSet` runs the chosen ones for the main process: it gives
+each the flattened config as hyperparameters, every logged row with its optimizer step, the final
+metrics and the run directory, and keeps the tracker run ids in ``trackers.json`` in the run
+directory, so that a resumed run goes on logging into the same MLflow run / W&B run.
+
+Tracker packages are imported when a tracker starts, never when torchrig is imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import TorchrigError
+
+IDS_FILE = "trackers.json"
+
+
+class TrackerError(TorchrigError, RuntimeError):
+    """A tracker that cannot start: its package is missing, or its store refuses the run."""
+
+
+def _numbers(values: dict) -> dict[str, float]:
+    """The plain numbers of a row (no bools, strings or None)."""
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``; lists and other values are kept as they are."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class Tracker:
+    """One destination of the logged values. ``log`` is called on rank 0 only, at log steps."""
+
+    name = ""
+    package = ""  # the import that must succeed; the extra to install is torchrig[<name>]
+
+    def __init__(self, options: Any = None, start_step: int = 0):
+        self.options, self.start_step = options, start_step
+        self.last_step = start_step
+        self.where = ""  # for the end-of-run summary: where to find this run
+
+    def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
+        return None
+
+    def log(self, values: dict, step: int) -> None:
+        pass
+
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        """``status``: FINISHED, FAILED (an error), or KILLED (a stop signal or Ctrl-C: resumable)."""
+
+    def flush(self) -> None:
+        pass
+
+    def _option(self, key: str) -> Any:
+        return getattr(self.options, key, None)
+
+
+class CSVTracker(Tracker):
+    """Plain files under ``RUN_DIR/csv``: ``metrics.csv`` (step,name,value, one row per value),
+    ``params.csv`` (the config and the run directory) and ``final.csv`` (the final metrics)."""
+
+    name = "csv"
+
+    def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
+        self.dir = run_dir / "csv"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_pairs(self.dir / "params.csv", {**flatten(config), "run_dir": str(run_dir)})
+        path = self.dir / "metrics.csv"
+        kept = _csv_rows_up_to(path, self.start_step) if path.exists() else []
+        self._fh = open(path, "w", newline="", buffering=1)
+        self._csv = csv.writer(self._fh)
+        self._csv.writerows([["step", "name", "value"], *kept])
+        self.where = f"csv {self.dir}"
+        return None
+
+    def log(self, values: dict, step: int) -> None:
+        self._csv.writerows([step, k, repr(v)] for k, v in _numbers(values).items())
+        self.last_step = step
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        if not self._fh.closed:
+            self._fh.close()
+        _write_pairs(self.dir / "final.csv", {**_numbers(final_metrics), "run_dir": str(self.dir.parent)})
+
+
+def _write_pairs(path: Path, pairs: dict) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["name", "value"])
+        w.writerows([k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in pairs.items())
+
+
+def _csv_rows_up_to(path: Path, step: int) -> list[list[str]]:
+    """The rows of an earlier part of this run up to ``step``: a resumed run rewrites what came after."""
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))[1:]
+    return [r for r in rows if len(r) == 3 and r[0].isdigit() and int(r[0]) <= step]
+
+
+class TensorBoardTracker(Tracker):
+    """Event files under ``RUN_DIR/tensorboard``: one event per row, hyperparameters, ``run_dir`` text."""
+
+    name = "tensorboard"
+    package = "tensorboard"
+
+    def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: TensorBoard hides the events a stopped run wrote after the step it resumed from
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=self.start_step + 1)
+        self._summary = Summary
+        if self.start_step == 0:
+            from torch.utils.tensorboard.summary import hparams
+
+            params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()}
+            for event in hparams(params, {}):
+                self._writer._get_file_writer().add_summary(event)
+            self._writer.add_text("run_dir", str(run_dir), 0)
+        return None
+
+    def log(self, values: dict, step: int) -> None:
+        # One event per row, not one per value: the event writer checksums every event in pure
+        # Python, which made TensorBoard the dearest part of logging.
+        scalars = [self._summary.Value(tag=k, simple_value=v) for k, v in _numbers(values).items() if math.isfinite(v)]
+        if scalars:
+            self._writer._get_file_writer().add_summary(self._summary(value=scalars), step)
+        self.last_step = step
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        self.log(final_metrics, self.last_step)
+        self._writer.flush()
+        self._writer.close()
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run through ``MlflowClient`` (no server): params, metrics with their step, the final
+    metrics, the tag ``torchrig.run_dir``. Store: ``log.mlflow_uri``, by default an SQLite file
+    ``mlruns/mlflow.db`` beside the run directory (``runs/<recipe>/mlruns``), shared by its sibling runs."""
+
+    name = "mlflow"
+    package = "mlflow"
+
+    def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        store = run_dir.resolve().parent / "mlruns"
+        uri = self._option("mlflow_uri")
+        if uri is None:
+            store.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{store / 'mlflow.db'}"
+        try:
+            self.client = client = MlflowClient(tracking_uri=uri)
+            self.run_id = self._continue(resume_id) or self._create(run_dir, store)
+            have = client.get_run(self.run_id).data.params
+            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in have]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                client.log_batch(self.run_id, params=params[i:i + 100])
+            self.where = f"mlflow run {self.run_id} in {uri}"
+        except MlflowException as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TrackerError(f"log.mlflow_uri {uri!r}: MLflow refused the run: {first}; set log.mlflow_uri "
+                               f"to a reachable store, e.g. sqlite:///mlflow.db") from None
+        return self.run_id
+
+    def _continue(self, resume_id: Optional[str]) -> Optional[str]:
+        if resume_id is None:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.update_run(resume_id, status="RUNNING")
+        except MlflowException:
+            return None  # the store no longer holds it: a new run
+        return resume_id
+
+    def _create(self, run_dir: Path, store: Path) -> str:
+        name = self._option("project") or "torchrig"
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+            name, artifact_location=(store / "artifacts").as_uri())
+        run = self.client.create_run(exp_id, run_name=self._option("run_name") or run_dir.name,
+                                     tags={"torchrig.run_dir": str(run_dir.resolve())})
+        return run.info.run_id
+
+    def log(self, values: dict, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in _numbers(values).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        self.last_step = step
+
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        self.log(final_metrics, self.last_step)
+        self.client.set_terminated(self.run_id, status)
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run in ``RUN_DIR/wandb``. ``WANDB_MODE`` is honoured; without it, and without
+    an API key (``WANDB_API_KEY`` or ``wandb login``), the run is offline: ``wandb sync`` uploads it later."""
+
+    name = "wandb"
+    package = "wandb"
+
+    def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
+        import wandb
+
+        mode = None if os.environ.get("WANDB_MODE") or _has_wandb_key() else "offline"
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        self.run = wandb.init(project=self._option("project") or "torchrig", name=self._option("run_name") or
+                              run_dir.name, dir=str(run_dir), config={**config, "run_dir": str(run_dir)},
+                              id=resume_id, resume="allow" if resume_id else None, mode=mode, settings=settings)
+        folder = Path(self.run.dir).parent
+        self.where = f"wandb run {self.run.id} in {folder}" + (
+            f" (offline: upload with wandb sync {folder})" if self.run.settings.mode == "offline" else "")
+        return self.run.id
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(_numbers(values), step=step)
+        self.last_step = step
+
+    def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
+        self.run.summary.update({**_numbers(final_metrics), "run_dir": str(self.run.dir)})
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+REGISTRY: dict[str, type[Tracker]] = {t.name: t for t in (CSVTracker, TensorBoardTracker, MLflowTracker, WandbTracker)}
+
+
+def tracker_names(log: Any, tensorboard: Any = "auto") -> list[str]:
+    """``log.trackers`` plus TensorBoard, which ``log.tensorboard`` (auto: when installed) turns on."""
+    names = list(dict.fromkeys(getattr(log, "trackers", None) or []))  # each once, in the order given
+    tensorboard = getattr(log, "tensorboard", tensorboard)
+    if "tensorboard" not in names and (tensorboard is True or tensorboard == "true" or (
+            tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None)):
+        names.insert(0, "tensorboard")
+    return names
+
+
+def check_installed(names: list[str], listed: list) -> None:
+    """Fail before training when a tracker's package is missing (every rank checks, so all stop).
+    ``listed``: the names the user wrote in ``log.trackers`` (TensorBoard may come from ``log.tensorboard``)."""
+    for name in names:
+        package = REGISTRY[name].package
+        if package and _missing(package):
+            key = "log.trackers" if name in listed else "log.tensorboard"
+            undo = f"remove {name} from log.trackers" if key == "log.trackers" else "set log.tensorboard=false"
+            raise TrackerError(f"{key}: '{name}' needs the {package} package, which is not installed; "
+                               f'pip install "torchrig[{name}]" or {undo}')
+
+
+def _missing(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is None
+    except (ImportError, ValueError):  # a module entry of None, or one without a spec
+        return True
+
+
+class TrackerSet:
+    """The trackers of one run, on the main process; an empty set elsewhere.
+
+    A tracker that fails while logging (a store gone, a full disk) is dropped with one message on
+    stderr: the training run, its checkpoints and ``metrics.jsonl`` go on.
+    """
+
+    _open: dict[str, "TrackerSet"] = {}  # run directory -> its open set: a second fit() ends the first
+
+    def __init__(self, trackers: Optional[list[Tracker]] = None):
+        self.items = list(trackers or [])
+        self.finished = False
+
+    @classmethod
+    def open(cls, names: list[str], run_dir: Path, config: dict, options: Any = None,
+             start_step: int = 0) -> "TrackerSet":
+        """Start every tracker; after step 0 (a resume) the ids of ``trackers.json`` continue their runs."""
+        check_installed(names, getattr(options, "trackers", []))
+        earlier = cls._open.pop(str(run_dir.resolve()), None)
+        if earlier is not None:
+            earlier.finish()
+        ids_path = run_dir / IDS_FILE
+        ids = _read_ids(ids_path) if start_step > 0 else {}
+        self = cls()
+        for name in names:
+            tracker = REGISTRY[name](options, start_step)
+            try:
+                run_id = tracker.start(config, run_dir, ids.get(name))
+            except ImportError as exc:  # installed, but broken (a missing dependency of the package)
+                raise TrackerError(f"log.trackers: '{name}' could not import {exc.name or tracker.package}: {exc}; "
+                                   f'pip install "torchrig[{name}]" or remove {name} from log.trackers') from None
+            except BaseException:
+                self.finish({}, status="FAILED")  # the ones already started
+                raise
+            self.items.append(tracker)
+            if run_id is not None:
+                ids[name] = run_id
+        if ids:
+            _write_ids(ids_path, ids)
+        if self.items:
+            cls._open[str(run_dir.resolve())] = self
+        return self
+
+    def log(self, values: dict, step: int) -> None:
+        for t in list(self.items):
+            try:
+                t.log(values, step)
+            except Exception as exc:  # noqa: BLE001 - any tracker error: the run itself must go on
+                self.items.remove(t)
+                print(f"torchrig: tracker '{t.name}' failed at step {step} ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it is off for the rest "
+                      f"of this run, metrics.jsonl has every value", file=sys.stderr, flush=True)
+
+    def where(self) -> list[str]:
+        """Where each tracker's run is (TensorBoard's folder is said with the logs)."""
+        return [t.where for t in self.items if t.where]
+
+    def flush(self) -> None:
+        for t in [] if self.finished else self.items:
+            t.flush()
+
+    def finish(self, final_metrics: Optional[dict] = None, status: str = "FINISHED") -> None:
+        """Final metrics (``test/accuracy`` …), then each tracker's end; once."""
+        if self.finished:
+            return
+        self.finished = True
+        for key in [k for k, v in TrackerSet._open.items() if v is self]:
+            del TrackerSet._open[key]
+        for t in self.items:
+            t.finish(dict(final_metrics or {}), status)
+
+
+def _read_ids(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def _write_ids(path: Path, ids: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

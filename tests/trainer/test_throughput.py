@@ -1,0 +1,104 @@
+"""Throughput: FLOPs of Linear / Conv2d against the hand formula, samples/s, tokens/s, FLOP/s and MFU rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import torchrig
+from helpers import QUIET, TinyNet, make_classification
+from torchrig.trainer.throughput import count_flops, peak_flops, rates, tokens_of
+
+
+def fwd_bwd(model: nn.Module, x: torch.Tensor):
+    return lambda: model(x).sum().backward()
+
+
+def test_linear_flops_match_the_hand_formula():
+    B, I, H, O = 4, 8, 16, 3
+    _, flops = count_flops(fwd_bwd(nn.Linear(I, O), torch.randn(B, I)))
+    # forward 2·B·I·O; backward: the weight's gradient only (the input needs none), 2·B·I·O again
+    assert flops == 4 * B * I * O
+    _, flops = count_flops(fwd_bwd(nn.Sequential(nn.Linear(I, H), nn.ReLU(), nn.Linear(H, O)), torch.randn(B, I)))
+    # second layer: forward, weight gradient and input gradient (2·B·H·O each); first: forward + weight gradient
+    assert flops == 4 * B * I * H + 6 * B * H * O
+
+
+def test_conv2d_flops_match_the_hand_formula():
+    B, C, K, k, S = 2, 3, 5, 3, 10
+    conv = nn.Conv2d(C, K, k, padding=1)
+    _, flops = count_flops(fwd_bwd(conv, torch.randn(B, C, S, S)))
+    forward = 2 * B * K * S * S * C * k * k  # one multiply-add per output pixel, channel in and kernel tap
+    assert flops == 2 * forward  # + the weight's gradient, as many
+
+
+def read_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rows_carry_samples_per_s_and_with_log_flops_the_achieved_flop_rate(tmp_path, capsys):
+    x, y = make_classification(32)
+    torch.manual_seed(0)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=8, epochs=1, log_every=1, flops=True,
+                               num_workers=0, **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    rows = [r for r in read_rows(tmp_path) if r["kind"] == "interval"]
+    assert len(rows) == 4 and all(r["samples_per_s"] > 0 for r in rows)
+    per_sample = 4 * 8 * 16 + 6 * 16 * 4  # TinyNet 8 -> 16 -> 4, as in the Linear test
+    for r in rows:
+        assert r["flops_per_s"] == pytest.approx(per_sample * r["samples_per_s"])
+        assert "mfu" not in r and "tokens_per_s" not in r  # CPU: no peak to compare with; no token data
+    assert trainer.step_fn is not None and trainer.step_fn.__name__ == "default_step"  # the counter stepped aside
+    assert f"torchrig: {per_sample} FLOPs per sample" in capsys.readouterr().err
+
+
+class BagOfWords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.EmbeddingBag(50, 8), nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_token_batches_report_tokens_per_s(tmp_path):
+    ids = torch.randint(0, 50, (16, 6))
+    trainer = torchrig.Trainer(BagOfWords(), run_dir=str(tmp_path), batch_size=4, epochs=1, log_every=2,
+                               num_workers=0, **QUIET)
+    trainer.fit(TensorDataset(ids, torch.randint(0, 2, (16,))))
+    rows = [r for r in read_rows(tmp_path) if r["kind"] == "interval"]
+    assert rows and all(r["tokens_per_s"] == pytest.approx(6 * r["samples_per_s"]) for r in rows)
+
+
+def test_tokens_of_counts_the_attention_mask_when_there_is_one():
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert int(tokens_of({"input_ids": ids, "attention_mask": mask})) == 8
+    assert int(tokens_of((ids, mask, torch.zeros_like(ids), torch.zeros(2)))) == 8  # (ids, mask, types, label)
+    assert tokens_of((ids, torch.zeros(2))) == 10  # no mask: every position
+    assert tokens_of((torch.randn(2, 5), torch.zeros(2))) is None  # features, not token ids
+
+
+def test_mfu_is_achieved_over_the_peak_of_every_process():
+    row = rates(samples=100, tokens=None, elapsed=2.0, world_size=4, flops_per_sample=1e9, peak=1e12)
+    assert row["samples_per_s"] == 200 and row["flops_per_s"] == 2e11
+    assert row["mfu"] == pytest.approx(2e11 / 4e12)
+    assert peak_flops(torch.device("cpu"), "bf16") is None
+
+
+@pytest.mark.gpu
+def test_mfu_on_a_known_gpu(tmp_path):
+    device = torch.device("cuda")
+    if peak_flops(device, "bf16") is None:
+        pytest.skip(f"no peak listed for {torch.cuda.get_device_name(device)}")
+    x, y = make_classification(64)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=16, epochs=1, log_every=1, flops=True,
+                               precision="bf16", device="cuda", num_workers=0, **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    rows = [r for r in read_rows(tmp_path) if r["kind"] == "interval"]
+    peak = peak_flops(device, "bf16")
+    assert all(r["mfu"] == pytest.approx(r["flops_per_s"] / peak) for r in rows)
