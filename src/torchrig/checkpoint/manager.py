@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .background import BackgroundWriter, host_copy
 from .io import (CheckpointError, CheckpointWriteError, fsync_dir, load_into, load_weights_file, pause_point,
                  refused, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic, write_json_atomic)
 
@@ -136,15 +137,22 @@ class CheckpointManager:
     ``load_state_dict``. The model goes to ``model.safetensors``, everything else to ``state.pt``;
     with ``sharded=True`` (FSDP2) model and optimizer shards go to ``sharded/`` through DCP as well.
     Several ranks: every rank calls ``save`` (some ``state_dict`` calls are collectives); only the
-    one with ``writes=True`` writes, except the shards, which every rank writes.
+    one with ``writes=True`` writes, except the shards, which every rank writes. An object with a
+    ``weights_file`` attribute (the EMA of the weights) also has its ``weights()`` written to that
+    safetensors file, and read back with ``load_weights``.
+
+    With ``async_save=True`` (not for ``sharded``) ``save`` copies the state to host memory and
+    returns; a background thread writes it (see ``background``). ``wait()`` blocks until it is
+    written and raises its error, if any; the next ``save`` and ``close()`` wait too.
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
-                 sharded: bool = False):
+                 sharded: bool = False, async_save: bool = False):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.writes, self.sharded = writes, sharded
+        self._background = BackgroundWriter() if async_save and not sharded and writes else None
         self.last_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
         self.index_path = self.dir / "index.json"
         self.index: dict[str, Any] = {"checkpoints": [], "best": []}
@@ -202,6 +210,7 @@ class CheckpointManager:
     def save(self, step: int, states: dict[str, Any], *, config: Optional[dict], meta: dict,
              metrics: Optional[dict] = None) -> Optional[Path]:
         """Checkpoint ``step`` of ``states``; its directory (None on ranks that write no directory)."""
+        self.wait()  # at most one save in flight; its error, if any, is raised here
         model, optimizers = states["model"], states["optimizers"]
         others = {k: v for k, v in states.items() if k not in ("model", "optimizers")}
         if self.sharded:
@@ -211,9 +220,25 @@ class CheckpointManager:
         else:
             state = {k: v.state_dict() for k, v in others.items()}  # on every rank: some are collectives
             state["optimizers"] = {k: o.state_dict() for k, o in optimizers.items()}
-            path = self.write(step, model.state_dict(), state, config, meta, metrics) if self.writes else None
+            path = None
+            if self.writes and self._background is not None:
+                weights, state, files, metrics = host_copy((model.state_dict(), state, weight_files(others), metrics))
+                self._background.submit(self.write, step, weights, state, config, meta, metrics, files=files)
+                path = self.dir / f"{PREFIX}{step:08d}"  # once written; `wait()` to be sure
+            elif self.writes:
+                path = self.write(step, model.state_dict(), state, config, meta, metrics, files=weight_files(others))
         self.last_step = step
         return path
+
+    def wait(self) -> None:
+        """Block until the save in flight (with asynchronous saves) is written; raise its error, if any."""
+        if self._background is not None:
+            self._background.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the background writer."""
+        if self._background is not None:
+            self._background.close()
 
     def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print) -> dict:
         """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta."""
@@ -233,6 +258,10 @@ class CheckpointManager:
             sharded.load(model, optimizers, path, print_fn)
         else:
             load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
+        for obj in states.values():  # e.g. the EMA: None when the checkpoint has no such file
+            if hasattr(obj, "weights_file"):
+                obj.load_weights(load_weights_file(path / obj.weights_file) if (path / obj.weights_file).exists()
+                                 else None)
         try:
             for k, opt in optimizers.items():
                 if k in state["optimizers"]:
@@ -248,7 +277,8 @@ class CheckpointManager:
 
     # -- directories --------------------------------------------------------------------------------
     def write(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
-              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
+              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None,
+              files: Optional[dict[str, dict]] = None) -> Path:
         """Write checkpoint directory ``step`` atomically and point ``latest`` at it.
 
         Any write error (full disk, file size limit, I/O error) removes what this save wrote and raises a
@@ -260,7 +290,7 @@ class CheckpointManager:
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self.dir / f".tmp-{name}-{os.getpid()}"
             self._write(tmp, weights, state, config, dict(meta, metrics=metrics or {}, saved_at=time.time()),
-                        extra_writer)
+                        extra_writer, files or {})
             final = self._publish(tmp, name)
             published = True
             self._record(name)
@@ -276,11 +306,13 @@ class CheckpointManager:
         return final
 
     def _write(self, tmp: Path, weights: Optional[dict], state: dict, config: Optional[dict], meta: dict,
-               extra_writer: Optional[Callable[[Path], None]]) -> None:
+               extra_writer: Optional[Callable[[Path], None]], files: dict[str, dict]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         if weights is not None:
             save_weights(weights, tmp / "model.safetensors")
+        for name, tensors in files.items():
+            save_weights(tensors, tmp / name)
         safe_torch_save(state, tmp / "state.pt")
         if config is not None:
             import yaml
@@ -326,6 +358,12 @@ class CheckpointManager:
         """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
         if not self.writes or self.keep_best <= 0 or math.isnan(value):
             return
+        if self._background is not None:  # after the save of `name`, on the writer thread
+            self._background.submit(self._track_best, name, value, mode)
+        else:
+            self._track_best(name, value, mode)
+
+    def _track_best(self, name: str, value: float, mode: str) -> None:
         best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]
         best.sort(key=lambda b: b["value"], reverse=(mode == "max"))
         self.index["best"] = best[: self.keep_best]
@@ -345,6 +383,11 @@ class CheckpointManager:
             if name not in keep:
                 shutil.rmtree(self.dir / name, ignore_errors=True)
                 self.index["checkpoints"].remove(name)
+
+
+def weight_files(states: dict[str, Any]) -> dict[str, dict]:
+    """``{file name: tensors}`` of the objects with a ``weights_file`` (collective under FSDP2: every rank)."""
+    return {obj.weights_file: obj.weights() for obj in states.values() if hasattr(obj, "weights_file")}
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:

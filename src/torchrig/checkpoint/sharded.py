@@ -62,6 +62,9 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     shards = _sharded_state(model, optimizers)            # local: this rank's pieces
     state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
     state["optimizers"] = {}                              # in sharded/, by parameter name
+    from .manager import weight_files
+
+    files = weight_files(others)                          # collective: e.g. the EMA, gathered on rank 0
     if not manager.writes:
         tmp = runtime.broadcast(None)                     # rank 0 names its temporary directory
         if not tmp:  # rank 0 failed before naming it (its own error says why)
@@ -77,7 +80,8 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     meta = dict(meta, sharded=True, strategy="fsdp")
     path = None
     try:
-        path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards)
+        path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards,
+                             files=files)
     finally:
         runtime.broadcast(str(path) if path is not None else "")
     return path

@@ -17,6 +17,7 @@ import torch
 from .. import runtime
 from ..data import padding_batches, prepare_eval, to_device, unshard
 from ..metrics import MeanValue, Metric
+from .ema import ema_weights
 from .step import Step, batch_size_of, call_model, default_eval_step, split_batch
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ def _first_batch(trainer: "Trainer", data: Any) -> Any:
     return to_device(next(iter(one)), trainer.device)
 
 
-def evaluate(trainer: "Trainer", data: Any) -> dict:
-    """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
+def evaluate(trainer: "Trainer", data: Any, ema: bool = True) -> dict:
+    """Loss (per-sample mean) and metrics over every sample once, reduced across ranks; with the EMA
+    weights when the trainer keeps an EMA (``ema_decay``) and ``ema`` is true."""
     metrics = trainer._metric_objects()
     means: dict[str, MeanValue] = {}
     fn = trainer.eval_fn or default_eval_step
@@ -84,7 +86,8 @@ def evaluate(trainer: "Trainer", data: Any) -> dict:
             means.setdefault("loss", MeanValue("loss")).update(loss.float(), n)
         step.update_metrics(output, target)
 
-    run(trainer, data, metrics, fn, consume)
+    with ema_weights(trainer, ema):
+        run(trainer, data, metrics, fn, consume)
     return _sync_results(trainer, means, metrics)
 
 
