@@ -141,9 +141,9 @@ class CheckpointManager:
     ``weights_file`` attribute (the EMA of the weights) also has its ``weights()`` written to that
     safetensors file, and read back with ``load_weights``.
 
-    With ``async_save=True`` (not for ``sharded``) ``save`` copies the state to host memory and
-    returns; a background thread writes it (see ``background``). ``wait()`` blocks until it is
-    written and raises its error, if any; the next ``save`` and ``close()`` wait too.
+    With ``async_save=True`` ``save`` copies the state to host memory and returns; a background
+    thread writes it (see ``background``; sharded: DCP's ``async_save`` on every rank). ``wait()``
+    blocks until it is written and raises its error, if any; the next ``save`` and ``close()`` wait too.
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
@@ -152,7 +152,10 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.writes, self.sharded = writes, sharded
-        self._background = BackgroundWriter() if async_save and not sharded and writes else None
+        self.async_save = async_save
+        self._background = BackgroundWriter() if async_save and writes else None
+        self.shard_job: Optional[tuple[int, Any]] = None  # sharded, ranks > 0: (step, DCP's future) in flight
+        self._group: Any = None  # sharded + async: the gloo group DCP's background writes use
         self.last_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
         self.index_path = self.dir / "index.json"
         self.index: dict[str, Any] = {"checkpoints": [], "best": []}
@@ -223,22 +226,54 @@ class CheckpointManager:
             path = None
             if self.writes and self._background is not None:
                 weights, state, files, metrics = host_copy((model.state_dict(), state, weight_files(others), metrics))
-                self._background.submit(self.write, step, weights, state, config, meta, metrics, files=files)
+                self.submit(self.write, step, weights, state, config, meta, metrics, files=files)
                 path = self.dir / f"{PREFIX}{step:08d}"  # once written; `wait()` to be sure
             elif self.writes:
                 path = self.write(step, model.state_dict(), state, config, meta, metrics, files=weight_files(others))
         self.last_step = step
         return path
 
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` on the writer thread (after what is queued), or now without asynchronous saves."""
+        if self._background is None:
+            fn(*args, **kwargs)
+        else:
+            self._background.submit(fn, *args, **kwargs)
+
     def wait(self) -> None:
         """Block until the save in flight (with asynchronous saves) is written; raise its error, if any."""
         if self._background is not None:
             self._background.wait()
+        if self.shard_job is not None:
+            (step, job), self.shard_job = self.shard_job, None
+            try:
+                job.result()
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                raise CheckpointWriteError(f"writing this rank's shards of checkpoint step {step} to {self.dir} "
+                                           f"failed ({first}); rank 0's message says what was kept") from exc
+
+    def checkpoint_group(self) -> Any:
+        """A gloo process group for background checkpoint collectives (made on first use: every rank calls it)."""
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def close(self) -> None:
         """Wait for the save in flight and stop the background writer."""
-        if self._background is not None:
-            self._background.close()
+        try:
+            if self._background is not None:
+                self._background.close()
+            self.wait()
+        finally:
+            if self._group is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
 
     def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print) -> dict:
         """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta."""
@@ -358,10 +393,7 @@ class CheckpointManager:
         """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
         if not self.writes or self.keep_best <= 0 or math.isnan(value):
             return
-        if self._background is not None:  # after the save of `name`, on the writer thread
-            self._background.submit(self._track_best, name, value, mode)
-        else:
-            self._track_best(name, value, mode)
+        self.submit(self._track_best, name, value, mode)  # with async saves: after the save of `name`
 
     def _track_best(self, name: str, value: float, mode: str) -> None:
         best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]

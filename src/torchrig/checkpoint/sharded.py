@@ -65,6 +65,8 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     from .manager import weight_files
 
     files = weight_files(others)                          # collective: e.g. the EMA, gathered on rank 0
+    if manager.async_save:
+        return _save_async(manager, step, (weights, shards, state, files), config, meta, metrics)
     if not manager.writes:
         tmp = runtime.broadcast(None)                     # rank 0 names its temporary directory
         if not tmp:  # rank 0 failed before naming it (its own error says why)
@@ -85,6 +87,48 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     finally:
         runtime.broadcast(str(path) if path is not None else "")
     return path
+
+
+def _save_async(manager: "CheckpointManager", step: int, parts: tuple, config: Optional[dict], meta: dict,
+                metrics: Optional[dict]) -> Path:
+    """The shards through DCP's ``async_save`` (staged to host memory here, written by its thread over a
+    gloo group of the checkpoints' own, so that training's collectives never meet them), into a
+    temporary folder; rank 0's writer thread then writes the rest, waits for every shard, moves them
+    into the checkpoint and publishes it. Returns the directory the checkpoint will have."""
+    import os
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from .background import host_copy
+
+    weights, shards, state, files = parts
+    name = f"step-{step:08d}"
+    staging = ""
+    if manager.writes:
+        try:
+            manager.dir.mkdir(parents=True, exist_ok=True)
+            staging = str(manager.dir / f".tmp-shards-{name}-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            runtime.broadcast(staging)                    # "" if the folder could not be made: every rank stops
+    else:
+        staging = runtime.broadcast(None)
+        if not staging:
+            raise CheckpointError("rank 0 failed to start writing the checkpoint; see its log")
+    job = dcp.async_save(shards, checkpoint_id=staging, process_group=manager.checkpoint_group())
+    if not manager.writes:
+        manager.shard_job = (step, job)
+        return manager.dir / name
+
+    def move_shards(tmp: Path) -> None:
+        job.result()                                      # every rank's shard written (DCP fails on all ranks)
+        os.replace(staging, tmp / SHARDS)
+
+    weights, state, files, metrics = host_copy((weights, state, files, metrics))
+    manager.submit(manager.write, step, weights, state, _plain(config), dict(meta, sharded=True, strategy="fsdp"),
+                   metrics, extra_writer=move_shards, files=files)
+    return manager.dir / name
 
 
 def load_full_weights(model: torch.nn.Module, path: Path) -> None:
