@@ -143,3 +143,5 @@ def test_ema_under_ddp_and_fsdp2_two_ranks(tmp_path):
         assert all(torch.equal(saved[k], gathered[k]) for k in saved)
     ddp, fsdp = torch.load(tmp_path / "ema-ddp.pt"), torch.load(tmp_path / "ema-fsdp.pt")
     assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
+    for kind in ("ema", "raw"):  # FSDP2 evaluates the EMA shards it swapped in, as DDP does the full weights
+        assert reports[0]["fsdp"][kind]["loss"] == pytest.approx(reports[0]["ddp"][kind]["loss"], rel=1e-5)
