@@ -5,7 +5,9 @@ A checkpoint is a directory ``step-00000123`` holding ``model.safetensors``, ``s
 written under a temporary name and renamed into place, then ``latest`` (a symbolic link) is
 swapped atomically; so ``latest`` always names a complete checkpoint. A save that fails (a full
 disk, an I/O error) removes what it wrote and leaves ``latest`` on the previous checkpoint; what a
-killed save leaves behind is finished or removed by ``clean_partial`` at the next start.
+killed save leaves behind is finished or removed by ``clean_partial`` at the next start. With
+``async_save`` all of this runs on one background thread after ``save`` has copied the state to host
+memory (see ``background``).
 """
 
 from __future__ import annotations

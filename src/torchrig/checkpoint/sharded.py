@@ -7,7 +7,9 @@ checkpoint holds: ``model.safetensors`` (the full weights, gathered once at save
 single-process ``evaluate`` / ``predict`` and plain ``load_state_dict`` work), ``state.pt``
 (schedulers, counters, RNG; the optimizers live in ``sharded/``), ``config.yaml`` and
 ``meta.json``. The directory is renamed into place and ``latest`` swapped by rank 0 only after
-every rank's shard is written, so ``latest`` never names a half-written checkpoint.
+every rank's shard is written, so ``latest`` never names a half-written checkpoint. With asynchronous
+saves (``checkpoint.async_save``) the shards go through DCP's ``async_save`` into a temporary folder
+and rank 0's writer thread moves them into the checkpoint once every rank's are written.
 
 DCP reshards on load: a checkpoint written by 4 ranks loads into 2, into 1, or into a plain
 (non-FSDP) model and optimizer; the keys are parameter names, not positions. Every rank must be able
