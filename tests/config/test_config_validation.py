@@ -157,6 +157,9 @@ BAD_VALUES = [
     ('dist.fsdp_reshard_after_forward=maybe', "true or false, got 'maybe'"),
     ('dist.requeue=maybe', "true or false, got 'maybe'"),
     ('dist.stop_timeout=0', "a finite number > 0, got 0"),
+    ('ema_decay=1', 'a number in (0, 1) or null, got 1'),
+    ('ema_warmup=maybe', "true or false, got 'maybe'"),
+    ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),
 ]
 
 

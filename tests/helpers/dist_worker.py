@@ -4,6 +4,7 @@
     python tests/helpers/dist_worker.py resume OUT     # file:// pair: DDP fit, rank 1 SIGKILLs itself at KILL_AT_STEP
     python tests/helpers/dist_worker.py features OUT   # file:// pair: DDP options, gradient syncs, metrics, SyncBatchNorm on CPU
     python tests/helpers/dist_worker.py trackers OUT   # file:// pair: a CSV tracker, FLOP counting, the profiler
+    python tests/helpers/dist_worker.py ema    OUT     # file:// pair: DDP and FSDP2 fits with an EMA of the weights, resumed
     python tests/helpers/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/helpers/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
 
@@ -314,6 +315,35 @@ def features(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def ema(out: Path) -> None:
+    """DDP and FSDP2 fits keeping an EMA; evaluation with and without it; the EMA a resume restores."""
+    import torch.distributed as dist
+
+    from torchrig import Trainer
+
+    x, y = train_data()
+    ex, ey = eval_data()
+    report: dict = {}
+    for name, extra in {"ddp": dict(strategy="ddp"),
+                        "fsdp": dict(strategy="fsdp", **{"dist.fsdp_min_params": 500})}.items():
+        kw = settings(out / name, ema_decay=0.9, ema_warmup=True, **{"checkpoint.every_epochs": 1}, **extra)
+        t = Trainer(make_model(), **kw, **_pair_kwargs())
+        t.fit((x, y))
+        found = {"ema": t.evaluate((ex, ey)), "raw": t.evaluate((ex, ey), ema=False), "updates": t.ema.num_updates}
+        weights = {k: v.detach().cpu().clone() for k, v in t.ema.weights().items()}
+        again = Trainer(make_model(), **dict(kw, resume="latest"), **_pair_kwargs())
+        again.fit((x, y))  # restores the last checkpoint; the run is already finished, nothing is trained
+        restored = {k: v.detach().cpu().clone() for k, v in again.ema.weights().items()}
+        found["restored_equal"] = all(torch.equal(weights[k], restored[k]) for k in weights)
+        found["restored_updates"] = again.ema.num_updates
+        if dist.get_rank() == 0:
+            torch.save(weights, out / f"ema-{name}.pt")
+        report[name] = found
+        again.close()
+    (out / f"ema-{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
 def fit(out: Path) -> None:
     """The DDP run of ``equiv`` under torchrun's environment (elastic restarts resume by themselves)."""
     from torchrig import Trainer
@@ -359,4 +389,4 @@ if __name__ == "__main__":
         sys.exit(cli(sys.argv[2:]))
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers}[what](target)
+    {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema}[what](target)

@@ -57,6 +57,7 @@ def main() -> None:
 
         def save(metrics=None, final=False):
             path = real_save(metrics=metrics, final=final)
+            trainer.checkpoints.wait()  # an asynchronous save is written in the background: until it is
             epoch_end = trainer.state.batch_in_epoch == 0 and not final
             if path is not None and f"{trainer.global_step}{'e' if epoch_end else ''}" == pause:
                 (run_dir / "paused").write_text(str(path))

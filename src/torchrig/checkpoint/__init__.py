@@ -1,5 +1,6 @@
 """Atomic save / load / resume, keep-last-k and best-k, safe loading."""
 
+from .background import finish_saves
 from .io import (CheckpointError, CheckpointWriteError, UnsafeCheckpointError, load_into, load_weights_file,
                  safe_torch_load, save_weights)
 from .manager import CheckpointManager, read_checkpoint, resolve
@@ -17,5 +18,5 @@ def load_weights(model, path) -> None:
 
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriteError", "UnsafeCheckpointError",
-           "find_checkpoint", "load_weights_only", "load_into", "load_weights", "load_weights_file",
+           "find_checkpoint", "finish_saves", "load_weights_only", "load_into", "load_weights", "load_weights_file",
            "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]

@@ -5,7 +5,9 @@ A checkpoint is a directory ``step-00000123`` holding ``model.safetensors``, ``s
 written under a temporary name and renamed into place, then ``latest`` (a symbolic link) is
 swapped atomically; so ``latest`` always names a complete checkpoint. A save that fails (a full
 disk, an I/O error) removes what it wrote and leaves ``latest`` on the previous checkpoint; what a
-killed save leaves behind is finished or removed by ``clean_partial`` at the next start.
+killed save leaves behind is finished or removed by ``clean_partial`` at the next start. With
+``async_save`` all of this runs on one background thread after ``save`` has copied the state to host
+memory (see ``background``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .background import BackgroundWriter, host_copy
 from .io import (CheckpointError, CheckpointWriteError, fsync_dir, load_into, load_weights_file, pause_point,
                  refused, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic, write_json_atomic)
 
@@ -136,15 +139,25 @@ class CheckpointManager:
     ``load_state_dict``. The model goes to ``model.safetensors``, everything else to ``state.pt``;
     with ``sharded=True`` (FSDP2) model and optimizer shards go to ``sharded/`` through DCP as well.
     Several ranks: every rank calls ``save`` (some ``state_dict`` calls are collectives); only the
-    one with ``writes=True`` writes, except the shards, which every rank writes.
+    one with ``writes=True`` writes, except the shards, which every rank writes. An object with a
+    ``weights_file`` attribute (the EMA of the weights) also has its ``weights()`` written to that
+    safetensors file, and read back with ``load_weights``.
+
+    With ``async_save=True`` ``save`` copies the state to host memory and returns; a background
+    thread writes it (see ``background``; sharded: DCP's ``async_save`` on every rank). ``wait()``
+    blocks until it is written and raises its error, if any; the next ``save`` and ``close()`` wait too.
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
-                 sharded: bool = False):
+                 sharded: bool = False, async_save: bool = False):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.writes, self.sharded = writes, sharded
+        self.async_save = async_save
+        self._background = BackgroundWriter() if async_save and writes else None
+        self.shard_job: Optional[tuple[int, Any]] = None  # sharded, ranks > 0: (step, DCP's future) in flight
+        self._group: Any = None  # sharded + async: the gloo group DCP's background writes use
         self.last_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
         self.index_path = self.dir / "index.json"
         self.index: dict[str, Any] = {"checkpoints": [], "best": []}
@@ -202,6 +215,7 @@ class CheckpointManager:
     def save(self, step: int, states: dict[str, Any], *, config: Optional[dict], meta: dict,
              metrics: Optional[dict] = None) -> Optional[Path]:
         """Checkpoint ``step`` of ``states``; its directory (None on ranks that write no directory)."""
+        self.wait()  # at most one save in flight; its error, if any, is raised here
         model, optimizers = states["model"], states["optimizers"]
         others = {k: v for k, v in states.items() if k not in ("model", "optimizers")}
         if self.sharded:
@@ -211,9 +225,57 @@ class CheckpointManager:
         else:
             state = {k: v.state_dict() for k, v in others.items()}  # on every rank: some are collectives
             state["optimizers"] = {k: o.state_dict() for k, o in optimizers.items()}
-            path = self.write(step, model.state_dict(), state, config, meta, metrics) if self.writes else None
+            path = None
+            if self.writes and self._background is not None:
+                weights, state, files, metrics = host_copy((model.state_dict(), state, weight_files(others), metrics))
+                self.submit(self.write, step, weights, state, config, meta, metrics, files=files)
+                path = self.dir / f"{PREFIX}{step:08d}"  # once written; `wait()` to be sure
+            elif self.writes:
+                path = self.write(step, model.state_dict(), state, config, meta, metrics, files=weight_files(others))
         self.last_step = step
         return path
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` on the writer thread (after what is queued), or now without asynchronous saves."""
+        if self._background is None:
+            fn(*args, **kwargs)
+        else:
+            self._background.submit(fn, *args, **kwargs)
+
+    def wait(self) -> None:
+        """Block until the save in flight (with asynchronous saves) is written; raise its error, if any."""
+        if self._background is not None:
+            self._background.wait()
+        if self.shard_job is not None:
+            (step, job), self.shard_job = self.shard_job, None
+            try:
+                job.result()
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                raise CheckpointWriteError(f"writing this rank's shards of checkpoint step {step} to {self.dir} "
+                                           f"failed ({first}); rank 0's message says what was kept") from exc
+
+    def checkpoint_group(self) -> Any:
+        """A gloo process group for background checkpoint collectives (made on first use: every rank calls it)."""
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the background writer."""
+        try:
+            if self._background is not None:
+                self._background.close()
+            self.wait()
+        finally:
+            if self._group is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
 
     def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print) -> dict:
         """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta."""
@@ -233,6 +295,10 @@ class CheckpointManager:
             sharded.load(model, optimizers, path, print_fn)
         else:
             load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
+        for obj in states.values():  # e.g. the EMA: None when the checkpoint has no such file
+            if hasattr(obj, "weights_file"):
+                obj.load_weights(load_weights_file(path / obj.weights_file) if (path / obj.weights_file).exists()
+                                 else None)
         try:
             for k, opt in optimizers.items():
                 if k in state["optimizers"]:
@@ -248,7 +314,8 @@ class CheckpointManager:
 
     # -- directories --------------------------------------------------------------------------------
     def write(self, step: int, weights: dict, state: dict, config: Optional[dict], meta: dict,
-              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None) -> Path:
+              metrics: Optional[dict] = None, extra_writer: Optional[Callable[[Path], None]] = None,
+              files: Optional[dict[str, dict]] = None) -> Path:
         """Write checkpoint directory ``step`` atomically and point ``latest`` at it.
 
         Any write error (full disk, file size limit, I/O error) removes what this save wrote and raises a
@@ -260,7 +327,7 @@ class CheckpointManager:
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self.dir / f".tmp-{name}-{os.getpid()}"
             self._write(tmp, weights, state, config, dict(meta, metrics=metrics or {}, saved_at=time.time()),
-                        extra_writer)
+                        extra_writer, files or {})
             final = self._publish(tmp, name)
             published = True
             self._record(name)
@@ -276,11 +343,13 @@ class CheckpointManager:
         return final
 
     def _write(self, tmp: Path, weights: Optional[dict], state: dict, config: Optional[dict], meta: dict,
-               extra_writer: Optional[Callable[[Path], None]]) -> None:
+               extra_writer: Optional[Callable[[Path], None]], files: dict[str, dict]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         if weights is not None:
             save_weights(weights, tmp / "model.safetensors")
+        for name, tensors in files.items():
+            save_weights(tensors, tmp / name)
         safe_torch_save(state, tmp / "state.pt")
         if config is not None:
             import yaml
@@ -326,6 +395,9 @@ class CheckpointManager:
         """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
         if not self.writes or self.keep_best <= 0 or math.isnan(value):
             return
+        self.submit(self._track_best, name, value, mode)  # with async saves: after the save of `name`
+
+    def _track_best(self, name: str, value: float, mode: str) -> None:
         best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]
         best.sort(key=lambda b: b["value"], reverse=(mode == "max"))
         self.index["best"] = best[: self.keep_best]
@@ -345,6 +417,11 @@ class CheckpointManager:
             if name not in keep:
                 shutil.rmtree(self.dir / name, ignore_errors=True)
                 self.index["checkpoints"].remove(name)
+
+
+def weight_files(states: dict[str, Any]) -> dict[str, dict]:
+    """``{file name: tensors}`` of the objects with a ``weights_file`` (collective under FSDP2: every rank)."""
+    return {obj.weights_file: obj.weights() for obj in states.values() if hasattr(obj, "weights_file")}
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:

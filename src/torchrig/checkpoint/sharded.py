@@ -7,7 +7,9 @@ checkpoint holds: ``model.safetensors`` (the full weights, gathered once at save
 single-process ``evaluate`` / ``predict`` and plain ``load_state_dict`` work), ``state.pt``
 (schedulers, counters, RNG; the optimizers live in ``sharded/``), ``config.yaml`` and
 ``meta.json``. The directory is renamed into place and ``latest`` swapped by rank 0 only after
-every rank's shard is written, so ``latest`` never names a half-written checkpoint.
+every rank's shard is written, so ``latest`` never names a half-written checkpoint. With asynchronous
+saves (``checkpoint.async_save``) the shards go through DCP's ``async_save`` into a temporary folder
+and rank 0's writer thread moves them into the checkpoint once every rank's are written.
 
 DCP reshards on load: a checkpoint written by 4 ranks loads into 2, into 1, or into a plain
 (non-FSDP) model and optimizer; the keys are parameter names, not positions. Every rank must be able
@@ -62,6 +64,11 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     shards = _sharded_state(model, optimizers)            # local: this rank's pieces
     state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
     state["optimizers"] = {}                              # in sharded/, by parameter name
+    from .manager import weight_files
+
+    files = weight_files(others)                          # collective: e.g. the EMA, gathered on rank 0
+    if manager.async_save:
+        return _save_async(manager, step, (weights, shards, state, files), config, meta, metrics)
     if not manager.writes:
         tmp = runtime.broadcast(None)                     # rank 0 names its temporary directory
         if not tmp:  # rank 0 failed before naming it (its own error says why)
@@ -77,10 +84,53 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     meta = dict(meta, sharded=True, strategy="fsdp")
     path = None
     try:
-        path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards)
+        path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards,
+                             files=files)
     finally:
         runtime.broadcast(str(path) if path is not None else "")
     return path
+
+
+def _save_async(manager: "CheckpointManager", step: int, parts: tuple, config: Optional[dict], meta: dict,
+                metrics: Optional[dict]) -> Path:
+    """The shards through DCP's ``async_save`` (staged to host memory here, written by its thread over a
+    gloo group of the checkpoints' own, so that training's collectives never meet them), into a
+    temporary folder; rank 0's writer thread then writes the rest, waits for every shard, moves them
+    into the checkpoint and publishes it. Returns the directory the checkpoint will have."""
+    import os
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from .background import host_copy
+
+    weights, shards, state, files = parts
+    name = f"step-{step:08d}"
+    staging = ""
+    if manager.writes:
+        try:
+            manager.dir.mkdir(parents=True, exist_ok=True)
+            staging = str(manager.dir / f".tmp-shards-{name}-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            runtime.broadcast(staging)                    # "" if the folder could not be made: every rank stops
+    else:
+        staging = runtime.broadcast(None)
+        if not staging:
+            raise CheckpointError("rank 0 failed to start writing the checkpoint; see its log")
+    job = dcp.async_save(shards, checkpoint_id=staging, process_group=manager.checkpoint_group())
+    if not manager.writes:
+        manager.shard_job = (step, job)
+        return manager.dir / name
+
+    def move_shards(tmp: Path) -> None:
+        job.result()                                      # every rank's shard written (DCP fails on all ranks)
+        os.replace(staging, tmp / SHARDS)
+
+    weights, state, files, metrics = host_copy((weights, state, files, metrics))
+    manager.submit(manager.write, step, weights, state, _plain(config), dict(meta, sharded=True, strategy="fsdp"),
+                   metrics, extra_writer=move_shards, files=files)
+    return manager.dir / name
 
 
 def load_full_weights(model: torch.nn.Module, path: Path) -> None:

@@ -96,6 +96,7 @@ class CheckpointConfig:
     monitor: Optional[str] = None  # e.g. "val/accuracy"; default: first val metric, else val/loss
     mode: Optional[str] = None  # "min" or "max"; default inferred from the metric name
     save_final: bool = True
+    async_save: bool = True  # write in a background thread; training waits only for the copy to host memory
 
 
 @dataclass
@@ -167,6 +168,8 @@ class Config:
     on_nonfinite: str = "error"  # error or skip
     eval_every_epochs: int = 1
     early_stop_patience: Optional[int] = None  # epochs without improvement of the monitor
+    ema_decay: Optional[float] = None  # EMA of the weights (e.g. 0.999), used for evaluation; None = off
+    ema_warmup: bool = False  # decay min(ema_decay, (1 + n) / (10 + n)) after n updates
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -556,6 +559,7 @@ RULES: dict[str, _Rule] = {
     "output_key": _optional(_Rule("an index >= 0 or a key name", _output_key)),
     "data.input_keys": _optional(_Rule("a non-empty list of batch keys", _input_keys)),
     "data.label_key": _optional(_TEXT),
+    "ema_decay": _optional(_num(0, 1, lo_open=True, hi_open=True)), "ema_warmup": _BOOL,
     "data.batch_size": _int(1), "data.eval_batch_size": _optional(_int(1)), "data.num_workers": _or_auto(_int(0)),
     "data.pin_memory": _or_auto(_BOOL, "true, false or 'auto'"), "data.persistent_workers": _BOOL,
     "data.prefetch_factor": _optional(_int(1)), "data.shuffle": _BOOL, "data.drop_last": _BOOL,
@@ -581,6 +585,7 @@ RULES: dict[str, _Rule] = {
     "checkpoint.every_steps": _int(0), "checkpoint.every_epochs": _int(0), "checkpoint.keep_last": _int(1),
     "checkpoint.keep_best": _int(0), "checkpoint.monitor": _optional(_TEXT),
     "checkpoint.mode": _optional(_choice("min", "max")), "checkpoint.save_final": _BOOL,
+    "checkpoint.async_save": _BOOL,
     "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
     "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"),
     "log.plot": _Rule("true, false or 'background'", lambda v: v if v == "background" else _BOOL.check(v)),

@@ -4,7 +4,9 @@
     on_step_end(trainer, outputs)          after each optimizer step (``outputs``: the step function's dict)
     on_log(trainer, values, kind)          each logged row; ``kind`` is "interval" or "epoch"
     on_eval_end(trainer, metrics)          after ``evaluate`` (also the per-epoch validation)
-    on_save(trainer, path, metrics)        after a checkpoint is written (``path`` None on ranks that wrote none)
+    on_save(trainer, path, metrics)        after a checkpoint is written (``path`` None on ranks that wrote none;
+                                           with checkpoint.async_save it may still be being written in the
+                                           background: ``trainer.checkpoints.wait()`` waits for it)
     on_fit_end(trainer)                    after the last step and the final checkpoint
     on_exception(trainer, exc)             when ``fit`` ends with an exception (then it is re-raised)
 

@@ -19,6 +19,7 @@ from ..data import padding_batches, prepare_eval, to_device
 from ..metrics import MeanValue, Metric
 from . import outputs as O
 from .step import Step, batch_size_of, default_eval_step
+from .ema import ema_weights
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -68,8 +69,9 @@ def _first_batch(trainer: "Trainer", data: Any) -> Any:
     return to_device(next(iter(one)), trainer.device)
 
 
-def evaluate(trainer: "Trainer", data: Any) -> dict:
-    """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
+def evaluate(trainer: "Trainer", data: Any, ema: bool = True) -> dict:
+    """Loss (per-sample mean) and metrics over every sample once, reduced across ranks; with the EMA
+    weights when the trainer keeps an EMA (``ema_decay``) and ``ema`` is true."""
     metrics = trainer._metric_objects()
     means: dict[str, MeanValue] = {}
     fn = trainer.eval_fn or default_eval_step
@@ -89,7 +91,8 @@ def evaluate(trainer: "Trainer", data: Any) -> dict:
             mean.update(loss.float(), n)
         step.update_metrics(output, target)
 
-    run(trainer, data, metrics, fn, consume)
+    with ema_weights(trainer, ema):
+        run(trainer, data, metrics, fn, consume)
     return _sync_results(trainer, means, metrics)
 
 

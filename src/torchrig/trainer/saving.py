@@ -36,6 +36,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         "callbacks": t.callbacks,
         "rng": RNGState(),
         "data": t._data,  # the training data's position where it can report one
+        **({"ema": t.ema} if t.ema is not None else {}),
     }
 
 def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
@@ -50,6 +51,7 @@ def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> O
     meta = {"step": t.global_step, "epoch": t.state.epoch, "batch_in_epoch": t.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": t.world_size, "precision": t.precision.name}
     config = provenance.saved_config(t.cfg, t.model, t.config_builds_model)
+    t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
     path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
     t._run_callbacks.call("on_save", t, path, metrics)
     return path

@@ -18,12 +18,13 @@ from torch import nn
 
 from .. import config as C
 from .. import runtime
-from ..checkpoint import CheckpointManager
+from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import prefetch_to_device, prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
+from .ema import build_ema
 from .finish import end_of_run
 from .logger import MetricsLogger
 from .options import resolve_options
@@ -80,6 +81,7 @@ class Trainer:
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device)
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
+            self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
             raise
@@ -158,8 +160,8 @@ class Trainer:
             self._build_schedules(plan)
             self._set_up_run(val_data)
             return {} if self._restore(plan) else self._train(plan)
-        finally:
-            self._run.close()
+        finally:  # the save in flight is written (or its error raised) before the run directory is let go
+            finish_saves(self.checkpoints, self._run.close)
 
     def _train(self, plan: FitPlan) -> dict:
         self._run_callbacks.call("on_fit_start", self)
@@ -196,9 +198,11 @@ class Trainer:
         self.monitor = Monitor(name, cfg.checkpoint.mode)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
-        self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best,
-                                             writes=self.is_main, sharded=self.strategy == "fsdp")
+        self._run_callbacks = Callbacks([*filter(None, [self.ema]), self.early_stopping, best, *fit_callbacks(cfg),
+                                         *self.callbacks.items])
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
+                                             sharded=self.strategy == "fsdp", async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.world_size, self.device)
         self.resumed_from = None
@@ -379,9 +383,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluate / predict
     @runtime.explain_collective_errors
-    def evaluate(self, data: Any) -> dict:
-        """Loss (per-sample mean) and metrics over every sample once, reduced across ranks."""
-        results = inference.evaluate(self, data)
+    def evaluate(self, data: Any, ema: bool = True) -> dict:
+        """Loss (per-sample mean) and metrics over every sample once, reduced across ranks (EMA weights: see ema.py)."""
+        results = inference.evaluate(self, data, ema)
         self.callbacks.call("on_eval_end", self, results)
         return results
 

@@ -1,0 +1,147 @@
+"""EMA of the weights (``ema_decay``, ``ema_warmup``): the average itself, exact resume, evaluation with
+it (labelled, and different from the trained weights), ``ema.safetensors`` for the bare model, and
+2-rank DDP / FSDP2 runs over gloo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import QUIET, TinyNet, dist_procs, make_classification
+from helpers import dist_worker as W
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import torchrig
+from torchrig.config import ConfigError
+from torchrig.trainer.ema import EMA
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _data():
+    x, y = make_classification(n=40)
+    return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
+
+
+def _trainer(run_dir, **kw):
+    torch.manual_seed(0)
+    opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=3, lr=0.1, optimizer="adamw", num_workers=0,
+                ema_decay=0.8, ema_warmup=True, checkpoint_every=2, resume="latest")
+    opts.update(kw)
+    return torchrig.Trainer(TinyNet(dropout=0.2), **opts)
+
+
+def test_update_is_the_moving_average_with_warmup():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ema = EMA(model, decay=0.9, warmup=True)
+    expected = None
+    for n in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update()
+        now = [p.detach().clone() for p in model.parameters()]
+        d = min(0.9, (1 + n) / (10 + n))
+        expected = now if expected is None else [e + (1 - d) * (w - e) for e, w in zip(expected, now)]
+        for e, s in zip(expected, ema.shadow):
+            torch.testing.assert_close(s, e, rtol=0, atol=1e-6)
+    assert ema.num_updates == 5 and [s.dtype for s in ema.shadow] == [torch.float32] * 2
+
+
+def test_resume_with_ema_is_bitwise_equal_to_uninterrupted(tmp_path):
+    train, val = _data()
+    whole = _trainer(tmp_path / "whole")
+    whole.fit(train, val_data=val)
+
+    part = _trainer(tmp_path / "part")
+    real = part._save
+
+    def save(metrics=None, final=False):  # stop right after the checkpoint of step 6 (mid epoch 2)
+        path = real(metrics=metrics, final=final)
+        if part.global_step == 6:
+            raise Interrupted
+        return path
+
+    part._save = save
+    with pytest.raises(Interrupted):
+        part.fit(train, val_data=val)
+    resumed = _trainer(tmp_path / "part")
+    resumed.fit(train, val_data=val)
+    assert resumed.resumed_from.name == "step-00000006"
+    assert resumed.ema.num_updates == whole.ema.num_updates == 15
+    for a, b in zip(whole.ema.shadow, resumed.ema.shadow):
+        assert torch.equal(a, b)
+    for k, v in whole.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+    a = load_file(tmp_path / "whole" / "checkpoints" / "latest" / "ema.safetensors")
+    b = load_file(tmp_path / "part" / "checkpoints" / "latest" / "ema.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluate_uses_ema_differs_from_raw_and_says_so(tmp_path, capsys):
+    train, val = _data()
+    t = _trainer(tmp_path / "run", epochs=2, ema_decay=0.95, progress="lines")
+    t.fit(train, val_data=val)
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert said.count("torchrig: evaluation uses the EMA weights (ema_decay=0.95") == 1  # once, at the first eval
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    with_ema, raw = t.evaluate(val), t.evaluate(val, ema=False)
+    assert with_ema["loss"] != raw["loss"]
+    assert t.history[-1]["val/loss"] == pytest.approx(with_ema["loss"])  # fit's validation used the EMA too
+    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())  # trained weights put back
+    bare = TinyNet(dropout=0.2).eval()
+    bare.load_state_dict(load_file(tmp_path / "run" / "checkpoints" / "latest" / "ema.safetensors"))
+    x, y = val.tensors
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(bare(x), y).item()
+    assert loss == pytest.approx(with_ema["loss"], rel=1e-6)
+
+
+def test_ema_safetensors_loads_into_the_bare_model(tmp_path):
+    train, _ = _data()
+    t = _trainer(tmp_path / "run", epochs=1)
+    t.fit(train)
+    folder = tmp_path / "run" / "checkpoints" / "latest"
+    ema, trained = load_file(folder / "ema.safetensors"), load_file(folder / "model.safetensors")
+    bare = TinyNet()
+    bare.load_state_dict(ema)  # strict: every key of the model, nothing else
+    assert all(torch.equal(ema[n], s) for n, s in zip(t.ema.names, t.ema.shadow))
+    assert not torch.equal(ema["head.weight"], trained["head.weight"])
+
+
+def test_off_by_default_and_values_are_checked(tmp_path):
+    t = torchrig.Trainer(TinyNet(), **QUIET, run_dir=str(tmp_path / "r"))
+    assert t.ema is None
+    for key, value in (("ema_decay", 1.0), ("ema_decay", 0), ("ema_warmup", 3), ("checkpoint.async_save", 2)):
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            torchrig.Trainer(TinyNet(), **QUIET, run_dir=str(tmp_path / "r"), **{key: value})
+
+
+@pytest.mark.slow
+def test_ema_under_ddp_and_fsdp2_two_ranks(tmp_path):
+    results = dist_procs.pair("ema", tmp_path, tmp_path / "init-store", timeout=120)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    reports = [json.loads((tmp_path / f"ema-{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0] == reports[1]  # every rank evaluates the same weights to the same numbers
+    for name in ("ddp", "fsdp"):
+        found = reports[0][name]
+        assert found["ema"]["loss"] != found["raw"]["loss"]
+        assert found["updates"] == found["restored_updates"] == 24
+        assert found["restored_equal"]
+        saved = load_file(tmp_path / name / "checkpoints" / "latest" / "ema.safetensors")
+        bare = W.make_model()
+        bare.load_state_dict(saved)
+        gathered = torch.load(tmp_path / f"ema-{name}.pt")
+        assert all(torch.equal(saved[k], gathered[k]) for k in saved)
+    ddp, fsdp = torch.load(tmp_path / "ema-ddp.pt"), torch.load(tmp_path / "ema-fsdp.pt")
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
+    for kind in ("ema", "raw"):  # FSDP2 evaluates the EMA shards it swapped in, as DDP does the full weights
+        assert reports[0]["fsdp"][kind]["loss"] == pytest.approx(reports[0]["ddp"][kind]["loss"], rel=1e-5)
