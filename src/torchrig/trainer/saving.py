@@ -39,6 +39,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         **({"ema": t.ema} if t.ema is not None else {}),
     }
 
+
 def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
     """A checkpoint of this instant (collective: every rank calls it)."""
     t.step is not None and t.step.settle()  # non-finite steps skipped on the device: count or raise
@@ -55,6 +56,7 @@ def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> O
     path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
     t._run_callbacks.call("on_save", t, path, metrics)
     return path
+
 
 def resume(t: "Trainer", spec: str) -> tuple[int, int]:
     """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
