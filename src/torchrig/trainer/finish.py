@@ -37,7 +37,8 @@ def summary(trainer: Any) -> str:
     out = trainer.metrics_log.out
     seconds = time.perf_counter() - out.started
     steps = trainer.global_step - out.start_step
-    parts = [f"torchrig: done · {steps} steps in {seconds:.1f} s", f"{steps / max(seconds, 1e-9):.1f} steps/s"]
+    parts = [f"torchrig: done · {steps} step{'s' if steps != 1 else ''} in {seconds:.1f} s",
+             f"{steps / max(seconds, 1e-9):.1f} steps/s"]
     best = trainer.checkpoints.index.get("best") or []
     name = trainer.monitor.name
     if best and name:

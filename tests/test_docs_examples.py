@@ -1,0 +1,72 @@
+"""The Python examples of docs/your-code.md run as written, each in its own namespace, and do what
+the page says they do."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "your-code.md"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def blocks() -> list[tuple[int, str]]:
+    text = PAGE.read_text()
+    return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in BLOCK.finditer(text)]
+
+
+def _check_bert(ns):
+    assert ns["trainer"].global_step == 8
+    assert ns["trainer"].predict(ns["data"])["logits"].shape == (64, 2)
+
+
+def _check_two_inputs(ns):
+    assert {k: tuple(v.shape) for k, v in ns["out"].items()} == {"logits": (20, 4), "features": (20, 6)}
+    torch.testing.assert_close(ns["out"]["logits"].sum(1), torch.ones(20))  # probabilities
+
+
+def _check_steplr(ns):
+    assert ns["opt"].param_groups[0]["lr"] == pytest.approx(0.0125)
+
+
+def _check_stream(ns):
+    assert ns["trainer"].global_step == 62
+
+
+def _check_lossnorm(ns):
+    assert (ns["full"] - ns["accumulated"]).abs().max() < 1e-6
+
+
+def _check_dict_batches(ns):
+    assert ns["trainer"].global_step == 1  # 32 samples, one batch of the default 64
+    assert ns["trainer"].history[-1]["train/loss"] > 0
+
+
+CHECKS = {"BertForSequenceClassification": _check_bert, "TwoInputs": _check_two_inputs,
+          "StepLR": _check_steplr, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
+          "input_keys=": _check_dict_batches}
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_every_example_is_checked():
+    for _, src in blocks():
+        assert sum(marker in src for marker in CHECKS) == 1, src[:200]
+
+
+@pytest.mark.parametrize("line,src", blocks(), ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_example_runs(line, src, tmp_path, monkeypatch, capsys):
+    if "transformers" in src:
+        pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "docs_example"}
+    exec(compile(src, f"docs/your-code.md, block at line {line}", "exec"), ns)
+    next(check for marker, check in CHECKS.items() if marker in src)(ns)
