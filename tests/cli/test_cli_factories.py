@@ -171,6 +171,19 @@ def test_a_checkpoint_cannot_name_a_standard_library_function(run, tmp_path, cap
                     "model.factory 'os:system': 'os' is a standard-library module")
 
 
+def test_a_checkpoint_runs_code_only_from_the_current_directory(run, tmp_path, capsys):
+    """An installed package named by a crafted config.yaml is not imported; naming it on the command
+    line is the user's choice and is honoured."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, symlinks=True)
+    config = copy / "checkpoints" / "latest" / "config.yaml"
+    config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: pytest:main"))
+    _one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
+                    "names model.factory 'pytest:main', a module outside the current directory",
+                    "--set model.factory=pytest:main")
+    assert main(["evaluate", "--checkpoint", str(copy), "--set", f"model.factory={PKG}.task:build_model"]) == 0
+
+
 @pytest.mark.parametrize("flag,spec,fragments", [
     ("--model", "nosuchpkg_xyz.models:build", ["model.factory 'nosuchpkg_xyz.models:build'",
                                                "module 'nosuchpkg_xyz.models' not found", "current directory"]),

@@ -11,7 +11,10 @@ with the current directory first on ``sys.path``, as ``python -m`` would. Both f
   or a dict with the keys ``train`` / ``val`` / ``test``.
 
 The specs are saved in the run's ``config.yaml`` as ``model.factory`` / ``data.factory``, so
-``torchrig evaluate`` and ``predict`` rebuild the same model (and data) from a checkpoint.
+``torchrig evaluate`` and ``predict`` rebuild the same model (and data) from a checkpoint. A spec read
+from a checkpoint is code a crafted ``config.yaml`` could point anywhere, so it is imported only from
+the current directory (your project: :func:`check_saved_spec`); pass the spec again on the command line
+(``--set model.factory=…``) to use one from elsewhere, such as an installed package.
 """
 
 from __future__ import annotations
@@ -76,6 +79,32 @@ def load_factory(spec: str, key: str) -> Callable:
         raise FactoryError(f"{where}: '{attr}' is a {type(obj).__name__}, not a function; name a function "
                            f"that takes the config")
     return obj
+
+
+def check_saved_spec(spec: str, key: str, source: Any) -> None:
+    """Refuse a factory named by a checkpoint's ``config.yaml`` unless its module is a file under the
+    current directory: reading a checkpoint must not run code from elsewhere on ``sys.path``."""
+    import importlib.util
+    from pathlib import Path
+
+    here = Path.cwd().resolve()
+    if str(here) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(here))
+    top = spec.partition(":")[0].partition(".")[0]
+    if top in sys.stdlib_module_names:
+        return  # load_factory refuses the standard library with its own message
+    try:
+        found = importlib.util.find_spec(top) if top else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return  # not importable at all: load_factory says "module not found"
+    where = found.origin if found.origin not in (None, "namespace") else \
+        next(iter(found.submodule_search_locations or []), None)
+    if where is None or not Path(where).resolve().is_relative_to(here):
+        raise FactoryError(f"{source}: its config.yaml names {key} '{spec}', a module outside the current directory "
+                           f"{here}; torchrig runs code named by a checkpoint only from there. Run from your project "
+                           f"folder, or pass --set {key}={spec} to use it")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -166,6 +195,7 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
     extra = []
     for key, saved_section in (("model", model), ("data", data)):
         if isinstance(saved_section.get("factory"), str):
+            check_saved_spec(saved_section["factory"], f"{key}.factory", f"checkpoint '{path}'")
             extra.append(f"{key}.factory={saved_section['factory']}")
             options = saved_section.get("options")
             if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again

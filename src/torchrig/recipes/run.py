@@ -144,6 +144,11 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         key, _, raw = item.partition("=")
         C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
+    given = {item.partition("=")[0].strip() for item in overrides or []}
+    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only from the current folder
+        spec = C.get_key(cfg, key)
+        if spec and key not in given:
+            factory.check_saved_spec(spec, key, f"checkpoint '{path}'")
     if cfg.model.python_class and not cfg.model.factory:
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
