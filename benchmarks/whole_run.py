@@ -1,0 +1,120 @@
+"""Whole runs, set-up to exit: a tiny MLP 32-64-2 on 8,192 samples, batch 64, SGD, one thread.
+
+Each arm is a fresh process that imports torch, then times everything after that import: building
+the model and data, the runner's set-up, 3 (or 15) epochs, and everything after the last step
+(summaries, plots, trackers, final checkpoint). Arms alternate; medians over the runs.
+
+- ``hand``          a lean hand-written loop (``_common.hand_loop``: loss and accuracy kept as tensors,
+                    a progress line every 50 steps) over a shuffled DataLoader.
+- ``defaults``      ``Trainer(model, "sgd", lr=…, epochs=E, batch_size=64).fit((x, y))`` and nothing else:
+                    every default (fast path, checkpoints, metrics.jsonl, TensorBoard, the plot).
+- ``no_fast_path``  the same over the hand loop's DataLoader (``fast_path=False`` path): the loop's
+                    own cost per step against the hand loop's.
+
+"Marginal per step" is (time of 15 epochs − time of 3 epochs) / (steps of 15 − steps of 3): the cost of
+a step with every fixed cost removed. Targets: a whole 3-epoch run at defaults ≤ 1.03× the hand loop;
+marginal per step with the fast path off ≤ 1.05× the hand loop's.
+
+Usage: ``python benchmarks/whole_run.py [--runs 5] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+NAME = "whole_run"
+N, FEATURES, HIDDEN, CLASSES, BATCH, LR = 8192, 32, 64, 2, 64, 0.05
+TARGET_WHOLE, TARGET_STEP = 1.03, 1.05
+
+
+def _job():
+    import torch
+    from torch import nn
+
+    c.pin_threads()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, FEATURES, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    return torch, x, y, model
+
+
+def _arm_hand(p: dict) -> dict:
+    t0 = time.perf_counter()
+    torch, x, y, model = _job()
+    loader = c.make_loader(x, y, BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with open(os.devnull, "w") as stream:
+        c.hand_loop(model, loader, opt, p["epochs"], stream)
+    return {"wall_s": time.perf_counter() - t0, "steps": p["epochs"] * len(loader)}
+
+
+def _arm_trainer(p: dict) -> dict:
+    t0 = time.perf_counter()
+    torch, x, y, model = _job()
+    from torchrig import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        data = (x, y) if p["fast_path"] else c.make_loader(x, y, BATCH)
+        kw = {} if p["fast_path"] else {"fast_path": False}
+        trainer = Trainer(model, "sgd", lr=LR, epochs=p["epochs"], batch_size=BATCH, threads=1,
+                          run_dir=run_dir, progress="lines", **kw)
+        stderr, sys.stderr = sys.stderr, open(os.devnull, "w")  # progress lines, as the hand loop's
+        try:
+            trainer.fit(data)
+            trainer.close()
+        finally:
+            sys.stderr.close()
+            sys.stderr = stderr
+        wall = time.perf_counter() - t0
+        steps = trainer.global_step
+        if trainer.plot_process is not None:  # not timed: keeps the detached plot off the next arm's cores
+            trainer.plot_process.wait()
+    return {"wall_s": wall, "steps": steps}
+
+
+ARMS = {"hand": _arm_hand, "defaults": lambda p: _arm_trainer(dict(p, fast_path=True)),
+        "no_fast_path": lambda p: _arm_trainer(dict(p, fast_path=False))}
+
+
+def main() -> None:
+    if c.child_main({f"{arm}@{e}": (lambda fn, e: lambda p: fn(dict(p, epochs=e)))(fn, e)
+                     for arm, fn in ARMS.items() for e in (3, 15)}):
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="one run of each arm, to check the script works")
+    args = ap.parse_args()
+    runs = 1 if args.quick else args.runs
+    arms = {f"{arm}@{e}": {} for arm in ARMS for e in (3, 15)}
+    out = c.alternate(Path(__file__), arms, runs, warmup=not args.quick)
+    med = {name: c.median([r["wall_s"] for r in rs]) for name, rs in out.items()}
+    steps = {name: rs[0]["steps"] for name, rs in out.items()}
+    rows, result = [], {}
+    for arm in ARMS:
+        marginal = (med[f"{arm}@15"] - med[f"{arm}@3"]) / (steps[f"{arm}@15"] - steps[f"{arm}@3"])
+        result[arm] = {"run3_s": med[f"{arm}@3"], "run15_s": med[f"{arm}@15"], "marginal_ms": marginal * 1e3}
+    for arm, r in result.items():
+        rows.append([arm, r["run3_s"], r["run3_s"] / result["hand"]["run3_s"], r["run15_s"],
+                     r["marginal_ms"], r["marginal_ms"] / result["hand"]["marginal_ms"]])
+    print(c.table(["arm", "3 epochs s", "× hand", "15 epochs s", "ms/step", "× hand"], rows))
+    whole = result["defaults"]["run3_s"] / result["hand"]["run3_s"]
+    step = result["no_fast_path"]["marginal_ms"] / result["hand"]["marginal_ms"]
+    print(f"whole run at defaults: {whole:.3f}× ({c.verdict(whole, TARGET_WHOLE)} ≤ {TARGET_WHOLE}); "
+          f"marginal step, fast path off: {step:.3f}× ({c.verdict(step, TARGET_STEP)} ≤ {TARGET_STEP})")
+    path = c.write_result(NAME, {"arms": result, "whole_ratio": whole, "step_ratio": step, "runs": out},
+                          quick=args.quick)
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
