@@ -21,6 +21,7 @@ _DRAW = "import sys; from torchrig.trainer.plot import draw_detached; sys.exit(d
 
 def end_of_run(trainer: Any) -> tuple[list[Path], Optional[subprocess.Popen]]:
     """Print the run summary; start (or draw) the plot. Returns the PNG paths and the drawing process."""
+    trainer.checkpoints.wait()  # the last (asynchronous) save has updated the best-checkpoint index
     trainer.print(summary(trainer))
     mode = trainer.cfg.log.plot
     if not mode:
