@@ -143,10 +143,7 @@ def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
     def forward(step: Step, batch: Any) -> Any:
         if trainer.predict_fn is not None:
             return trainer.predict_fn(step, batch)
-        inputs = O.predict_inputs(step.model, batch, step.io.label_key)
-        with step.autocast():
-            out = O.call_model(step.model, inputs, step.io.input_keys)
-        return O.predict_fields(out, step.io.output_key, act, batch_size_of(batch))
+        return default_predict_step(step, batch, act)
 
     def consume(step: Step, batch: Any, out: Any) -> None:
         results.append(out.cpu() if isinstance(out, torch.Tensor) else out)
@@ -161,6 +158,15 @@ def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
     return O.merge_ranks(runtime.gather(local), trainer.world_size)
 
 
+def default_predict_step(step: Step, batch: Any, activation: Callable) -> Any:
+    """The model's prediction for one batch of inputs, ``activation`` applied to the prediction field
+    (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this."""
+    inputs = O.predict_inputs(step.model, batch, step.io.label_key)
+    with step.autocast():
+        out = O.call_model(step.model, inputs, step.io.input_keys)
+    return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))
+
+
 # Probabilities for the known classification losses, given by name or as a loss object; "auto" is
 # cross-entropy when the model returns no loss of its own.
 _LOSS_ACTIVATIONS = {"cross_entropy": "softmax", "auto": "softmax", "nll": "exp", "bce_with_logits": "sigmoid",
@@ -171,13 +177,17 @@ def activation_for(trainer: "Trainer", name: str) -> Callable:
     """``auto``: probabilities for the known classification losses (by name, or an ``nn.CrossEntropyLoss``,
     ``nn.NLLLoss`` or ``nn.BCEWithLogitsLoss`` object), raw outputs otherwise."""
     if name == "auto":
-        loss = trainer._objects.get("loss", trainer.cfg.loss)
-        if isinstance(loss, torch.nn.Module):
-            key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
-                                                        torch.nn.BCEWithLogitsLoss) else ""
-        else:
-            key = loss if isinstance(loss, str) else ""
-        name = _LOSS_ACTIVATIONS.get(key, "none")
+        return activation_for_loss(trainer._objects.get("loss", trainer.cfg.loss))
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not one of auto, {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def activation_for_loss(loss: Any) -> Callable:
+    """What ``activation="auto"`` applies for ``loss`` (a name or a loss object)."""
+    if isinstance(loss, torch.nn.Module):
+        key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
+                                                    torch.nn.BCEWithLogitsLoss) else ""
+    else:
+        key = loss if isinstance(loss, str) else ""
+    return ACTIVATIONS[_LOSS_ACTIVATIONS.get(key, "none")]
