@@ -111,7 +111,7 @@ def test_epoch_length_from_steps_per_epoch_or_max_steps(tmp_path, capsys):
     capsys.readouterr()
     trainer.fit(Stream(40, sized=False))  # 5 batches per pass: the stream is read again until step 7
     assert trainer.global_step == 7
-    assert capsys.readouterr().out.count("the training data ran out after 5 of the 7 batches of epoch 1") == 1
+    assert capsys.readouterr().err.count("the training data ran out after 5 of the 7 batches of epoch 1") == 1
     with pytest.raises(torchrig.config.ConfigError, match="data.steps_per_epoch"):
         _trainer(tmp_path / "d", **{"data.steps_per_epoch": 0})
 
@@ -146,7 +146,7 @@ def test_hugging_face_streaming_dataset_trains_and_resumes_exactly(tmp_path, cap
     resumed = _trainer(tmp_path / "cut", max_steps=8, resume="latest")
     capsys.readouterr()
     resumed.fit(stream)
-    assert "re-reads" not in capsys.readouterr().out  # the stream's own state_dict gave the position
+    assert "re-reads" not in capsys.readouterr().err  # the stream's own state_dict gave the position
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
 
@@ -202,7 +202,7 @@ def test_stateful_dataloader_resume_is_exact_without_replay(tmp_path, workers, c
     resumed = _trainer(tmp_path / "cut", resume="latest", step_fn=recorder(seen_b), **{"data.steps_per_epoch": 5})
     capsys.readouterr()
     resumed.fit(data())
-    assert "re-reads" not in capsys.readouterr().out
+    assert "re-reads" not in capsys.readouterr().err
     assert seen_a[0] + seen_b[0] == seen_full[0] and seen_b[1] == seen_full[1]  # nothing read twice, nothing lost
     if workers == 0:  # the stream itself went on from sample 24: 16 samples in epoch 1, 40 in epoch 2
         assert streams[-1].reads == 16 + 40
@@ -219,7 +219,7 @@ def test_plain_iterable_resume_replays_with_one_warning(tmp_path, capsys):
     resumed = _trainer(tmp_path / "cut", resume="latest")
     capsys.readouterr()
     resumed.fit(stream)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("re-reads the 2 batches already used") == 1
     assert stream.reads == 2 * 40  # the 16 samples of the first 2 batches were read again, then both epochs
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
@@ -282,7 +282,7 @@ def test_partial_accumulation_window_at_stream_end_is_not_used(tmp_path, capsys)
     # 5 batches per pass, windows of 2: the 5th batch is left over each epoch and must not leak into the next
     stream = _trainer(tmp_path / "a", accumulate=2, **{"data.steps_per_epoch": 10})
     stream.fit(Stream(40, sized=False))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("ended with 1 batch(es) left, fewer than one accumulation window (accumulate=2)") == 1
     short = Stream(40)
     short.x, short.y = short.x[:32], short.y[:32]  # the same first 4 batches, a length that ends on a window
@@ -380,3 +380,11 @@ def test_two_ranks_evaluate_and_predict_a_stream_as_one_process(two_ranks, tmp_p
             for k in expected_metrics:
                 assert run["metrics"][k] == pytest.approx(expected_metrics[k], abs=1e-5), (name, k)
             assert torch.allclose(torch.tensor(run["predict"]), expected, atol=1e-5), name
+
+
+def test_fit_validates_on_a_stream_each_epoch(tmp_path):
+    x, y = make_classification(n=37)
+    trainer = _trainer(tmp_path / "run", epochs=2, metrics=["accuracy"])
+    trainer.fit(Stream(40), PairStream(37, sized=False))
+    assert [row["epoch"] for row in trainer.history] == [1, 2]
+    assert trainer.history[-1]["val/accuracy"] == pytest.approx(trainer.evaluate((x, y))["accuracy"], abs=1e-6)
