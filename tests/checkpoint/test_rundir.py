@@ -172,7 +172,7 @@ def test_cli_without_run_dir_numbers_the_runs(tmp_path, monkeypatch, capsys):
     assert main(["train", *QUIET]) == 0  # and again, in this process
     outputs = [r.stdout, capsys.readouterr().out]
     for n, out in enumerate(outputs, start=1):
-        assert f"torchrig: run_dir not set; this run writes to runs/digits/{n} (also runs/digits/last)\n" in out
+        assert f"torchrig: run_dir not set; writing to runs/digits/{n} (last -> {n})\n" in out
         assert f"\nrun dir:     runs/digits/{n}\n" in out
         assert f"checkpoints: runs/digits/{n}/checkpoints (latest -> step-00000002)" in out
     assert sorted(p.name for p in runs.iterdir()) == ["1", "2", "last"]

@@ -6,9 +6,11 @@ Every run trains 2 epochs on a stream of (x, y, id) samples read by 2 loader wor
 ``even``: 40 samples, a data set with ``__len__``; ``uneven``: 35 samples, no length, a nominal 100
 steps per epoch; ``full`` / ``cut`` / ``resumed``: 40 samples through torchdata's StatefulDataLoader
 over a data set that reports its position, trained once without a break and once stopped after step 2
-and resumed. One process group serves them all (process start-up is the slow part). Writes
-``OUT/rank-R.json``: per run, the sample ids this rank trained on in each epoch, the step count and
-the final parameters.
+and resumed; ``eval_ddp`` / ``eval_fsdp``: evaluate and predict (no training) over a stream of 35
+``(x, y)`` samples without a length, 2 loader workers per rank (uneven shards: 9, 9, 9 and 8
+samples). One process group serves them all (process start-up is the slow part). Writes
+``OUT/rank-R.json``: per training run, the sample ids this rank trained on in each epoch, the step
+count and the final parameters; per evaluation run, the metrics and the predictions.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class Stream(IterableDataset):
     def __iter__(self):
         for i in range(len(self.x)):
             yield self.x[i], self.y[i], i
+
+
+class PairStream(Stream):
+    def __iter__(self):
+        for i in range(len(self.x)):
+            yield self.x[i], self.y[i]
 
 
 class SizedStream(Stream):
@@ -93,6 +101,17 @@ def fit(out: Path, name: str, data, workers: int, **kw) -> dict:
             "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()]}
 
 
+def infer(out: Path, strategy: str) -> dict:
+    torch.manual_seed(0)
+    rank = int(os.environ["TEST_RANK"])
+    trainer = torchrig.Trainer(TinyNet(), metrics=["accuracy"], batch_size=4, num_workers=2, threads=1,
+                               strategy=strategy, run_dir=str(out / strategy), **QUIET,
+                               **{"dist.init_method": os.environ["TEST_INIT"], "dist.rank": rank,
+                                  "dist.world_size": 2, "dist.fsdp_min_params": 1})
+    metrics = trainer.evaluate(PairStream(35))
+    return {"metrics": metrics, "predict": trainer.predict(PairStream(35)).tolist()}
+
+
 def main() -> None:
     out, workers = Path(sys.argv[1]), 2
     rank = int(os.environ["TEST_RANK"])
@@ -107,7 +126,8 @@ def main() -> None:
             "uneven": fit(out, "uneven", Stream(35), workers, **{"data.steps_per_epoch": 100}),
             "full": fit(out, "full", data(), workers, **kw),
             "cut": fit(out, "cut", data(), workers, callbacks=[StopAfterSave()], checkpoint_every=1, **kw),
-            "resumed": fit(out, "cut", data(), workers, resume="latest", **kw)}
+            "resumed": fit(out, "cut", data(), workers, resume="latest", **kw),
+            "eval_ddp": infer(out, "ddp"), "eval_fsdp": infer(out, "fsdp")}
     (out / f"rank-{rank}.json").write_text(json.dumps(runs))
     dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import QUIET, TinyNet, make_classification
 from helpers.dist_procs import _env, _kill_group
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 import torchrig
@@ -110,7 +111,7 @@ def test_epoch_length_from_steps_per_epoch_or_max_steps(tmp_path, capsys):
     capsys.readouterr()
     trainer.fit(Stream(40, sized=False))  # 5 batches per pass: the stream is read again until step 7
     assert trainer.global_step == 7
-    assert capsys.readouterr().out.count("the training data ran out after 5 of the 7 batches of epoch 1") == 1
+    assert capsys.readouterr().err.count("the training data ran out after 5 of the 7 batches of epoch 1") == 1
     with pytest.raises(torchrig.config.ConfigError, match="data.steps_per_epoch"):
         _trainer(tmp_path / "d", **{"data.steps_per_epoch": 0})
 
@@ -145,7 +146,7 @@ def test_hugging_face_streaming_dataset_trains_and_resumes_exactly(tmp_path, cap
     resumed = _trainer(tmp_path / "cut", max_steps=8, resume="latest")
     capsys.readouterr()
     resumed.fit(stream)
-    assert "re-reads" not in capsys.readouterr().out  # the stream's own state_dict gave the position
+    assert "re-reads" not in capsys.readouterr().err  # the stream's own state_dict gave the position
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
 
@@ -201,7 +202,7 @@ def test_stateful_dataloader_resume_is_exact_without_replay(tmp_path, workers, c
     resumed = _trainer(tmp_path / "cut", resume="latest", step_fn=recorder(seen_b), **{"data.steps_per_epoch": 5})
     capsys.readouterr()
     resumed.fit(data())
-    assert "re-reads" not in capsys.readouterr().out
+    assert "re-reads" not in capsys.readouterr().err
     assert seen_a[0] + seen_b[0] == seen_full[0] and seen_b[1] == seen_full[1]  # nothing read twice, nothing lost
     if workers == 0:  # the stream itself went on from sample 24: 16 samples in epoch 1, 40 in epoch 2
         assert streams[-1].reads == 16 + 40
@@ -218,7 +219,7 @@ def test_plain_iterable_resume_replays_with_one_warning(tmp_path, capsys):
     resumed = _trainer(tmp_path / "cut", resume="latest")
     capsys.readouterr()
     resumed.fit(stream)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("re-reads the 2 batches already used") == 1
     assert stream.reads == 2 * 40  # the 16 samples of the first 2 batches were read again, then both epochs
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
@@ -281,7 +282,7 @@ def test_partial_accumulation_window_at_stream_end_is_not_used(tmp_path, capsys)
     # 5 batches per pass, windows of 2: the 5th batch is left over each epoch and must not leak into the next
     stream = _trainer(tmp_path / "a", accumulate=2, **{"data.steps_per_epoch": 10})
     stream.fit(Stream(40, sized=False))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("ended with 1 batch(es) left, fewer than one accumulation window (accumulate=2)") == 1
     short = Stream(40)
     short.x, short.y = short.x[:32], short.y[:32]  # the same first 4 batches, a length that ends on a window
@@ -290,3 +291,100 @@ def test_partial_accumulation_window_at_stream_end_is_not_used(tmp_path, capsys)
     assert stream.global_step == exact.global_step == 4
     for a, b in zip(stream.model.parameters(), exact.model.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------- evaluate / predict
+class PairStream(Stream):
+    """``(x, y)`` samples in order: what the default evaluation step expects."""
+
+    def __iter__(self):
+        for i in range(len(self.x)):
+            self.reads += 1
+            yield self.x[i], self.y[i]
+
+
+def _evaluator(run_dir, **kw):
+    torch.manual_seed(0)
+    opts = dict(QUIET, run_dir=str(run_dir), batch_size=4, num_workers=0, metrics=["accuracy"])
+    return torchrig.Trainer(TinyNet(), **dict(opts, **kw))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("wrap", ["dataset", "loader"])
+def test_evaluate_and_predict_read_a_stream_once_in_stream_order(tmp_path, workers, wrap):
+    x, y = make_classification(n=37)
+    trainer = _evaluator(tmp_path / "run", num_workers=workers)
+    expected_metrics = trainer.evaluate((x, y))
+    expected = trainer.predict(x)
+    stream = PairStream(37, sized=False)
+    data = DataLoader(stream, batch_size=5, num_workers=workers) if wrap == "loader" else stream
+    metrics = trainer.evaluate(data)
+    assert metrics.keys() == expected_metrics.keys()
+    for k in metrics:
+        assert metrics[k] == pytest.approx(expected_metrics[k], abs=1e-6)
+    if workers == 0:
+        assert stream.reads == 37  # one pass, every sample once
+    got = trainer.predict(data)
+    assert got.shape == expected.shape == (37, 4)
+    assert torch.allclose(got, expected, atol=1e-6)  # every row at its sample's place in the stream
+
+
+def test_predict_restores_stream_order_for_tuple_outputs_and_custom_collate(tmp_path):
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):  # x: the custom collate's stacked inputs alone
+            return x.sum(dim=1) * self.scale, x[:, :2]
+
+    x, _ = make_classification(n=23)
+    trainer = torchrig.Trainer(Pair(), **dict(QUIET, run_dir=str(tmp_path / "run"), batch_size=3, num_workers=2))
+
+    def collate(samples):
+        return torch.stack([s[0] for s in samples])
+
+    total, first = trainer.predict(DataLoader(PairStream(23, sized=False), batch_size=3, num_workers=2,
+                                              collate_fn=collate), activation="none")
+    assert torch.allclose(total, x.sum(dim=1)) and torch.equal(first, x[:, :2])
+
+
+def test_evaluate_a_hugging_face_stream_equals_the_in_memory_data(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    x, y = make_classification(n=30)
+    stream = datasets.Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()}).to_iterable_dataset(num_shards=3)
+    trainer = _evaluator(tmp_path / "run", num_workers=2)
+    expected = trainer.evaluate((x, y))
+    got = trainer.evaluate(stream)
+    for k in expected:
+        assert got[k] == pytest.approx(expected[k], abs=1e-6)
+    assert torch.allclose(trainer.predict(stream), trainer.predict(x), atol=1e-6)
+
+
+def test_stream_notes_go_through_the_trainer_print(tmp_path):
+    printed = []
+    trainer = _trainer(tmp_path / "run", max_steps=7, epochs=3)
+    trainer.print = printed.append
+    trainer.fit(Stream(40, sized=False))
+    assert any("the training data ran out after 5 of the 7 batches" in line for line in printed)
+
+
+def test_two_ranks_evaluate_and_predict_a_stream_as_one_process(two_ranks, tmp_path):
+    x, y = make_classification(n=35)
+    one = _evaluator(tmp_path / "one")
+    expected_metrics, expected = one.evaluate((x, y)), one.predict(x)
+    for name in ("eval_ddp", "eval_fsdp"):
+        for rank in two_ranks:
+            run = rank[name]
+            assert run["metrics"].keys() == expected_metrics.keys()
+            for k in expected_metrics:
+                assert run["metrics"][k] == pytest.approx(expected_metrics[k], abs=1e-5), (name, k)
+            assert torch.allclose(torch.tensor(run["predict"]), expected, atol=1e-5), name
+
+
+def test_fit_validates_on_a_stream_each_epoch(tmp_path):
+    x, y = make_classification(n=37)
+    trainer = _trainer(tmp_path / "run", epochs=2, metrics=["accuracy"])
+    trainer.fit(Stream(40), PairStream(37, sized=False))
+    assert [row["epoch"] for row in trainer.history] == [1, 2]
+    assert trainer.history[-1]["val/accuracy"] == pytest.approx(trainer.evaluate((x, y))["accuracy"], abs=1e-6)

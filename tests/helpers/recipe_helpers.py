@@ -168,7 +168,10 @@ def whole_split(checkpoint: Path, split: str):
 
     recipe, cfg, model, _ = load_for_inference(str(checkpoint))
     data = recipe.build_data(cfg)[split]
-    return model.eval(), default_collate([data[i] for i in range(len(data))])
+    batch = default_collate([data[i] for i in range(len(data))])
+    if hasattr(recipe, "model_inputs"):  # uint8 images: normalised as the recipe's steps do
+        batch = [recipe.model_inputs(cfg, batch[0]), *batch[1:]]
+    return model.eval(), batch
 
 
 def read_json(path: Path):

@@ -106,9 +106,9 @@ def test_val_fraction_split_and_torchvision_model(tmp_path):
     assert len(data["train"]) == 24 and len(data["val"]) == 6 and "test" not in data
     assert sorted(data["val"].tensors[1].tolist()) == [0, 0, 1, 1, 2, 2]
     x = data["val"].tensors[0]
-    assert x.shape == (6, 3, 32, 32)
+    assert x.shape == (6, 3, 32, 32) and x.dtype == torch.uint8  # normalised on the device, in the steps
     model.eval()
-    assert model(x).shape == (6, 3)
+    assert model(recipe.model_inputs(cfg, x)).shape == (6, 3)
 
 
 def test_class_map_and_local_weights(tmp_path, capsys):
@@ -226,3 +226,53 @@ def test_timm_model_through_the_recipe(tmp_path, capsys):
                        capsys)
     assert rc == 0, err
     assert json.loads(out.strip().splitlines()[-1]) == pytest.approx(_by_hand(run, "val"), rel=1e-5)
+
+
+def test_uint8_loader_with_normalisation_on_the_device_equals_the_float_pipeline(tmp_path):
+    """The loader gives uint8 images; the steps convert and normalise them on the device. Same images,
+    same augmentation seeds: the same inputs, parameters, metrics and predictions as float32 images
+    normalised in the loader."""
+    from torchvision.transforms import v2 as T
+
+    from helpers import QUIET
+    from torchrig import Trainer
+    from torchrig.data.datasets.images import ImageSamples
+    from torchrig.recipes import get_recipe
+    from torchrig.recipes.image import DeviceNormalize, build_transform
+    from torchrig.recipes.run import build_config
+
+    root = make_image_folder(tmp_path / "shapes", per_class=6)
+    cfg = build_config(None, [f"data.path={root}", "data.val_fraction=0.34", "image.size=10", "image.resize=11",
+                              "image.hflip=true", "image.random_crop_padding=2"] + TINY_MODEL, "image-classification")
+    recipe = get_recipe("image-classification")
+    data = recipe.build_data(cfg)
+    ic, train, val = cfg.image, data["train"], data["val"]
+    assert train[0][0].dtype == val.tensors[0].dtype == torch.uint8
+    to_float = [T.ToDtype(torch.float32, scale=True), T.Normalize(list(ic.mean), list(ic.std))]
+    old_train = T.Compose([build_transform(ic, train=True), *to_float])
+    old_val = T.Compose([build_transform(ic, train=False), *to_float])
+    norm = DeviceNormalize(ic)
+    for i in range(len(train)):
+        torch.manual_seed(i)
+        new = norm(train[i][0][None])[0]
+        torch.manual_seed(i)
+        assert (new - old_train(train.image(i))).abs().max() <= 1e-6
+    float_train = ImageSamples(train.items, train.labels, old_train, ic.channels)
+    val_items, val_labels = recipe._prepare(cfg).splits["val"]  # the decoded images, before any transform
+    float_val = ImageSamples(val_items, val_labels, old_val, ic.channels)
+    assert torch.equal(torch.stack([norm(val[i][0]) for i in range(len(val))]),
+                       torch.stack([float_val[i][0] for i in range(len(val))]))
+
+    def run(name, train_data, val_data, **kw):
+        torch.manual_seed(0)
+        trainer = Trainer(recipe.build_model(cfg), **QUIET, run_dir=str(tmp_path / name), optimizer="sgd", lr=0.1,
+                          batch_size=4, max_steps=4, num_workers=0, metrics=["accuracy"], **kw)
+        trainer.fit(train_data)
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        return params, trainer.evaluate(val_data), trainer.predict(val_data)
+
+    p_old, m_old, y_old = run("float", float_train, float_val)
+    p_new, m_new, y_new = run("uint8", train, val, **recipe.trainer_kwargs(cfg, data))
+    assert (p_old - p_new).abs().max() <= 1e-6
+    assert m_new == pytest.approx(m_old, abs=1e-6)
+    assert y_new.shape == (len(val), 3) and (y_old - y_new).abs().max() <= 1e-6

@@ -181,7 +181,7 @@ def numbered_run_dir(root: str | Path, say: Callable[[str], None] = print, resum
                 say(f"torchrig: run_dir not set; resuming the newest run, {path}")
         else:
             path = _claim(root)
-            say(f"torchrig: run_dir not set; this run writes to {path} (also {last})")
+            say(f"torchrig: run_dir not set; writing to {path} ({last.name} -> {path.name})")  # fits 80 columns
     return Path(runtime.broadcast(str(path) if path is not None else None))
 
 

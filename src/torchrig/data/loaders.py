@@ -228,6 +228,11 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
         return data
     workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
     pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
+    if not train and is_iterable_source(data):
+        from .iterable_eval import build_iterable_eval
+
+        return build_iterable_eval(data, batch_size=batch_size, rank=rank, world_size=world_size, device=device,
+                                   num_workers=workers, pin=pin, prefetch_factor=prefetch_factor)
     if train and is_iterable_source(data):
         return build_iterable(data, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                               device=device, num_workers=workers, pin=pin, drop_last=drop_last,

@@ -8,6 +8,14 @@ into the cache and read from there, so the default run exercises the real image-
 
 The class names, channel count and normalisation statistics are written into the run's config, so
 a checkpoint alone is enough to predict (no access to the training folder needed).
+
+Inputs: the recipe's data sets and ``load_inputs`` give images as **uint8** ``(C, H, W)`` tensors in
+0 … 255, already resized, cropped and augmented in the loader; the conversion to float32 (``/ 255``)
+and ``image.normalize`` (``(x - mean) / std``) run on the device inside the recipe's training,
+evaluation and prediction steps (:class:`DeviceNormalize`): a quarter of the host-to-device bytes of
+float32 images, with the same numbers. The model and its checkpoint are the bare model: to call it by
+hand, pass ``recipe.model_inputs(cfg, images)``. Floating-point inputs (from a ``data.factory``) are
+taken as already normalised and reach the model unchanged.
 """
 
 from __future__ import annotations
@@ -92,8 +100,9 @@ class _PadRandomCrop(torch.nn.Module):
         return padded[..., i:i + h, j:j + w]
 
 
-def build_transform(ic: ImageConfig, train: bool, normalize: bool = True):
-    """uint8 ``(C, H, W)`` -> float32, from the ``image`` config section."""
+def build_transform(ic: ImageConfig, train: bool):
+    """uint8 ``(C, H, W)`` -> uint8, resized, cropped and (train) augmented, from the ``image`` config
+    section; :class:`DeviceNormalize` does the rest on the device."""
     try:
         from torchvision.transforms import v2 as T
     except ImportError:
@@ -112,10 +121,45 @@ def build_transform(ic: ImageConfig, train: bool, normalize: bool = True):
         ops.append(_PadRandomCrop(ic.random_crop_padding))
     if train and ic.hflip:
         ops.append(T.RandomHorizontalFlip())
-    ops.append(T.ToDtype(torch.float32, scale=True))
-    if normalize and ic.normalize:
-        ops.append(T.Normalize(list(ic.mean), list(ic.std)))
-    return T.Compose(ops)
+    return T.Compose(ops or [T.Identity()])
+
+
+def to_unit_float(x: torch.Tensor) -> torch.Tensor:
+    """uint8 images -> float32 in [0, 1], exactly as torchvision's ``ToDtype(float32, scale=True)``."""
+    return x.to(torch.float32).mul_(1.0 / 255)
+
+
+class DeviceNormalize:
+    """The end of the image transform, run where the batch is (the device): uint8 -> float32 in
+    [0, 1], then ``(x - mean) / std`` per channel when ``image.normalize`` is on (torchvision's
+    ``Normalize`` arithmetic). Floating-point tensors are already normalised and pass unchanged."""
+
+    def __init__(self, ic: ImageConfig):
+        self.ic = ic  # read at the first batch: the statistics may be computed after this is made
+        self._on: dict = {}  # device -> (mean, std) as (C, 1, 1) float32 tensors
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            return x
+        x = to_unit_float(x)
+        if not self.ic.normalize:
+            return x
+        if x.device not in self._on:
+            if self.ic.mean is None or self.ic.std is None:
+                raise RecipeError("image.normalize is on but image.mean / image.std are not set; give both, "
+                                  "or build the recipe's data first (it computes them)")
+            self._on[x.device] = tuple(torch.tensor(list(v), dtype=torch.float32).view(-1, 1, 1).to(x.device)
+                                       for v in (self.ic.mean, self.ic.std))
+        mean, std = self._on[x.device]
+        return x.sub_(mean).div_(std)
+
+    def batch(self, batch: Any) -> Any:
+        """A batch with its images (a tensor, or the first element of a tuple / list) normalised."""
+        if isinstance(batch, torch.Tensor):
+            return self(batch)
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+            return [self(batch[0]), *batch[1:]]
+        return batch
 
 
 def _has_random(ic: ImageConfig) -> bool:
@@ -239,13 +283,13 @@ class ImageClassificationRecipe(Recipe):
         """Per-channel mean and std (of values in [0, 1]) over up to 2,000 training images."""
         items, _ = prep.splits["train"]
         step = max(1, len(items) // 2000)
-        plain = build_transform(ic, train=False, normalize=False)
+        plain = build_transform(ic, train=False)
         ds = I.ImageSamples(items[::step], None, plain, ic.channels, skip_bad=True)
         total = torch.zeros(ic.channels, dtype=torch.float64)
         sq = torch.zeros(ic.channels, dtype=torch.float64)
         count = 0
         for i in range(len(ds)):
-            x = ds[i].to(torch.float64).flatten(1)
+            x = to_unit_float(ds[i]).to(torch.float64).flatten(1)
             total += x.sum(1)
             sq += (x * x).sum(1)
             count += x.shape[1]
@@ -270,7 +314,21 @@ class ImageClassificationRecipe(Recipe):
     @staticmethod
     def _fits(ds: I.ImageSamples, limit: int = 1 << 29) -> bool:
         x = ds[0][0]
-        return len(ds) * x.numel() * 4 <= limit
+        return len(ds) * x.numel() * x.element_size() <= limit
+
+    def trainer_kwargs(self, cfg: C.Config, data: dict) -> dict:
+        """Steps that normalise each batch's uint8 images on the device, then run the default ones."""
+        from ..trainer import default_eval_step, default_step
+        from ..trainer.inference import activation_for_loss, default_predict_step
+
+        norm, act = DeviceNormalize(cfg.image), activation_for_loss(cfg.loss)
+        return {"step_fn": lambda step, batch: default_step(step, norm.batch(batch)),
+                "eval_fn": lambda step, batch: default_eval_step(step, norm.batch(batch)),
+                "predict_fn": lambda step, batch: default_predict_step(step, norm.batch(batch), act)}
+
+    def model_inputs(self, cfg: C.Config, images: torch.Tensor) -> torch.Tensor:
+        """The model's float inputs for uint8 images as this recipe's data gives them (on their device)."""
+        return DeviceNormalize(cfg.image)(images)
 
     # -------------------------------------------------------------------------------- model
     def build_model(self, cfg: C.Config) -> torch.nn.Module:

@@ -16,6 +16,7 @@ import torch
 
 from .. import runtime
 from ..data import padding_batches, prepare_eval, to_device
+from ..data.iterable_eval import IterableEvalBatches
 from ..metrics import MeanValue, Metric
 from . import outputs as O
 from .step import Step, batch_size_of, default_eval_step
@@ -43,17 +44,27 @@ def _eval_mode(trainer: "Trainer"):
 
 
 def run(trainer: "Trainer", data: Any, metrics: list, forward: Callable[[Step, Any], Any],
-        consume: Callable[[Step, Any, Any], None]) -> None:
-    """``consume(step, batch, forward(step, batch))`` for each batch of this rank's shard."""
+        consume: Callable[[Step, Any, Any], None]) -> Any:
+    """``consume(step, batch, forward(step, batch))`` for each batch of this rank's shard; returns the
+    batches iterated (for a stream: with the stream positions of this rank's samples)."""
     batches = prepare_eval(data, **trainer._loader_kwargs(eval_=True))
     step = trainer._make_step(metrics)
     # DDP adds nothing to a forward without backward, and ranks may see different batch counts.
     step.model = trainer.wrapped if trainer.strategy == "fsdp" else runtime.unwrap(trainer.wrapped)
-    pad = padding_batches(len(batches), trainer.device) if trainer.strategy == "fsdp" and trainer.world_size > 1 else 0
+    lockstep = trainer.strategy == "fsdp" and trainer.world_size > 1
+    streamed = isinstance(batches, IterableEvalBatches)
+    if streamed:
+        batches.lockstep = lockstep  # a stream's length is known only at its end: agree batch by batch
+    pad = padding_batches(len(batches), trainer.device) if lockstep and not streamed else 0
     batch = None
     with _eval_mode(trainer):
-        for batch in batches:
-            batch = to_device(batch, trainer.device)
+        for got in batches:
+            if got is None:  # FSDP: another rank's stream still has a batch; forward a discarded one
+                batch = batch if batch is not None else _first_batch(trainer, data)
+                step.metrics = []
+                forward(step, batch)
+                continue
+            batch = to_device(got, trainer.device)
             consume(step, batch, forward(step, batch))
             trainer._signals.beat = time.perf_counter()  # progress, for a stop signal's watchdog
         if pad:
@@ -61,6 +72,7 @@ def run(trainer: "Trainer", data: Any, metrics: list, forward: Callable[[Step, A
             step.metrics = []
             for _ in range(pad):  # results discarded: every sample still counts once
                 forward(step, dummy)
+    return batches
 
 
 def _first_batch(trainer: "Trainer", data: Any) -> Any:
@@ -134,19 +146,28 @@ def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
     def forward(step: Step, batch: Any) -> Any:
         if trainer.predict_fn is not None:
             return trainer.predict_fn(step, batch)
-        inputs = O.predict_inputs(step.model, batch, step.io.label_key)
-        with step.autocast():
-            out = O.call_model(step.model, inputs, step.io.input_keys)
-        return O.predict_fields(out, step.io.output_key, act, batch_size_of(batch))
+        return default_predict_step(step, batch, act)
 
     def consume(step: Step, batch: Any, out: Any) -> None:
         results.append(out.cpu() if isinstance(out, torch.Tensor) else out)
 
-    run(trainer, data, [], forward, consume)
+    batches = run(trainer, data, [], forward, consume)
     local = O.stack(results)
+    if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
+        parts = runtime.gather((batches.stream_positions(), local))
+        return O.merge_ranks([p for _, p in parts], trainer.world_size, [q for q, _ in parts])
     if trainer.world_size == 1:
         return local
     return O.merge_ranks(runtime.gather(local), trainer.world_size)
+
+
+def default_predict_step(step: Step, batch: Any, activation: Callable) -> Any:
+    """The model's prediction for one batch of inputs, ``activation`` applied to the prediction field
+    (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this."""
+    inputs = O.predict_inputs(step.model, batch, step.io.label_key)
+    with step.autocast():
+        out = O.call_model(step.model, inputs, step.io.input_keys)
+    return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))
 
 
 # Probabilities for the known classification losses, given by name or as a loss object; "auto" is
@@ -159,13 +180,17 @@ def activation_for(trainer: "Trainer", name: str) -> Callable:
     """``auto``: probabilities for the known classification losses (by name, or an ``nn.CrossEntropyLoss``,
     ``nn.NLLLoss`` or ``nn.BCEWithLogitsLoss`` object), raw outputs otherwise."""
     if name == "auto":
-        loss = trainer._objects.get("loss", trainer.cfg.loss)
-        if isinstance(loss, torch.nn.Module):
-            key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
-                                                        torch.nn.BCEWithLogitsLoss) else ""
-        else:
-            key = loss if isinstance(loss, str) else ""
-        name = _LOSS_ACTIVATIONS.get(key, "none")
+        return activation_for_loss(trainer._objects.get("loss", trainer.cfg.loss))
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not one of auto, {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def activation_for_loss(loss: Any) -> Callable:
+    """What ``activation="auto"`` applies for ``loss`` (a name or a loss object)."""
+    if isinstance(loss, torch.nn.Module):
+        key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
+                                                    torch.nn.BCEWithLogitsLoss) else ""
+    else:
+        key = loss if isinstance(loss, str) else ""
+    return ACTIVATIONS[_LOSS_ACTIVATIONS.get(key, "none")]

@@ -348,16 +348,27 @@ def stack(outputs: list) -> Any:
     return [x for o in outputs for x in (o if isinstance(o, list) else [o])]
 
 
-def merge_ranks(parts: list, world_size: int) -> Any:
+def _place(parts: list, positions: list) -> list:
+    """Items of every part at their positions (all positions 0 … n-1 once, over all parts)."""
+    order: list = [None] * sum(len(p) for p in parts)
+    for part, where in zip(parts, positions):
+        for item, i in zip(part, where.tolist()):
+            order[i] = item
+    return order
+
+
+def merge_ranks(parts: list, world_size: int, positions: Optional[list] = None) -> Any:
     """Every rank's stacked predictions (rank r holds samples r, r+W, …) back in data order, per field.
-    A rank without samples sends ``[]``."""
+    A rank without samples sends ``[]``. With ``positions`` (per rank, each sample's position in a
+    stream, see ``data.iterable_eval``) every sample goes to its position instead."""
     shape = next((p for p in parts if not (isinstance(p, list) and not p)), None)
     if isinstance(shape, tuple):
         return tuple(None if f is None else merge_ranks([p[i] if isinstance(p, tuple) else [] for p in parts],
-                                                        world_size) for i, f in enumerate(shape))
+                                                        world_size, positions) for i, f in enumerate(shape))
     if isinstance(shape, dict):
-        return {k: merge_ranks([p[k] if isinstance(p, dict) else [] for p in parts], world_size) for k in shape}
-    order = unshard(parts, world_size)
+        return {k: merge_ranks([p[k] if isinstance(p, dict) else [] for p in parts], world_size, positions)
+                for k in shape}
+    order = unshard(parts, world_size) if positions is None else _place(parts, positions)
     if isinstance(shape, torch.Tensor):
         return torch.stack(order) if order else shape[:0]
     return order

@@ -178,6 +178,7 @@ class Trainer:
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
+        self._data.say = self.print  # a stream's notes go through the progress display
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
