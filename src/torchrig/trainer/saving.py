@@ -36,6 +36,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         "callbacks": t.callbacks,
         "rng": RNGState(),
         "data": t._data,  # the training data's position where it can report one
+        **({"micro_batch": t.micro} if getattr(t, "micro", None) is not None else {}),  # data.micro_batch_size=auto
     }
 
 def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
