@@ -25,10 +25,11 @@ class Limited(nn.Module):
     """An MLP with dropout that "runs out of memory" above ``limit`` rows (None: never), from its
     ``after``-th forward on (0: from the first)."""
 
-    def __init__(self, limit: Optional[int], after: int = 0, p: float = 0.2):
+    def __init__(self, limit: Optional[int], after: int = 0, p: float = 0.2, norm: bool = False):
         super().__init__()
         torch.manual_seed(7)
-        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(p), nn.Linear(16, CLASSES))
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16) if norm else nn.Tanh(), nn.Dropout(p),
+                                 nn.Linear(16, CLASSES))
         self.limit, self.after = limit, after
         self.calls = self.oom = 0
 
@@ -62,19 +63,23 @@ def params(model: nn.Module) -> dict:
 def ddp(out: Path) -> None:
     """Rank 1 runs out of memory above 2 rows from its 4th forward on (the second loaded batch of the second
     window, so rank 0 has gone on to the window's end), rank 0 never; then the same data with
-    data.micro_batch_size=2 from the start (no dropout: the first window ran whole batches)."""
+    data.micro_batch_size=2 from the start (no dropout: the first window ran whole batches). The same with
+    BatchNorm (rank 0's buffers broadcast before each window, as DDP does), failing from the first forward."""
     from torchrig import Trainer
 
     rank = int(os.environ["TEST_RANK"])
     group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": int(os.environ["TEST_WORLD"])}
     report = {}
     first = None
-    for name, limit, size in (("auto", 2 if rank == 1 else None, "auto"), ("fixed", None, 2)):
-        model = Limited(limit, after=3, p=0.0)
+    runs = (("auto", 2 if rank == 1 else None, "auto", 3, False, 45), ("fixed", None, 2, 0, False, 45),
+            # BatchNorm (whose statistics see micro-batches): out of memory from the first forward on
+            ("auto_bn", 2 if rank == 1 else None, "auto", 0, True, 48), ("fixed_bn", None, 2, 0, True, 48))
+    for name, limit, size, after, norm, n in runs:
+        model = Limited(limit, after=after, p=0.0, norm=norm)
         t = Trainer(model, strategy="ddp", accumulate=2, **settings(out / name, **{"data.micro_batch_size": size}),
                     **group)
         first = first or t
-        t.fit(classification(45))
+        t.fit(classification(n))
         report[name] = {"size": t.micro.size, "oom": model.oom, "history": t.history}
         if rank == 0:
             torch.save(params(model), out / f"{name}.pt")

@@ -122,6 +122,8 @@ def test_two_ranks_agree_when_only_one_runs_out_of_memory(tmp_path):
     assert "torchrig: out of memory at micro-batch 8; now 4" in results[0].output
     assert _max_diff(torch.load(out / "auto.pt"), torch.load(out / "fixed.pt")) < ATOL
     assert _history_diff(reports[0]["auto"]["history"], reports[0]["fixed"]["history"]) < ATOL
+    assert [r["auto_bn"]["size"] for r in reports] == [2, 2] and reports[1]["auto_bn"]["oom"] == 2
+    assert _max_diff(torch.load(out / "auto_bn.pt"), torch.load(out / "fixed_bn.pt")) < ATOL
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed
 
 from .. import runtime
 from ..config import ConfigError
@@ -112,6 +113,8 @@ class MicroBatcher:
             return self._batch(batch, weight, last)
         if first:
             self.window, self.failed, self.agreed = [], False, None
+            if self.guard:
+                self._broadcast_buffers()
             self._saved = self._snapshot()
         self.window.append((batch, weight))
         values = self._attempt([(batch, weight)], last) if not self.failed else None
@@ -163,6 +166,16 @@ class MicroBatcher:
         flag = torch.tensor([1.0 if failed else 0.0], device=self.t.device)
         return bool(runtime.all_reduce_max(flag).item())
 
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers, as DDP copies them before a window's first forward. Here every rank does it at
+        the window's start, and DDP's own copy in ``forward`` is turned off: a forward that raised on one
+        rank leaves DDP's flag for it set on that rank only, and the ranks' next forwards would disagree."""
+        for m in self.synced:
+            if getattr(m, "forward_sync_buffers", getattr(m, "broadcast_buffers", False)):
+                for b in m.module.buffers():
+                    torch.distributed.broadcast(b, 0)
+            m.require_forward_param_sync = False  # DDP sets it after a synced forward (never under auto)
+
     def _before_update(self, opt: torch.optim.Optimizer) -> None:
         """Several ranks: before an optimizer update, agree that no rank ran out of memory (once per window),
         then average this optimizer's gradients over the ranks (DDP's no_sync left them local)."""
@@ -193,6 +206,8 @@ class MicroBatcher:
         t.print(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
         step.begin_window(step.window_size)
         self.failed, self.agreed = False, None
+        for m in self.synced if self.guard else ():
+            m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
 
     def _snapshot(self) -> tuple:
         t, log = self.t, self.t.metrics_log
