@@ -53,6 +53,21 @@ def test_fixed_micro_batch_equals_the_whole_batch(tmp_path):
     assert _max_diff(got, want) < ATOL
 
 
+def test_token_counts_of_cut_sequence_batches_equal_the_whole_batch(tmp_path):
+    pytest.importorskip("transformers")
+    from helpers import lossnorm_worker as L
+
+    def fit(name, **extra):
+        model = L.gpt2()
+        t = Trainer(model, **L.settings(tmp_path / name, batch_size=3, loss=L.next_token_loss, **extra))
+        t.fit(L.Sequences(10))
+        t.close()
+        return W.params(model)
+
+    # each sequence's loss counts its valid tokens: pieces of one sequence weigh what they hold
+    assert _max_diff(fit("cut", micro_batch_size=1, accumulate=2), fit("whole", accumulate=2)) < ATOL
+
+
 def test_auto_halves_on_oom_and_equals_the_final_size_from_the_start(tmp_path, capsys):
     t, got = _fit(tmp_path, "auto", W.Limited(2), accumulate=2, **{"data.micro_batch_size": "auto"})
     out = capsys.readouterr().err
