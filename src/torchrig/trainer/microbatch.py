@@ -121,6 +121,8 @@ class MicroBatcher:
         while last and self._any_failed():
             self._shrink()
             values = self._attempt(self.window, last)
+        if last:  # the window is done: its loaded batches and snapshot can go
+            self.window, self._saved = [], None
         return values or {}
 
     def _batch(self, batch: Any, weight: int, last: bool) -> dict:
