@@ -28,6 +28,7 @@ class ConfigError(TorchrigError, ValueError):
 @dataclass
 class DataConfig:
     batch_size: int = 64  # per process
+    micro_batch_size: Union[int, str, None] = None  # rows per forward/backward; None: the loaded batch; "auto": halve on OOM
     eval_batch_size: Optional[int] = None  # defaults to batch_size
     num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(16, cores per local rank - 1)
     pin_memory: Union[bool, str] = "auto"  # "auto": on when training on CUDA
@@ -560,7 +561,8 @@ RULES: dict[str, _Rule] = {
     "data.input_keys": _optional(_Rule("a non-empty list of batch keys", _input_keys)),
     "data.label_key": _optional(_TEXT),
     "ema_decay": _optional(_num(0, 1, lo_open=True, hi_open=True)), "ema_warmup": _BOOL,
-    "data.batch_size": _int(1), "data.eval_batch_size": _optional(_int(1)), "data.num_workers": _or_auto(_int(0)),
+    "data.batch_size": _int(1), "data.micro_batch_size": _optional(_or_auto(_int(1), "an integer >= 1 or 'auto'")),
+    "data.eval_batch_size": _optional(_int(1)), "data.num_workers": _or_auto(_int(0)),
     "data.pin_memory": _or_auto(_BOOL, "true, false or 'auto'"), "data.persistent_workers": _BOOL,
     "data.prefetch_factor": _optional(_int(1)), "data.shuffle": _BOOL, "data.drop_last": _BOOL,
     "data.fast_path": _BOOL, "data.path": _optional(_TEXT), "data.val_path": _optional(_TEXT),

@@ -13,6 +13,7 @@ KWARG_KEYS = {
     "lr": "optim.lr", "weight_decay": "optim.weight_decay", "momentum": "optim.momentum",
     "nesterov": "optim.nesterov", "betas": "optim.betas", "group_lr": "optim.group_lr",
     "batch_size": "data.batch_size", "eval_batch_size": "data.eval_batch_size",
+    "micro_batch_size": "data.micro_batch_size",
     "num_workers": "data.num_workers", "pin_memory": "data.pin_memory", "shuffle": "data.shuffle",
     "drop_last": "data.drop_last", "fast_path": "data.fast_path",
     "input_keys": "data.input_keys", "label_key": "data.label_key",

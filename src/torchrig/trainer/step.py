@@ -179,6 +179,7 @@ class Step:
         self._window_found: Optional[torch.Tensor] = None  # this window skipped on the device (1.0) or not
         self._skipped: Optional[torch.Tensor] = None       # device-skipped windows since the last settle()
         self._settled_step = 0
+        self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
 
     @property
     def global_step(self) -> int:
@@ -306,6 +307,8 @@ class Step:
         if not self.sync_gradients:
             return False
         opt = self.optimizers[name] if name is not None else self.optimizer
+        if self.before_update is not None:
+            self.before_update(opt)
         scaler = self.precision.scaler
         factor = self._window_factor()  # its all-reduce runs before any rank may reject the window
         loss_flag = self._nonfinite if self.world_size == 1 else None  # several ranks: the gradients decide

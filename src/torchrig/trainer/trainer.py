@@ -27,10 +27,11 @@ from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .ema import build_ema
 from .finish import end_of_run
 from .logger import MetricsLogger
+from .microbatch import MicroBatcher
 from .options import resolve_options
 from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
-from .step import Step, batch_size_of, default_step
+from .step import Step, default_step
 from .throughput import fit_callbacks
 
 
@@ -193,6 +194,7 @@ class Trainer:
         cfg = self.cfg
         self.train_metrics = self._metric_objects()
         self.step = self._make_step(self.train_metrics)
+        self.micro = MicroBatcher(self)  # data.micro_batch_size: cuts batches, halves on OOM under auto
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
@@ -284,7 +286,6 @@ class Trainer:
         A, device, epoch_len = cfg.accumulate, self.device, plan.epoch_len
         ckpt_every = cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
-        synced = [self.wrapped] if not self.models or self.wrapped is not self.model else list(self.models.values())
         self.wrapped.train()
         for m in self.models.values():
             m.train()
@@ -308,10 +309,7 @@ class Trainer:
                 step.want_grad_norm = log.should_log(self.global_step + 1)
             step.sync_gradients = i == w_start + step.window_size - 1
             step.epoch, step.batch_index = epoch, i
-            step.set_batch(batch, plan.batches.weight(i))
-            with runtime.no_sync_all(synced, not step.sync_gradients, self.world_size):
-                values = self.step_fn(step, batch)
-            log.record(values, batch_size_of(batch) * step.weight, step.log_weight, batch if step.weight else None)
+            values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
             i += 1
             self.state.batch_in_epoch = i
             out.advance()

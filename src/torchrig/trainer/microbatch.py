@@ -1,0 +1,247 @@
+"""Micro-batches: each loaded batch cut into chunks, and ``data.micro_batch_size=auto``.
+
+With ``data.micro_batch_size=N`` every loaded batch of ``data.batch_size`` rows is cut into chunks of
+``N`` rows (dim 0 of every tensor, through nested tuples, lists and dicts); the chunks of the
+``accumulate`` loaded batches of an optimizer step are the micro-batches of one accumulation window.
+The loss of each chunk is weighed by its own count (``Step.backward``) and the window's gradients are
+rescaled by the global count at its end (``trainer/normalize.py``), so the optimizer step sees the
+same mean as with the whole batch at once (to float rounding).
+
+``auto`` starts with the loaded batch as the micro-batch. When ``torch.cuda.OutOfMemoryError`` is
+raised anywhere in a window, the window's partial gradients are dropped, memory is freed, the
+micro-batch is halved and the window is run again from its first loaded batch (kept on the device
+until the window ends). What the failed attempt touched is put back first: the metric states, the
+logged sums, the model's buffers (BatchNorm statistics) and torch's random generators, so the result
+equals a run configured with the final size from the start. The size is saved in checkpoints.
+
+With several DDP ranks, an OOM on one rank must not leave another waiting in a gradient all-reduce:
+every micro-batch of the window runs under ``no_sync``; before the first optimizer update of the
+window every rank all-reduces one flag (max: did any rank run out of memory?), and then, if none
+did, each optimizer's gradients are averaged here (one flat all-reduce per dtype) instead of by DDP's
+overlapped buckets. The cost is that communication no longer overlaps the backward; it stays so for
+the whole run, since a later batch (longer sequences) may still run out of memory. Set
+``data.micro_batch_size`` to the logged size to get DDP's overlapped path back. FSDP2 is refused.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed
+
+from .. import runtime
+from ..config import ConfigError
+from ..errors import TorchrigError
+from .step import batch_size_of
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+class MicroBatchError(TorchrigError, RuntimeError):
+    """Out of memory even at a micro-batch of one row, or after an optimizer update of the window."""
+
+
+class _PeerOutOfMemory(Exception):
+    """Another rank ran out of memory in this window (every rank learnt it from the same all-reduce)."""
+
+
+def chunks(batch: Any, size: Optional[int]) -> list:
+    """``batch`` cut into pieces of ``size`` rows along dim 0 of every tensor (the batch itself when it
+    fits). Tensors of another length and non-tensor leaves go to every piece unchanged."""
+    n = batch_size_of(batch)
+    if size is None or n <= size:
+        return [batch]
+    count = math.ceil(n / size)
+    return [_slice(batch, k * size, size, n) for k in range(count)]
+
+
+def _slice(x: Any, start: int, size: int, n: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.narrow(0, start, min(size, n - start)) if x.ndim and x.shape[0] == n else x
+    if isinstance(x, dict):
+        return type(x)((k, _slice(v, start, size, n)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return type(x)(*(_slice(v, start, size, n) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_slice(v, start, size, n) for v in x)
+    return x
+
+
+class MicroBatcher:
+    """Runs the step function over the micro-batches of each loaded batch; Stateful (the current size)."""
+
+    def __init__(self, t: "Trainer"):
+        setting, d = t.cfg.data.micro_batch_size, t.cfg.data
+        self.t = t
+        self.auto = setting == "auto"
+        self.size: Optional[int] = d.batch_size if self.auto else setting
+        if setting is not None and t.cfg.loss_normalization == "micro_batches":
+            raise ConfigError(f"config key 'data.micro_batch_size': {setting!r} needs loss_normalization auto, "
+                              f"samples or tokens (micro_batches weighs every micro-batch alike, so cutting a "
+                              f"batch would change the loss); set one of them, or data.micro_batch_size=null")
+        if self.auto and t.strategy == "fsdp":
+            raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
+                              "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
+        self.synced = [t.wrapped] if not t.models or t.wrapped is not t.model else list(t.models.values())
+        self.guard = self.auto and t.world_size > 1 and t.strategy == "ddp"  # agree before any update
+        self.window: list = []       # (batch, weight) of the current window's loaded batches
+        self.failed = False          # this rank ran out of memory in the current attempt
+        self.agreed: Optional[bool] = None  # whether any rank failed, once the ranks agreed (None: not yet)
+        self._saved: Any = None
+        if self.guard:
+            t.step.before_update = self._before_update
+
+    # -- Stateful --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"size": self.size, "auto": self.auto}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if self.auto and state and state.get("auto") and state.get("size"):
+            self.size = min(self.size, int(state["size"]))
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, batch: Any, weight: int, first: bool) -> dict:
+        """The step function over the micro-batches of ``batch``, a loaded batch of the window (the first
+        when ``first``; the last when the loop set ``step.sync_gradients``). Returns the last values."""
+        step = self.t.step
+        last = step.sync_gradients
+        if not self.auto:
+            return self._batch(batch, weight, last)
+        if first:
+            self.window, self.failed, self.agreed = [], False, None
+            if self.guard:
+                self._broadcast_buffers()
+            self._saved = self._snapshot()
+        self.window.append((batch, weight))
+        values = self._attempt([(batch, weight)], last) if not self.failed else None
+        while last and self._any_failed():
+            self._shrink()
+            values = self._attempt(self.window, last)
+        if last:  # the window is done: its loaded batches and snapshot can go
+            self.window, self._saved = [], None
+        return values or {}
+
+    def _batch(self, batch: Any, weight: int, last: bool) -> dict:
+        t, step = self.t, self.t.step
+        pieces = chunks(batch, self.size)
+        values: dict = {}
+        for k, piece in enumerate(pieces):
+            step.sync_gradients = last and k == len(pieces) - 1
+            step.set_batch(piece, weight)
+            with runtime.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
+                values = t.step_fn(step, piece)
+            t.metrics_log.record(values, batch_size_of(piece) * step.weight, step.log_weight,
+                                 piece if step.weight else None)
+        step.sync_gradients = last
+        return values
+
+    def _attempt(self, batches: list, last: bool) -> Optional[dict]:
+        """Run ``batches``; None (and ``failed``) when this rank or, as agreed, another ran out of memory."""
+        values = None
+        try:
+            for j, (b, w) in enumerate(batches):
+                values = self._batch(b, w, last and j == len(batches) - 1)
+        except torch.cuda.OutOfMemoryError:
+            if self.t.step.stepped:
+                raise MicroBatchError(
+                    f"out of memory at micro-batch {self.size} after an optimizer update of this window "
+                    f"(a step function that updates before its last forward); the window cannot be run again. "
+                    f"Set data.micro_batch_size to a smaller integer") from None
+            self.failed = True
+        except _PeerOutOfMemory:
+            self.failed = True
+        return None if self.failed else values
+
+    def _any_failed(self) -> bool:
+        """At the window's end: whether any rank ran out of memory (one all-reduce with several ranks,
+        unless the first optimizer update of the window made it already)."""
+        if self.agreed is None:
+            self.agreed = self._agree(self.failed)
+        return self.agreed
+
+    def _agree(self, failed: bool) -> bool:
+        if not self.guard:
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.t.device)
+        return bool(runtime.all_reduce_max(flag).item())
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers, as DDP copies them before a window's first forward. Here every rank does it at
+        the window's start, and DDP's own copy in ``forward`` is turned off: a forward that raised on one
+        rank leaves DDP's flag for it set on that rank only, and the ranks' next forwards would disagree."""
+        for m in self.synced:
+            if getattr(m, "forward_sync_buffers", getattr(m, "broadcast_buffers", False)):
+                for b in m.module.buffers():
+                    torch.distributed.broadcast(b, 0)
+            m.require_forward_param_sync = False  # DDP sets it after a synced forward (never under auto)
+
+    def _before_update(self, opt: torch.optim.Optimizer) -> None:
+        """Several ranks: before an optimizer update, agree that no rank ran out of memory (once per window),
+        then average this optimizer's gradients over the ranks (DDP's no_sync left them local)."""
+        if self.agreed is None:
+            self.agreed = self._agree(False)
+        if self.agreed:
+            raise _PeerOutOfMemory()
+        _average_gradients([p for g in opt.param_groups for p in g["params"]], self.t.world_size)
+
+    # -- after an out-of-memory error ------------------------------------------------------------
+    def _shrink(self) -> None:
+        """Drop the failed attempt (gradients, metric and logged sums, buffers, random state), free memory
+        and halve the micro-batch; the window then runs again from its first loaded batch."""
+        t, step = self.t, self.t.step
+        for opt in t.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        self._restore(self._saved)
+        gc.collect()
+        if torch.cuda.is_available() and t.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.size <= 1:
+            raise MicroBatchError(
+                f"out of memory at a micro-batch of 1 row (data.micro_batch_size=auto, data.batch_size="
+                f"{t.cfg.data.batch_size}); the model does not fit on {t.device}: use a smaller model, "
+                f"precision=bf16, model.activation_checkpointing, or more devices with dist.strategy=fsdp")
+        old, self.size = self.size, self.size // 2
+        per_step = math.ceil(t.cfg.data.batch_size / self.size) * t.cfg.accumulate
+        t.print(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
+        step.begin_window(step.window_size)
+        self.failed, self.agreed = False, None
+        for m in self.synced if self.guard else ():
+            m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
+
+    def _snapshot(self) -> tuple:
+        t, log = self.t, self.t.metrics_log
+        metrics = [{k: v.clone() for k, v in m.states.items()} for m in t.train_metrics]
+        logged = (dict(log.sums), log.count, log.samples)
+        buffers = [b.detach().clone() for b in runtime.unwrap(t.model).buffers()]
+        rng = (torch.get_rng_state(),
+               torch.cuda.get_rng_state(t.device) if t.device.type == "cuda" else None)
+        return metrics, logged, buffers, rng
+
+    @torch.no_grad()
+    def _restore(self, saved: tuple) -> None:
+        t, log = self.t, self.t.metrics_log
+        metrics, logged, buffers, rng = saved
+        for m, states in zip(t.train_metrics, metrics):
+            m.states = {k: v.clone() for k, v in states.items()}
+        log.sums, log.count, log.samples = dict(logged[0]), logged[1], logged[2]
+        for b, value in zip(runtime.unwrap(t.model).buffers(), buffers):
+            b.copy_(value)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], t.device)
+
+
+def _average_gradients(params: list, world_size: int) -> None:
+    """The mean of the dense gradients over the ranks: one flat all-reduce per (device, dtype)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None and not p.grad.is_sparse:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        flat = runtime.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / world_size
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
