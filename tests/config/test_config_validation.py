@@ -74,6 +74,7 @@ BAD_VALUES = [
     ('early_stop_patience=0', 'an integer >= 1 or null, got 0'),
     ('data.batch_size=-8', 'an integer >= 1, got -8'),
     ('data.eval_batch_size=0', 'an integer >= 1 or null, got 0'),
+    ('data.micro_batch_size=0', "an integer >= 1 or 'auto' or null, got 0"),
     ('data.num_workers=-1', "an integer >= 0 or 'auto', got -1"),
     ('data.pin_memory=sometimes', "true, false or 'auto', got 'sometimes'"),
     ('data.persistent_workers=3', 'true or false, got 3'),
