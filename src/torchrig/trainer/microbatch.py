@@ -45,8 +45,9 @@ class MicroBatchError(TorchrigError, RuntimeError):
     """Out of memory even at a micro-batch of one row, or after an optimizer update of the window."""
 
 
-class _PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this window (every rank learnt it from the same all-reduce)."""
+class _PeerOutOfMemory(TorchrigError, RuntimeError):
+    """Another rank ran out of memory in this window (every rank learnt it from the same all-reduce); caught
+    by the micro-batching itself, never seen by users."""
 
 
 def chunks(batch: Any, size: Optional[int]) -> list:
