@@ -159,6 +159,7 @@ class Batches:
         self.sampler = sampler
         self.batch_size = batch_size
         self._skip_next = 0
+        self._filler = sampler.filler_batch if sampler is not None else None  # fixed for the run: read once
 
     @property
     def resumable(self) -> bool:
@@ -184,7 +185,7 @@ class Batches:
 
     def weight(self, index: int) -> int:
         """0 for batch ``index`` of the epoch when it is this rank's filler (see ResumableSampler), else 1."""
-        return 0 if self.sampler is not None and index == self.sampler.filler_batch else 1
+        return 0 if index == self._filler else 1
 
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)

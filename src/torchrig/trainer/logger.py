@@ -47,7 +47,8 @@ class MetricsLogger:
     def record(self, out: Optional[dict], n: int, weight: Any = 1, batch: Any = None) -> None:
         """Add one micro-batch's values, weighted by ``weight``: the items its loss is a mean over (samples
         or valid tokens, a tensor that stays on the device), so that a logged mean is the mean over the
-        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged). ``batch`` gives the token count of token data."""
+        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged). ``batch``
+        gives the token count of token data."""
         self.count = self.count + weight
         self.samples += n
         tokens = tokens_of(batch)
@@ -57,7 +58,7 @@ class MetricsLogger:
             for k, v in out.items():
                 if isinstance(v, torch.Tensor) and v.requires_grad:
                     v = v.detach()
-                v = v if isinstance(weight, int) and weight == 1 else v * weight
+                v = v if not isinstance(weight, torch.Tensor) and weight == 1 else v * weight
                 self.sums[k] = self.sums[k] + v if k in self.sums else v
 
     def start_epoch(self, resumed: bool) -> None:

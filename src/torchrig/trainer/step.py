@@ -236,10 +236,15 @@ class Step:
     @property
     def log_weight(self) -> normalize.Count:
         """How much the current micro-batch's logged values weigh: its count (the samples of the batch when
-        the step function did not call :meth:`backward`), or 1 per micro-batch with ``micro_batches``."""
+        the step function did not call :meth:`backward`), or 1 per micro-batch with ``micro_batches``. Counts of
+        samples are given in full batches (``count / data.batch_size``); only the ratios matter."""
         if self.loss_normalization == "micro_batches":
             return self.weight
-        return self.count if self._counted else batch_size_of(self.batch) * self.weight
+        count = self.count if self._counted else batch_size_of(self.batch) * self.weight
+        if isinstance(count, torch.Tensor):
+            return count
+        # in units of a full batch: a full batch weighs 1, and the logger then needs no multiply per step
+        return 1 if count == self.count_unit else count / self.count_unit
 
     # -- the primitives ----------------------------------------------------------------------
     @property
