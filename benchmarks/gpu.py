@@ -96,7 +96,8 @@ def _arm_trainer(p: dict) -> dict:
         trainer = Trainer(model, opt, loss="cross_entropy", metrics=[], run_dir=run_dir, batch_size=b,
                           precision=p.get("precision", "bf16"), channels_last=True, compile=bool(p.get("compile")),
                           max_steps=total, epochs=10**6, shuffle=False, plot=False, checkpoint_every_epochs=0,
-                          progress="none", callbacks=[_Hook(on_step_end)], **p.get("extra", {}))
+                          progress="none", callbacks=[_Hook(on_step_end)],
+                          **{"log.flops": True}, **p.get("extra", {}))
         trainer.fit((x[:n], y[:n]))
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     mfu = [r["mfu"] for r in rows if "mfu" in r]
