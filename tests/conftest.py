@@ -50,3 +50,11 @@ def make_trainer(run_dir):
         return torchrig.Trainer(model, **opts)
 
     return make
+
+
+@pytest.fixture
+def restore_threads():
+    """Code under test may call torch.set_num_threads (the ``threads`` key); put the count back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

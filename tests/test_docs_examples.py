@@ -50,11 +50,7 @@ CHECKS = {"BertForSequenceClassification": _check_bert, "TwoInputs": _check_two_
           "input_keys=": _check_dict_batches}
 
 
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def test_every_example_is_checked():

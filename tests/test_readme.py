@@ -19,11 +19,7 @@ def python_blocks() -> list[tuple[int, str]]:
     return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in BLOCK.finditer(text)]
 
 
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def test_readme_has_the_examples():

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 import yaml
-from helpers import subprocess_env
+from helpers import one_line_error, subprocess_env
 
 from torchrig.cli import build_parser, main
 from torchrig.cli.doctor import problems, report
@@ -26,15 +26,6 @@ def trained(tmp_path_factory):
     return run
 
 
-def _one_line_error(capsys, argv, *fragments):
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 1, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("torchrig: error: "), err
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------- train
@@ -85,19 +76,19 @@ def test_train_yaml_file_and_overrides(tmp_path, capsys):
     (["plot", "/nonexistent/run"], ["run directory '/nonexistent/run' does not exist"]),
 ])
 def test_errors_are_one_line(argv, fragments, capsys):
-    _one_line_error(capsys, argv, *fragments)
+    one_line_error(capsys, argv, *fragments)
 
 
 def test_bad_yaml_and_directory_config(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("epochs: [1\n")
-    _one_line_error(capsys, ["train", str(bad)], f"config file '{bad}' is not valid YAML at line")
-    _one_line_error(capsys, ["train", str(tmp_path)], "is a directory; pass a YAML file")
+    one_line_error(capsys, ["train", str(bad)], f"config file '{bad}' is not valid YAML at line")
+    one_line_error(capsys, ["train", str(tmp_path)], "is a directory; pass a YAML file")
 
 
 def test_bad_thread_env_on_the_command_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TORCH_THREAD_NUM", "lots")
-    _one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path}"], "TORCH_THREAD_NUM='lots' is not an integer")
+    one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path}"], "TORCH_THREAD_NUM='lots' is not an integer")
 
 
 def test_debug_shows_the_traceback(capsys):
@@ -115,7 +106,7 @@ def test_unexpected_errors_name_their_type(monkeypatch, capsys):
         raise KeyError("oops")
 
     monkeypatch.setitem(cli.COMMANDS, "doctor", boom)
-    line = _one_line_error(capsys, ["doctor"], "KeyError: 'oops'", "(run with --debug for the traceback)")
+    line = one_line_error(capsys, ["doctor"], "KeyError: 'oops'", "(run with --debug for the traceback)")
     assert line == "torchrig: error: KeyError: 'oops' (run with --debug for the traceback)"
 
 
@@ -168,7 +159,7 @@ def test_evaluate_plain_and_other_forms(trained, capsys):
     assert main(["evaluate", "--checkpoint", str(latest), "--split", "val"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["loss", "accuracy", "top5", "f1"]
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(trained), "--split", "train2"],
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(trained), "--split", "train2"],
                     "recipe 'digits' has no 'train2' split; choose one of train, val, test")
 
 
@@ -187,9 +178,9 @@ def test_evaluate_corrupt_checkpoint(trained, tmp_path, capsys):
     ckpt = tmp_path / "corrupt"
     shutil.copytree(trained / "checkpoints" / "latest", ckpt)
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "is corrupt or not a safetensors file")
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "is corrupt or not a safetensors file")
     (ckpt / "config.yaml").unlink()
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)],
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)],
                     f"checkpoint '{ckpt}' has no config.yaml; it was not written by torchrig train")
 
 
@@ -257,7 +248,7 @@ def test_predict_bad_input(trained, tmp_path, capsys, content, fragment):
         np.save(path, content)
     elif content is not None:
         path.write_bytes(content)
-    _one_line_error(capsys, ["predict", "--checkpoint", str(trained), "--input", str(path),
+    one_line_error(capsys, ["predict", "--checkpoint", str(trained), "--input", str(path),
                              "--output", str(tmp_path / "o.csv")], fragment.format(path=path))
     assert not (tmp_path / "o.csv").exists()
 
@@ -275,10 +266,10 @@ def test_plot_writes_pngs(trained, tmp_path, capsys):
 
 
 def test_plot_bad_run_dirs(tmp_path, capsys):
-    _one_line_error(capsys, ["plot", str(tmp_path)], f"'{tmp_path / 'metrics.jsonl'}' does not exist; is "
+    one_line_error(capsys, ["plot", str(tmp_path)], f"'{tmp_path / 'metrics.jsonl'}' does not exist; is "
                                                      f"'{tmp_path}' a torchrig run directory?")
     (tmp_path / "metrics.jsonl").write_text("\n")
-    _one_line_error(capsys, ["plot", str(tmp_path)], "holds no records yet")
+    one_line_error(capsys, ["plot", str(tmp_path)], "holds no records yet")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0, "lr": 0.1}\n{"step": 2, "train/lo')
     assert main(["plot", str(tmp_path)]) == 0  # a line cut by a killed process is skipped
 

@@ -19,6 +19,8 @@ from torch import nn
 from torchrig import Trainer
 from torchrig.cli import main
 
+from helpers import one_line_error
+
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "rigfactories"  # a package name no other test uses
 
@@ -81,16 +83,6 @@ def run(workdir):
     return run
 
 
-def _one_line_error(capsys, argv, *fragments):
-    capsys.readouterr()
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 1, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("torchrig: error: "), err
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    return lines[0]
 
 
 def test_the_specs_are_recorded(run):
@@ -167,7 +159,7 @@ def test_a_checkpoint_cannot_name_a_standard_library_function(run, tmp_path, cap
     shutil.copytree(run, copy, symlinks=True)
     config = copy / "checkpoints" / "latest" / "config.yaml"
     config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: os:system"))
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
                     "model.factory 'os:system': 'os' is a standard-library module")
 
 
@@ -178,7 +170,7 @@ def test_a_checkpoint_runs_code_only_from_the_current_directory(run, tmp_path, c
     shutil.copytree(run, copy, symlinks=True)
     config = copy / "checkpoints" / "latest" / "config.yaml"
     config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: pytest:main"))
-    _one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
                     "names model.factory 'pytest:main', a module outside the current directory",
                     "--set model.factory=pytest:main")
     assert main(["evaluate", "--checkpoint", str(copy), "--set", f"model.factory={PKG}.task:build_model"]) == 0
@@ -200,7 +192,7 @@ def test_a_checkpoint_runs_code_only_from_the_current_directory(run, tmp_path, c
 ])
 def test_bad_specs_give_one_line(workdir, capsys, tmp_path, flag, spec, fragments):
     other = ["--model", f"{PKG}.task:build_model"] if flag == "--data" else []
-    _one_line_error(capsys, ["train", flag, spec, *other, *QUICK, "--set", "epochs=1",
+    one_line_error(capsys, ["train", flag, spec, *other, *QUICK, "--set", "epochs=1",
                              "--set", f"run_dir={tmp_path / 'r'}"], *fragments)
 
 
@@ -225,11 +217,11 @@ def test_python_api_checkpoint_fails_with_the_exact_message(workdir, capsys, tmp
     assert saved["model"]["python_class"] == f"{TinyNet.__module__}:TinyNet"
     message = (f"torchrig: error: checkpoint '{ckpt}': this checkpoint was saved from a model built in Python "
                f"({cls}); rebuild it in Python and use Trainer.evaluate, or train with --model pkg:fn")
-    assert _one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "py")]) == message
-    resumed = _one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path / 'py'}", "--set", "resume=latest"])
+    assert one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "py")]) == message
+    resumed = one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path / 'py'}", "--set", "resume=latest"])
     assert resumed == message.replace("use Trainer.evaluate", "pass resume= to its Trainer")
     np.save(tmp_path / "x.npy", x.numpy())
-    assert _one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "py"), "--input",
+    assert one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "py"), "--input",
                                     str(tmp_path / "x.npy"), "--output", str(tmp_path / "p.csv")]) == message
     # naming a factory that builds the same architecture lets the command line load it after all
     (workdir / PKG / "tiny.py").write_text(textwrap.dedent("""

@@ -99,3 +99,19 @@ def subprocess_env(**extra) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def one_line_error(capsys, argv, *fragments) -> str:
+    """Run the ``torchrig`` command ``argv``: it must exit 1 with exactly one ``torchrig: error:`` line on
+    stderr holding every fragment; returns that line."""
+    from torchrig.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchrig: error: "), err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]

@@ -15,11 +15,7 @@ from helpers.recipe_helpers import (assert_same_params, cli, ddp_train, make_pai
 TINY_GAN = ["pix2pix.ngf=4", "pix2pix.ndf=4", "pix2pix.d_layers=1"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def test_networks_shapes_and_init():
