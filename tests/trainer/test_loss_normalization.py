@@ -84,6 +84,39 @@ def test_token_counts_follow_the_causal_shift():
         normalize.count_items("tokens", None, 2, shift=False)
 
 
+def test_a_step_without_a_count_counts_the_target_under_data_label_key(tmp_path):
+    """``step.backward(loss)`` without a count takes the batch's target where ``data.label_key`` says."""
+    from torch import nn
+
+    from torchrig import Trainer
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 3)
+
+        def forward(self, ids):
+            return self.emb(ids)
+
+    ids = torch.randint(0, 10, (4, 5))
+    tags = torch.randint(0, 3, (4, 5)).masked_fill(torch.arange(5) >= 3, -100)  # 3 valid tokens a row
+    data = [{"ids": ids[i], "tags": tags[i]} for i in range(4)]
+    counts = []
+
+    def step_fn(step, batch):
+        counts.append(int(step.count_of()))
+        inputs, target = step.split(batch)
+        with step.autocast():
+            loss = nn.functional.cross_entropy(step.forward(inputs).transpose(1, 2), target, ignore_index=-100)
+        step.backward(loss)
+        step.optimizer_step()
+        return {"loss": loss.detach()}
+
+    with Trainer(Tagger(), step_fn=step_fn, label_key="tags", **W.settings(tmp_path, epochs=1, batch_size=4)) as t:
+        t.fit(data)
+    assert counts == [12]  # the valid tokens of "tags", not the 4 samples of a batch with no "labels" key
+
+
 def test_loss_normalization_is_validated(tmp_path):
     from torchrig import Trainer
     from torchrig.config import ConfigError

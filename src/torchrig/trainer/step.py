@@ -227,7 +227,7 @@ class Step:
         """Items (samples or valid tokens, as ``loss_normalization`` says) of the current micro-batch's
         ``target`` (its own target when None); a device tensor for tokens, so nothing waits."""
         if target is None:
-            target = split_batch(self.batch)[1]
+            target = self.split(self.batch)[1]
         mode = self.loss_normalization
         if mode == "micro_batches":
             return 1
