@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import runtime
-from .loaders import DataError
+from .loaders import _WORKER_OPTIONS, DataError
 
 try:  # an optional extra: without it a resume re-reads the epoch's consumed batches
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -67,6 +67,14 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def shard_slot(rank: int, world_size: int) -> tuple[int, int]:
+    """``(pairs, mine)``: the number of (rank, DataLoader worker) pairs and this one's number; sample ``i``
+    of a stream belongs to the pair ``i % pairs`` (training and evaluation shard alike)."""
+    info = get_worker_info()
+    workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+    return world_size * workers, rank * workers + worker
+
+
 class ShardedIterable(IterableDataset):
     """Sample ``i`` of ``dataset`` goes to the (rank, worker) pair number ``i % (world_size × workers)``."""
 
@@ -80,9 +88,7 @@ class ShardedIterable(IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        k, me = self.world_size * workers, self.rank * workers + worker
+        k, me = shard_slot(self.rank, self.world_size)
         self._seen, self._start = self._start, 0
         for sample in self.dataset:
             i = self._seen
@@ -265,8 +271,7 @@ def _loader_options(data: Any, batch_size: int, num_workers: int, pin: bool, dro
         opts = dict(batch_size=batch_size, num_workers=num_workers, pin_memory=pin, drop_last=drop_last,
                     persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     if not opts["num_workers"]:
-        opts = {k: v for k, v in opts.items() if k not in ("persistent_workers", "prefetch_factor",
-                                                              "multiprocessing_context")}
+        opts = {k: v for k, v in opts.items() if k not in _WORKER_OPTIONS}
     return opts
 
 

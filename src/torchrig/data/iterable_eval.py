@@ -23,10 +23,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .. import runtime
-from .iterable import _loader_options, is_hf, torch_format
+from .iterable import _loader_options, is_hf, shard_slot, torch_format
 
 _WORKER_ONLY = ("persistent_workers", "prefetch_factor", "multiprocessing_context", "worker_init_fn", "timeout")
 
@@ -38,9 +38,7 @@ class PositionedShard(IterableDataset):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        k, me = self.world_size * workers, self.rank * workers + worker
+        k, me = shard_slot(self.rank, self.world_size)
         for i, sample in enumerate(self.dataset):
             if i % k == me:
                 yield i, sample
