@@ -53,8 +53,10 @@ class _PeerOutOfMemory(TorchrigError, RuntimeError):
 def chunks(batch: Any, size: Optional[int]) -> list:
     """``batch`` cut into pieces of ``size`` rows along dim 0 of every tensor (the batch itself when it
     fits). Tensors of another length and non-tensor leaves go to every piece unchanged."""
+    if size is None:
+        return [batch]
     n = batch_size_of(batch)
-    if size is None or n <= size:
+    if n <= size:
         return [batch]
     count = math.ceil(n / size)
     return [_slice(batch, k * size, size, n) for k in range(count)]
