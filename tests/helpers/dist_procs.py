@@ -76,30 +76,12 @@ def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optio
     out.mkdir(parents=True, exist_ok=True)
     if store.exists():
         store.unlink()
-    procs, logs = [], []
-    t0 = time.monotonic()
+    cmds = [[sys.executable, str(worker), scenario, str(out)] for _ in (0, 1)]
+    envs = [_env(dict(env or {}, TEST_INIT=init or f"file://{store}", TEST_RANK=rank, TEST_WORLD=2)) for rank in (0, 1)]
+    files = [(out / f"{scenario}-{rank}.out", out / f"{scenario}-{rank}.err") for rank in (0, 1)]
     try:
-        for rank in (0, 1):
-            e = _env(dict(env or {}, TEST_INIT=init or f"file://{store}", TEST_RANK=rank, TEST_WORLD=2))
-            o, r = open(out / f"{scenario}-{rank}.out", "w+"), open(out / f"{scenario}-{rank}.err", "w+")
-            logs.append((o, r))
-            procs.append(subprocess.Popen([sys.executable, str(worker), scenario, str(out)], stdout=o, stderr=r,
-                                          env=e, start_new_session=True))
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    _kill_group(q)
-                raise AssertionError(f"worker pair '{scenario}' did not finish within {timeout}s:\n"
-                                     + "\n".join(_read(f) for pair_ in logs for f in pair_))
-        return [Result(p.returncode, _read(o), _read(r), time.monotonic() - t0) for p, (o, r) in zip(procs, logs)]
+        return _together(cmds, envs, files, timeout, f"worker pair '{scenario}'")
     finally:
-        for p in procs:
-            _kill_group(p)
-        for o, r in logs:
-            o.close()
-            r.close()
         if store.exists():
             store.unlink()
 
@@ -114,23 +96,33 @@ def run_many(cmds: list[list[str]], timeout: float, env: Optional[dict] = None,
              logs: Optional[Path] = None) -> list[Result]:
     """Run several commands at once (e.g. one launcher per machine); kill all of them on timeout."""
     logs = logs or Path(os.environ.get("TMPDIR", "/tmp"))
-    procs, files = [], []
+    files = [(logs / f"cmd{i}.out", logs / f"cmd{i}.err") for i in range(len(cmds))]
+    return _together(cmds, [_env(env)] * len(cmds), files, timeout, f"{len(cmds)} commands", tail=3000)
+
+
+def _together(cmds: list[list[str]], envs: list[dict], files: list[tuple[Path, Path]], timeout: float, what: str,
+              tail: Optional[int] = None) -> list[Result]:
+    """Start ``cmds`` at once, each writing to its (stdout, stderr) files, and wait for all of them; on a
+    timeout fail with every log (its last ``tail`` characters); every process group is killed at the end."""
+    procs, logs = [], []
     t0 = time.monotonic()
     try:
-        for i, cmd in enumerate(cmds):
-            o, e = open(logs / f"cmd{i}.out", "w+"), open(logs / f"cmd{i}.err", "w+")
-            files.append((o, e))
-            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=_env(env), start_new_session=True))
+        for cmd, env, (out_path, err_path) in zip(cmds, envs, files):
+            o, e = open(out_path, "w+"), open(err_path, "w+")
+            logs.append((o, e))
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=env, start_new_session=True))
         for p in procs:
             try:
                 p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{len(cmds)} commands did not finish within {timeout}s:\n"
-                                     + "\n".join(_read(f)[-3000:] for pair_ in files for f in pair_))
-        return [Result(p.returncode, _read(o), _read(e), time.monotonic() - t0) for p, (o, e) in zip(procs, files)]
+                for q in procs:
+                    _kill_group(q)
+                raise AssertionError(f"{what} did not finish within {timeout}s:\n"
+                                     + "\n".join(_read(f)[-(tail or 0):] for pair_ in logs for f in pair_))
+        return [Result(p.returncode, _read(o), _read(e), time.monotonic() - t0) for p, (o, e) in zip(procs, logs)]
     finally:
         for p in procs:
             _kill_group(p)
-        for o, e in files:
+        for o, e in logs:
             o.close()
             e.close()
