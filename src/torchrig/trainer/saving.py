@@ -37,7 +37,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         "rng": RNGState(),
         "data": t._data,  # the training data's position where it can report one
         **({"ema": t.ema} if t.ema is not None else {}),
-        **({"micro_batch": t.micro} if getattr(t, "micro", None) is not None else {}),  # data.micro_batch_size=auto
+        "micro_batch": t.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
     }
 
 
