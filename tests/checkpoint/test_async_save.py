@@ -238,3 +238,39 @@ def test_fit_with_async_saves_waits_for_the_last_one(tmp_path):
     weights = load_file(latest / "model.safetensors")
     assert all(torch.equal(weights[k], v) for k, v in t.model.state_dict().items())
     assert sys.modules["torchrig"] is torchrig
+
+
+def test_background_write_hands_the_gil_over_often_and_restores_the_interval():
+    """While a write runs, the switch interval is short (the training thread gets the GIL back quickly);
+    afterwards it is what it was."""
+    from torchrig.checkpoint.background import SWITCH_INTERVAL_S, BackgroundWriter
+
+    before = sys.getswitchinterval()
+    seen = []
+    writer = BackgroundWriter()
+    try:
+        writer.submit(lambda: seen.append(sys.getswitchinterval()))
+        writer.wait()
+        writer.submit(lambda: 1 / 0)  # a failing write restores it too
+        with pytest.raises(ZeroDivisionError):
+            writer.wait()
+    finally:
+        writer.close()
+    assert seen == [pytest.approx(min(before, SWITCH_INTERVAL_S))]
+    assert sys.getswitchinterval() == before
+
+
+def test_config_yaml_is_rendered_again_only_when_the_config_changes(tmp_path):
+    """Saves of one run reuse the config's YAML text; a changed config (also one changed in place) is
+    written as it now is."""
+    import yaml
+
+    manager = CheckpointManager(tmp_path, keep_last=5)
+    config = {"optim": {"lr": 0.1}, "epochs": 3}
+    first = manager.save(1, _states(), config=config, meta={})
+    second = manager.save(2, _states(), config=config, meta={})
+    assert (first / "config.yaml").read_bytes() == (second / "config.yaml").read_bytes()
+    config["optim"]["lr"] = 0.5  # the same dict object, changed
+    third = manager.save(3, _states(), config=config, meta={})
+    assert yaml.safe_load((third / "config.yaml").read_text()) == {"optim": {"lr": 0.5}, "epochs": 3}
+    assert yaml.safe_load((second / "config.yaml").read_text())["optim"]["lr"] == 0.1

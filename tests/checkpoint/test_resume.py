@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HELPERS, PYTHON, QUIET, AugmentedDataset, make_classification, read_jsonl, subprocess_env
+from helpers import (HELPERS, PYTHON, QUIET, AugmentedDataset, gan_models, gan_step, make_classification, read_jsonl,
+                     subprocess_env)
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -140,8 +141,6 @@ def test_resume_with_fast_path_tensor_data(tmp_path):
 
 
 def test_resume_gan_custom_step(tmp_path):
-    from test_trainer import gan_models, gan_step
-
     real = torch.randn(40, 8) * 0.5 + 2
 
     def no_val(run_dir, stop_at=None):

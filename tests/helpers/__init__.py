@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 # Tiny models run fastest on one thread, and the machine's cores are shared with other test processes.
@@ -115,3 +116,34 @@ def one_line_error(capsys, argv, *fragments) -> str:
     for f in fragments:
         assert f in lines[0], lines[0]
     return lines[0]
+
+
+# ----------------------------------------------------------------------------- a custom step: GAN
+
+
+def gan_models():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"G": nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)),
+                          "D": nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))})
+
+
+def gan_step(step, batch):
+    """Two optimizers, one step each per window; torchrig supplies precision, accumulation and clipping."""
+    (real,) = batch
+    G, D = step.models["G"], step.models["D"]
+    z = torch.randn(real.shape[0], 4)
+    with step.autocast():
+        fake = G(z)
+        d_real, d_fake = D(real), D(fake.detach())
+        loss_d = F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real)) + \
+            F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
+    step.backward(loss_d)
+    step.optimizer_step("D")
+    D.requires_grad_(False)
+    with step.autocast():
+        d_fake = D(fake)
+        loss_g = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
+    step.backward(loss_g)
+    D.requires_grad_(True)
+    step.optimizer_step("G")
+    return {"loss_d": loss_d.detach(), "loss_g": loss_g.detach()}

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUIET, TinyNet, make_classification, read_jsonl
+from helpers import QUIET, TinyNet, gan_models, gan_step, make_classification, read_jsonl
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -338,34 +338,6 @@ def test_public_api_example_works_as_written(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a custom step: GAN
-
-
-def gan_models():
-    torch.manual_seed(0)
-    return nn.ModuleDict({"G": nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)),
-                          "D": nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))})
-
-
-def gan_step(step, batch):
-    """Two optimizers, one step each per window; torchrig supplies precision, accumulation and clipping."""
-    (real,) = batch
-    G, D = step.models["G"], step.models["D"]
-    z = torch.randn(real.shape[0], 4)
-    with step.autocast():
-        fake = G(z)
-        d_real, d_fake = D(real), D(fake.detach())
-        loss_d = F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real)) + \
-            F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
-    step.backward(loss_d)
-    step.optimizer_step("D")
-    D.requires_grad_(False)
-    with step.autocast():
-        d_fake = D(fake)
-        loss_g = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
-    step.backward(loss_g)
-    D.requires_grad_(True)
-    step.optimizer_step("G")
-    return {"loss_d": loss_d.detach(), "loss_g": loss_g.detach()}
 
 
 def test_gan_custom_step_with_two_optimizers(tmp_path):

@@ -161,6 +161,7 @@ class CheckpointManager:
         self.last_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
         self.index_path = self.dir / "index.json"
         self.index: dict[str, Any] = {"checkpoints": [], "best": []}
+        self._yaml: tuple[Optional[str], bytes] = (None, b"")  # the last config (as JSON) and its YAML
         if self.index_path.exists():
             try:
                 self.index = json.loads(self.index_path.read_text())
@@ -352,13 +353,21 @@ class CheckpointManager:
             save_weights(tensors, tmp / name)
         safe_torch_save(state, tmp / "state.pt")
         if config is not None:
-            import yaml
-
-            write_bytes_atomic(tmp / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+            write_bytes_atomic(tmp / "config.yaml", self._config_yaml(config))
         write_json_atomic(tmp / "meta.json", meta)
         if extra_writer is not None:
             extra_writer(tmp)
         fsync_dir(tmp)
+
+    def _config_yaml(self, config: dict) -> bytes:
+        """``config`` as YAML; the same config as the previous save's reuses its text (PyYAML's pure-Python
+        emitter takes milliseconds for a full config, held against the training thread under async saves)."""
+        key = json.dumps(config, sort_keys=True, default=str)  # a value, not the dict: a caller may change it
+        if self._yaml[0] != key:
+            import yaml
+
+            self._yaml = (key, yaml.safe_dump(config, sort_keys=False).encode())
+        return self._yaml[1]
 
     def _publish(self, tmp: Path, name: str) -> Path:
         """Rename the complete ``tmp`` into place and point ``latest`` at it, whole at every instant."""
