@@ -211,17 +211,19 @@ def test_torchrig_and_a_run_with_tensorboard_import_neither_tensorboard_nor_prot
     assert "train/loss" in accumulator(tmp_path / "run").Tags()["scalars"]  # it was on (log.tensorboard=auto)
 
 
-def test_a_log_folder_that_is_a_file_stops_the_run_with_one_line(tmp_path):
+@pytest.mark.parametrize("asked", ["log.tensorboard", "log.trackers"])
+def test_a_log_folder_that_is_a_file_stops_the_run_with_one_line(tmp_path, asked):
     run = tmp_path / "run"
     run.mkdir()
     (run / "tensorboard").write_text("not a folder")
     x, y = make_classification(16)
-    trainer = torchrig.Trainer(TinyNet(), run_dir=str(run), batch_size=8, epochs=1, plot=False, progress="none",
-                               tensorboard=True)
+    how = dict(tensorboard=True) if asked == "log.tensorboard" else dict(trackers=["tensorboard"])
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(run), batch_size=8, epochs=1, plot=False, progress="none", **how)
     with pytest.raises(TrackerError) as err:
         trainer.fit(TensorDataset(x, y))
-    assert str(err.value) == (f"log.tensorboard: cannot write event files in '{run / 'tensorboard'}' (file exists "
-                              f"(errno 17 EEXIST)); make it a writable folder or set log.tensorboard=false")
+    undo = "set log.tensorboard=false" if asked == "log.tensorboard" else "remove tensorboard from log.trackers"
+    assert str(err.value) == (f"{asked}: cannot write event files in '{run / 'tensorboard'}' (file exists (errno 17 "
+                              f"EEXIST)); make it a writable folder or {undo}")
     assert trainer.global_step == 0 and (run / "tensorboard").read_text() == "not a folder"
 
 

@@ -139,8 +139,12 @@ class TensorBoardTracker(Tracker):
                                       for k, v in flatten(config).items()})
                 self._writer.text("run_dir", str(run_dir), 0)
         except OSError as exc:
-            raise TrackerError(f"log.tensorboard: cannot write event files in '{folder}' ({describe_os_error(exc)}); "
-                               f"make it a writable folder or set log.tensorboard=false") from None
+            if hasattr(self, "_writer"):
+                self._writer.close()
+            listed = "tensorboard" in (self._option("trackers") or [])
+            undo = "remove tensorboard from log.trackers" if listed else "set log.tensorboard=false"
+            raise TrackerError(f"{'log.trackers' if listed else 'log.tensorboard'}: cannot write event files in "
+                               f"'{folder}' ({describe_os_error(exc)}); make it a writable folder or {undo}") from None
         return None
 
     def log(self, values: dict, step: int) -> None:
