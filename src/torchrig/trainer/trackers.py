@@ -16,14 +16,15 @@ import csv
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint.rundir import describe_os_error
 from ..errors import TorchrigError
+from .tbevents import EventWriter
 
 IDS_FILE = "trackers.json"
 
@@ -122,42 +123,42 @@ def _csv_rows_up_to(path: Path, step: int) -> list[list[str]]:
 
 
 class TensorBoardTracker(Tracker):
-    """Event files under ``RUN_DIR/tensorboard``: one event per row, hyperparameters, ``run_dir`` text."""
+    """Event files under ``RUN_DIR/tensorboard``: one event per row, hyperparameters, ``run_dir`` text.
+    torchrig writes the files itself (:mod:`.tbevents`); the tensorboard package is needed to view them."""
 
     name = "tensorboard"
     package = "tensorboard"
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: TensorBoard hides the events a stopped run wrote after the step it resumed from
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=self.start_step + 1)
-        self._summary = Summary
-        if self.start_step == 0:
-            from torch.utils.tensorboard.summary import hparams
-
-            params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()}
-            for event in hparams(params, {}):
-                self._writer._get_file_writer().add_summary(event)
-            self._writer.add_text("run_dir", str(run_dir), 0)
+        folder = run_dir / "tensorboard"
+        try:
+            # purge_step: TensorBoard hides the events a stopped run wrote after the step it resumed from
+            self._writer = EventWriter(folder, purge_step=self.start_step + 1)
+            if self.start_step == 0:
+                self._writer.hparams({k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                      for k, v in flatten(config).items()})
+                self._writer.text("run_dir", str(run_dir), 0)
+        except OSError as exc:
+            if hasattr(self, "_writer"):
+                self._writer.close()
+            listed = "tensorboard" in (self._option("trackers") or [])
+            undo = "remove tensorboard from log.trackers" if listed else "set log.tensorboard=false"
+            raise TrackerError(f"{'log.trackers' if listed else 'log.tensorboard'}: cannot write event files in "
+                               f"'{folder}' ({describe_os_error(exc)}); make it a writable folder or {undo}") from None
         return None
 
     def log(self, values: dict, step: int) -> None:
-        # One event per row, not one per value: the event writer checksums every event in pure
-        # Python, which made TensorBoard the dearest part of logging.
-        scalars = [self._summary.Value(tag=k, simple_value=v) for k, v in _numbers(values).items() if math.isfinite(v)]
-        if scalars:
-            self._writer._get_file_writer().add_summary(self._summary(value=scalars), step)
+        self._writer.scalars(_numbers(values), step)  # one event per row, every finite value
         self.last_step = step
 
     def flush(self) -> None:
         self._writer.flush()
 
     def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
-        self.log(final_metrics, self.last_step)
-        self._writer.flush()
-        self._writer.close()
+        try:
+            self.log(final_metrics, self.last_step)
+        finally:
+            self._writer.close()
 
 
 class MLflowTracker(Tracker):
