@@ -76,7 +76,6 @@ def hand_loop(model, loader, optimizer, epochs: int, stream, *, on_epoch_end: Op
     every ``LOG_EVERY`` steps, an epoch line at the end of each epoch. Returns the epoch wall times
     (s); ``cpu_times``, if given, receives the epoch CPU times of this thread (s).
     """
-    import torch
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
@@ -249,6 +248,19 @@ def run_child(script: Path, arm: str, params: dict, timeout: float = 600.0,
     return json.loads(lines[-1])
 
 
+def compile_package() -> None:
+    """Byte-compile torchrig, as ``pip install`` and a first import normally do: with
+    ``PYTHONDONTWRITEBYTECODE`` set (as on some CI machines) every fresh process would otherwise compile
+    torchrig's sources again (~55 ms), a cost no installed copy pays and the hand-written arms never see."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchrig")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def alternate(script: Path, arms: dict[str, dict], runs: int, *, warmup: bool = True, progress: bool = True,
               timeout: float = 600.0) -> dict[str, list[dict]]:
     """Run each arm ``runs`` times in fresh processes, alternating the order every round.
@@ -257,6 +269,7 @@ def alternate(script: Path, arms: dict[str, dict], runs: int, *, warmup: bool = 
     first timed arm does not pay for cold file reads) unless ``warmup`` is False.
     """
     names = list(arms)
+    compile_package()
     if warmup:
         for name in names:
             run_child(script, name, dict(arms[name], warmup=True), timeout)

@@ -137,7 +137,7 @@ class MicroBatcher:
             step.set_batch(piece, weight)
             with runtime.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
                 values = t.step_fn(step, piece)
-            t.metrics_log.record(values, batch_size_of(piece) * step.weight, step.log_weight,
+            t.metrics_log.record(values, step.batch_size * step.weight, step.log_weight,
                                  piece if step.weight else None)
         step.sync_gradients = last
         return values

@@ -58,9 +58,28 @@ class _FiniteCheck:
     def __init__(self) -> None:
         self.found: Optional[torch.Tensor] = None
         self.one: Optional[torch.Tensor] = None
+        self._plain: dict = {}  # optimizer id -> whether its gradients suit the fused check (decided once)
+        self._host: Optional[tuple] = None  # (flag, one) of finite(): its own, never left set
 
-    def finite(self, grads: list) -> bool:
-        return not grads or not self.flag(grads).item()
+    def finite(self, grads: list, key: Any = None) -> bool:
+        """The host decision for one optimizer's gradients (``key`` names it: what its gradients are like is
+        looked at once, not at every step). The flag stays 0 between steps, so no op resets it."""
+        if not grads:
+            return True
+        plain = self._plain.get(key)
+        if plain is None:
+            plain = self._plain[key] = _plain(grads)
+        if not plain:
+            return not self.flag(grads).item()
+        device = grads[0].device
+        if self._host is None or self._host[0].device != device:
+            self._host = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found, one = self._host
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        if found.item():
+            found.zero_()
+            return False
+        return True
 
     def flag(self, grads: list, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
         """1.0 when any gradient (or ``norm``, when measured) is NaN / inf, else 0.0: a one-element tensor on
@@ -70,16 +89,20 @@ class _FiniteCheck:
         if not grads:
             return torch.zeros(1)
         device = grads[0].device
-        dtype = grads[0].dtype
-        plain = all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device
-                    and g.dtype == dtype for g in grads)
-        if not plain:
+        if not _plain(grads):
             return (~torch.isfinite(_total_norm_of(grads, 2.0))).float().reshape(1)
         if self.found is None or self.found.device != device:
             self.found, self.one = torch.zeros(1, device=device), torch.ones(1, device=device)
         self.found.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
         return self.found
+
+
+def _plain(grads: list) -> bool:
+    """Dense tensors of one device and dtype: what the fused check takes."""
+    device, dtype = grads[0].device, grads[0].dtype
+    return all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype
+               for g in grads)
 
 
 # Optimizers whose fused kernels take ``found_inf`` (as GradScaler passes it) and then skip the whole
@@ -155,6 +178,7 @@ class Step:
         self.count_unit = count_unit    # a fixed scale (per-rank batch size): loss × count / unit stays near loss
         self.shift_labels = normalize.shifts_labels(model)
         self.batch: Any = None          # the current micro-batch, set by the loop
+        self.batch_size = 1             # its samples (batch_size_of; 1 for no batch), set with it
         self.weight = 1                 # 0 for a rank's filler micro-batch (its loss counts nothing)
         self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
         self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
@@ -221,6 +245,7 @@ class Step:
     def set_batch(self, batch: Any, weight: int = 1) -> None:
         """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing)."""
         self.batch, self.weight = batch, weight
+        self.batch_size = batch_size_of(batch)  # samples of this micro-batch (read several times per step)
         self.count, self._counted = 0, False
 
     def count_of(self, target: Any = None) -> normalize.Count:
@@ -231,7 +256,7 @@ class Step:
         mode = self.loss_normalization
         if mode == "micro_batches":
             return 1
-        return normalize.count_items(mode, target, batch_size_of(self.batch), self.shift_labels)
+        return normalize.count_items(mode, target, self.batch_size, self.shift_labels)
 
     @property
     def log_weight(self) -> normalize.Count:
@@ -240,7 +265,7 @@ class Step:
         samples are given in full batches (``count / data.batch_size``); only the ratios matter."""
         if self.loss_normalization == "micro_batches":
             return self.weight
-        count = self.count if self._counted else batch_size_of(self.batch) * self.weight
+        count = self.count if self._counted else self.batch_size * self.weight
         if isinstance(count, torch.Tensor):
             return count
         # in units of a full batch: a full batch weighs 1, and the logger then needs no multiply per step
@@ -292,8 +317,11 @@ class Step:
         count per window, made by every rank before any may reject the window (no rank left waiting).
         None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
         if self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None:
-            self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
-                                                   self.device)
+            total = self._window_count
+            if self.grad_ranks == 1 and type(total) is int:  # one process, counted samples: plain arithmetic
+                self._factor = self.count_unit / max(total, 1)
+            else:
+                self._factor = normalize.window_factor(total, self.grad_ranks, self.count_unit, self.device)
         return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
@@ -318,8 +346,8 @@ class Step:
         factor = self._window_factor()  # its all-reduce runs before any rank may reject the window
         loss_flag = self._nonfinite if self.world_size == 1 else None  # several ranks: the gradients decide
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
-            normalize.scale_gradients([p.grad for p in params], factor)
+        if factor is not None and not (type(factor) is float and factor == 1.0):  # a full batch: nothing to do
+            normalize.scale_gradients([p.grad for p in params], factor)  # before unscale, clipping and the check
         if scaler is not None:
             if loss_flag is not None and bool(loss_flag):
                 return self._reject(opt, "loss is not finite")
@@ -334,7 +362,7 @@ class Step:
             else:
                 if loss_flag is not None and bool(loss_flag):
                     return self._reject(opt, "loss is not finite")
-                if not (_finite(norm) if norm is not None else self._check.finite([p.grad for p in params])):
+                if not (_finite(norm) if norm is not None else self._check.finite([p.grad for p in params], id(opt))):
                     local = self._nonfinite is not None and bool(self._nonfinite)
                     return self._reject(opt, "gradients are not finite" + (
                         " (this process's loss is not finite)" if local else " (the loss is)"))
