@@ -89,3 +89,23 @@ def test_run_all_summary(quick_runs):
     assert "| benchmark |" in summary
     for name in SCRIPTS:
         assert f"| {name} |" in summary
+
+
+def test_readme_benchmark_table_is_the_one_run_all_writes(tmp_path, monkeypatch):
+    """The README's table is what ``run_all.py`` makes of the published results (rerun it after a
+    benchmark), and ``write_readme`` replaces only what lies between the markers."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import run_all
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index(run_all.BEGIN) + len(run_all.BEGIN):readme.index(run_all.END)].strip()
+    assert table == run_all.readme_table().strip()
+    assert "| whole_run |" in table and "| ddp_scaling |" in table
+
+    copy = tmp_path / "README.md"
+    copy.write_text(f"before\n{run_all.BEGIN}\nold\n{run_all.END}\nafter\n")
+    monkeypatch.setattr(run_all, "README", copy)
+    assert run_all.write_readme("| new |")
+    assert copy.read_text() == f"before\n{run_all.BEGIN}\n| new |\n{run_all.END}\nafter\n"
+    copy.write_text("no markers\n")
+    assert not run_all.write_readme("| new |") and copy.read_text() == "no markers\n"
