@@ -54,6 +54,37 @@ def test_bert_trains_with_its_own_loss_and_predicts_stacked_logits(tmp_path):
     assert torch.allclose(raw["logits"], ref.logits, atol=1e-5)
 
 
+def test_bert_with_return_dict_false_trains_with_the_loss_its_tuple_starts_with(tmp_path):
+    """``return_dict=False``: the model returns ``(loss, logits)`` given labels and ``(logits,)`` without; the
+    first trains under loss=auto, the logits feed the metrics and predict, as with a ModelOutput."""
+    data, held_out = classification_data(64), classification_data(13, seed=1)
+    runs = {}
+    for name, return_dict in (("dict", True), ("tuple", False)):
+        model = bert()
+        model.config.return_dict = return_dict
+        trainer = _hf_trainer(model, tmp_path / name, epochs=2)
+        trainer.fit(data)
+        runs[name] = (trainer, params(model))
+    (dict_run, dict_params), (tuple_run, tuple_params) = runs["dict"], runs["tuple"]
+    for k in dict_params:
+        assert torch.allclose(dict_params[k], tuple_params[k], atol=1e-6), k
+    assert tuple_run.history[-1]["train/accuracy"] == pytest.approx(dict_run.history[-1]["train/accuracy"])
+    assert tuple_run.evaluate(held_out)["loss"] == pytest.approx(dict_run.evaluate(held_out)["loss"], rel=1e-5)
+    pred = tuple_run.predict(held_out)  # no labels: (logits,), a tuple of per-sample fields
+    assert isinstance(pred, tuple) and pred[0].shape == (13, 2)
+    assert torch.allclose(pred[0], dict_run.predict(held_out)["logits"], atol=1e-5)
+
+
+def test_a_tuple_starting_with_a_scalar_is_loss_and_prediction_unless_output_key_says_otherwise():
+    from torchrig.trainer.outputs import unpack
+
+    loss, logits, hidden = torch.tensor(0.5), torch.randn(4, 3), torch.randn(4, 8)
+    assert unpack((loss, logits, hidden))[0] is logits and unpack((loss, logits, hidden))[1] is loss
+    assert unpack((logits, hidden)) == (logits, None)
+    assert unpack((loss, logits, hidden), 2) == (hidden, None)
+    assert unpack((torch.tensor(3), logits))[1] is None  # an integer scalar is no loss
+
+
 def test_gpt2_causal_lm_learns_from_labels(tmp_path):
     trainer = _hf_trainer(gpt2(), tmp_path / "gpt2", epochs=2, lr=3e-3, metrics=[])
     trainer.fit(lm_data(48))
@@ -64,6 +95,28 @@ def test_gpt2_causal_lm_learns_from_labels(tmp_path):
     pred = trainer.predict(lm_data(10, seed=1), activation="none")
     assert set(pred) == {"logits"}  # the key/value cache and the loss are not per-sample fields
     assert pred["logits"].shape == (10, 16, 100)
+
+
+def test_gpt2_accuracy_compares_each_next_token_and_skips_unlabelled_positions(tmp_path):
+    """A causal LM's accuracy is over ``logits[:, :-1]`` against ``labels[:, 1:]`` (what its loss trains), with
+    the class dimension last as Hugging Face returns it, and positions labelled -100 left out."""
+    model = gpt2()
+    trainer = _hf_trainer(model, tmp_path / "gpt2", epochs=2, lr=3e-3)
+    trainer.fit(lm_data(48))
+    held_out = lm_data(10, seed=1)
+    for i, sample in enumerate(held_out):
+        sample["labels"] = sample["labels"].clone()
+        sample["labels"][: 3 + i % 4] = -100  # a prompt that is not scored
+    result = trainer.evaluate(held_out)
+    batch = {k: torch.stack([s[k] for s in held_out]) for k in held_out[0]}
+    model.eval()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    pred, labels = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
+    valid = labels != -100
+    expected = float(((pred == labels) & valid).sum()) / float(valid.sum())
+    assert result["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert 0.2 < trainer.history[-1]["train/accuracy"] <= 1.0  # counting sequences: learnt, not 1/vocab
 
 
 def test_user_loss_replaces_the_models_own(tmp_path):

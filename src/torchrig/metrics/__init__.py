@@ -13,6 +13,8 @@ import torch
 from ..runtime.dist import all_reduce_sum
 from ..errors import TorchrigError, suggest
 
+IGNORE_INDEX = -100  # a token / pixel target PyTorch's cross_entropy and Hugging Face models skip
+
 
 class MetricError(TorchrigError, ValueError):
     """An unknown metric name or an output / target pair a metric cannot score."""
@@ -100,6 +102,11 @@ class Accuracy(Metric):
                 raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
                                   f"targets of shape {tuple(target.shape)} (targets must be class indices)")
             target = target.reshape(pred.shape)  # (N, 1) float targets of a single-logit classifier
+        if target.ndim >= 2 and not target.is_floating_point():  # token / pixel labels: -100 marks "no label"
+            valid = target != IGNORE_INDEX
+            self._add("correct", ((pred == target) & valid).sum())
+            self._add("total", valid.sum())
+            return
         self._add("correct", (pred == target).sum())
         self._add("total", target.numel())
 

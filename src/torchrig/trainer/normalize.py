@@ -46,6 +46,13 @@ def shifts_labels(model: Any) -> bool:
             and not getattr(config, "is_encoder_decoder", False))
 
 
+def is_hugging_face(model: Any) -> bool:
+    """Whether ``model`` (bare or wrapped) is a Hugging Face ``PreTrainedModel`` (without importing transformers)."""
+    model = getattr(model, "module", model)
+    model = getattr(model, "_orig_mod", model)
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+
+
 def is_sequence_target(target: Any) -> bool:
     """An integer target with more than a batch dimension: token (or pixel) labels."""
     return (isinstance(target, torch.Tensor) and target.ndim >= 2 and not target.is_floating_point()

@@ -3,7 +3,9 @@
 **Model outputs.** :func:`unpack` turns any output into ``(prediction, loss or None)``:
 
 - a tensor is the prediction;
-- a tuple or list: element ``output_key`` (default 0) is the prediction;
+- a tuple or list: element ``output_key`` (default 0) is the prediction; without ``output_key``, a tuple
+  whose first element is a scalar floating-point tensor followed by more is ``(loss, prediction, …)``
+  (what Hugging Face models return with ``return_dict=False`` when given ``labels``);
 - a dict or a Hugging Face ``ModelOutput``: ``output[output_key]`` (default ``"logits"``; a dict with
   one entry besides ``"loss"`` uses that one) is the prediction, and ``output["loss"]``, when present
   and not None, is the model's own loss.
@@ -14,7 +16,7 @@ target)``. With the default ``loss="auto"`` the model's own loss is used when it
 (``BertForSequenceClassification`` or ``GPT2LMHeadModel`` given ``labels``), else cross-entropy of
 the prediction; and the target of a dict batch is passed to ``forward`` as well when ``forward``
 takes it (see below), so that such models compute their loss. The prediction feeds the metrics and
-``predict``. A tuple output carries no loss.
+``predict``. A tuple output carries a loss only as its first element, as above.
 
 **Batches.** A tuple ``(x, y)`` / ``(x1, …, xn, y)`` is inputs then target; a dict's target is
 ``batch[data.label_key]`` (default: the first of ``labels``, ``label``, ``target``, ``targets``,
@@ -100,6 +102,8 @@ def unpack(output: Any, key: Any = None) -> tuple[Any, Optional[torch.Tensor]]:
     if isinstance(output, torch.Tensor):
         return output, None
     if isinstance(output, (tuple, list)):
+        if key is None and len(output) > 1 and _is_scalar_loss(output[0]):
+            return output[1], output[0]  # (loss, logits, …)
         index = 0 if key is None else key
         if not isinstance(index, int) or not -len(output) <= index < len(output):
             raise OutputError(f"output_key={key!r}: the model returned a {type(output).__name__} of "
@@ -112,6 +116,10 @@ def unpack(output: Any, key: Any = None) -> tuple[Any, Optional[torch.Tensor]]:
         return output, None
     raise OutputError(f"output_key={key!r}: the model returned a {type(output).__name__}, not a tuple or dict; "
                       f"set output_key=null")
+
+
+def _is_scalar_loss(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()
 
 
 def _dict_prediction(output: Mapping, key: Any) -> Any:

@@ -177,6 +177,7 @@ class Step:
         self.grad_ranks = grad_ranks    # ranks whose gradients DDP / FSDP2 average
         self.count_unit = count_unit    # a fixed scale (per-rank batch size): loss × count / unit stays near loss
         self.shift_labels = normalize.shifts_labels(model)
+        self.class_last = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
         self.batch: Any = None          # the current micro-batch, set by the loop
         self.batch_size = 1             # its samples (batch_size_of; 1 for no batch), set with it
         self.weight = 1                 # 0 for a rank's filler micro-batch (its loss counts nothing)
@@ -474,8 +475,20 @@ class Step:
         out = out.detach()
         if out.is_floating_point() and out.dtype != torch.float32:
             out = out.float()
+        if self.class_last and out.ndim == 3 and isinstance(target, torch.Tensor) and target.ndim == 2:
+            out, target = self._token_layout(out, target)
         for m in self.metrics:
             m.update(out, target)
+
+    def _token_layout(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Hugging Face model's token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a
+        causal LM that computes its own loss predicts ``labels[:, 1:]`` from ``logits[:, :-1]``, so its metrics
+        compare those."""
+        if logits.shape[:2] != target.shape:
+            return logits, target
+        if self.shift_labels and outputs.uses_model_loss(self.loss_fn):
+            logits, target = logits[:, :-1], target[:, 1:]
+        return logits.transpose(1, 2), target
 
     @torch.no_grad()
     def _restore_buffers(self) -> None:
