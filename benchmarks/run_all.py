@@ -75,7 +75,7 @@ def _row_more(name: str, r: dict, ok: str) -> list:
                      f"({a['loop_only']['marginal_ms']:.3f} ms)" if loop else "")
         return [name, "a whole run after `import torch` (model, data, set-up, 3 epochs, all that follows the last "
                 "step), MLP 32-64-2, 8,192 samples, batch 64, the same SGD, vs a lean hand-written loop; "
-                "marginal ms/step from 3 vs 15 epochs",
+                "marginal ms/step: the median epoch of 15-epoch runs, per step",
                 f"defaults **{r['whole_ratio']:.3f}×** ({a['defaults']['run3_s']:.2f} s vs {a['hand']['run3_s']:.2f} s); "
                 f"marginal step with the fast path off **{r['step_ratio']:.3f}×** ({a['no_fast_path']['marginal_ms']:.3f}"
                 f" vs {a['hand']['marginal_ms']:.3f} ms, a checkpoint per epoch and TensorBoard included){loop_text}; "

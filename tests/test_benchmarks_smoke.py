@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 QUICK = BENCH / "results" / "quick"
-SCRIPTS = ("overhead", "fastpath", "import_time", "memory")
+SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,16 @@ def test_memory_quick(quick_runs):
         assert arm["median_peak_mib"] > 0 and len(arm["epoch_rss_mib"]) == r["epochs"]
         assert arm["history_plain"] is True  # logged values are Python numbers, never tensors
     assert "Trainer peak − hand peak" in stdout
+
+
+def test_whole_run_quick(quick_runs):
+    stdout, r = quick_runs["whole_run"]
+    assert r["benchmark"] == "whole_run" and r["quick"] is True
+    assert set(r["arms"]) == {"hand", "defaults", "no_fast_path", "loop_only"}
+    for arm in r["arms"].values():
+        assert arm["run3_s"] > 0 and arm["run15_s"] > arm["run3_s"] * 0.5 and arm["marginal_ms"] > 0
+    assert r["whole_ratio"] > 0 and r["step_ratio"] > 0 and r["loop_ratio"] > 0
+    assert "whole run at defaults:" in stdout
 
 
 def test_run_all_summary(quick_runs):
