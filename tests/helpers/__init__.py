@@ -147,3 +147,25 @@ def gan_step(step, batch):
     D.requires_grad_(True)
     step.optimizer_step("G")
     return {"loss_d": loss_d.detach(), "loss_g": loss_g.detach()}
+
+
+# ----------------------------------------------------------------------------- trackers
+
+TRACKED_FINAL = {"test/accuracy": 0.625, "test/loss": 1.25}  # the test metrics tracked_fit ends with
+
+
+def tracked_fit(run_dir: Path, **kw):
+    """A tiny run (4 optimizer steps per epoch, a row every 2, validation each epoch) whose trackers end
+    with TRACKED_FINAL; ``kw`` sets Trainer keywords (``trackers=``, ``tensorboard=`` …)."""
+    import torchrig
+    from torch.utils.data import TensorDataset
+
+    x, y = make_classification(32)
+    torch.manual_seed(0)
+    opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=2, log_every=2, num_workers=0)
+    opts.update(kw)
+    trainer = torchrig.Trainer(TinyNet(), **opts)
+    trainer.fit(TensorDataset(x, y), TensorDataset(x[:8], y[:8]))
+    trainer.logger.finish(TRACKED_FINAL)
+    trainer.close()
+    return trainer

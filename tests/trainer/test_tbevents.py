@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from torch.utils.data import TensorDataset
 
 import torchrig
-from helpers import QUIET, TinyNet, make_classification
+from helpers import TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import to_dict
 from torchrig.trainer import tbevents
 from torchrig.trainer.trackers import TrackerError, flatten
@@ -32,7 +31,7 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # noqa: E402
 from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData  # noqa: E402
 
-FINAL = {"test/accuracy": 0.625, "test/loss": 1.25}
+FINAL = TRACKED_FINAL
 
 
 def test_crc32c_of_the_known_vector_and_as_tensorboard_masks_it():
@@ -105,15 +104,7 @@ def test_the_writer_names_its_file_as_tensorboard_does_and_skips_values_that_are
 
 
 def fit(run_dir: Path, **kw) -> torchrig.Trainer:
-    x, y = make_classification(32)
-    torch.manual_seed(0)
-    opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=2, log_every=2, num_workers=0, tensorboard=True)
-    opts.update(kw)
-    trainer = torchrig.Trainer(TinyNet(), **opts)
-    trainer.fit(TensorDataset(x, y), TensorDataset(x[:8], y[:8]))
-    trainer.logger.finish(FINAL)
-    trainer.close()
-    return trainer
+    return tracked_fit(run_dir, **dict(dict(tensorboard=True), **kw))
 
 
 def jsonl_points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -16,15 +16,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 from torch.utils.data import TensorDataset
 
 import torchrig
-from helpers import QUIET, TinyNet, make_classification
+from helpers import QUIET, TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import ConfigError
 from torchrig.trainer.trackers import TrackerError
 
-FINAL = {"test/accuracy": 0.625, "test/loss": 1.25}
+FINAL = TRACKED_FINAL
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +34,7 @@ def runs(tmp_path_factory):
 
 def fit(run_dir: Path, trackers: list, **kw):
     """A tiny run (4 optimizer steps per epoch, a row every 2) whose trackers end with FINAL."""
-    x, y = make_classification(32)
-    torch.manual_seed(0)
-    opts = dict(QUIET, run_dir=str(run_dir), batch_size=8, epochs=2, log_every=2, num_workers=0,
-                trackers=trackers)
-    opts.update(kw)
-    trainer = torchrig.Trainer(TinyNet(), **opts)
-    trainer.fit(TensorDataset(x, y), TensorDataset(x[:8], y[:8]))
-    trainer.logger.finish(FINAL)
-    trainer.close()
-    return trainer
+    return tracked_fit(run_dir, trackers=trackers, **kw)
 
 
 def jsonl_values(run_dir: Path) -> list[tuple[int, str, float]]:
