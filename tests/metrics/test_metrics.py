@@ -63,6 +63,25 @@ def test_precision_recall_f1(name, fn, average, seed):
     assert _feed(get_metric(name), out, y) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("name,fn,average", [
+    ("accuracy", None, None),
+    ("f1", skm.f1_score, "macro"),
+    ("precision_weighted", skm.precision_score, "weighted"),
+    ("recall", skm.recall_score, "macro"),
+])
+def test_token_targets_leave_out_positions_labelled_minus_100(name, fn, average):
+    """(batch, classes, positions) scores with (batch, positions) labels: -100 positions count nowhere."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 4, 9, generator=g)
+    target = torch.randint(0, 4, (12, 9), generator=g)
+    target[torch.rand(12, 9, generator=g) < 0.3] = -100
+    pred = logits.argmax(1)
+    keep = target != -100
+    y, p = target[keep].numpy(), pred[keep].numpy()
+    expected = skm.accuracy_score(y, p) if fn is None else fn(y, p, average=average, zero_division=0)
+    assert _feed(get_metric(name), logits, target, batch=5) == pytest.approx(expected, abs=1e-12)
+
+
 def test_f1_with_a_class_never_predicted_and_one_absent():
     # class 3 never appears in the targets or predictions; class 2 is never predicted
     y = torch.tensor([0, 0, 1, 1, 2, 2, 4, 4])

@@ -143,12 +143,17 @@ class _Confusion(Metric):
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
         _check(output, target, self.name)
+        tokens = target.ndim >= 2 and not target.is_floating_point()  # token / pixel labels: -100 is "no label"
         pred = _class_predictions(output).reshape(-1)
         target = target.reshape(-1).long()
         c = self.num_classes or (output.shape[1] if output.ndim >= 2 and output.shape[1] > 1 else 2)
         self.num_classes = c
-        cm = torch.bincount(target * c + pred, minlength=c * c).reshape(c, c)
-        self._add("confusion", cm)
+        if tokens:  # unlabelled positions weigh 0 (no host read to drop them)
+            valid = target != IGNORE_INDEX
+            cells = torch.bincount((target * c + pred).clamp_min(0), weights=valid.double(), minlength=c * c)
+        else:
+            cells = torch.bincount(target * c + pred, minlength=c * c)
+        self._add("confusion", cells.reshape(c, c))
 
     def compute(self) -> float:
         if not self.states:
