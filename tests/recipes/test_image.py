@@ -276,3 +276,9 @@ def test_uint8_loader_with_normalisation_on_the_device_equals_the_float_pipeline
     assert (p_old - p_new).abs().max() <= 1e-6
     assert m_new == pytest.approx(m_old, abs=1e-6)
     assert y_new.shape == (len(val), 3) and (y_old - y_new).abs().max() <= 1e-6
+    assert torch.allclose(y_new.sum(1), torch.ones(len(val)), atol=1e-5)  # probabilities by default
+    trainer = Trainer(recipe.build_model(cfg), **QUIET, run_dir=str(tmp_path / "raw"), num_workers=0,
+                      **recipe.trainer_kwargs(cfg, data))
+    logits = trainer.predict(val, activation="none")  # predict_fn honours activation=
+    assert not torch.allclose(logits.sum(1), torch.ones(len(val)), atol=1e-3)
+    assert torch.allclose(logits.softmax(1), trainer.predict(val), atol=1e-6)

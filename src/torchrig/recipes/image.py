@@ -319,12 +319,12 @@ class ImageClassificationRecipe(Recipe):
     def trainer_kwargs(self, cfg: C.Config, data: dict) -> dict:
         """Steps that normalise each batch's uint8 images on the device, then run the default ones."""
         from ..trainer import default_eval_step, default_step
-        from ..trainer.inference import activation_for_loss, default_predict_step
+        from ..trainer.inference import default_predict_step
 
-        norm, act = DeviceNormalize(cfg.image), activation_for_loss(cfg.loss)
+        norm = DeviceNormalize(cfg.image)
         return {"step_fn": lambda step, batch: default_step(step, norm.batch(batch)),
                 "eval_fn": lambda step, batch: default_eval_step(step, norm.batch(batch)),
-                "predict_fn": lambda step, batch: default_predict_step(step, norm.batch(batch), act)}
+                "predict_fn": lambda step, batch: default_predict_step(step, norm.batch(batch), step.activation)}
 
     def model_inputs(self, cfg: C.Config, images: torch.Tensor) -> torch.Tensor:
         """The model's float inputs for uint8 images as this recipe's data gives them (on their device)."""

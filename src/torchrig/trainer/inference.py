@@ -145,6 +145,7 @@ def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
 
     def forward(step: Step, batch: Any) -> Any:
         if trainer.predict_fn is not None:
+            step.activation = act  # what predict(activation=...) asked for, for a predict_fn to apply
             return trainer.predict_fn(step, batch)
         return default_predict_step(step, batch, act)
 
@@ -163,7 +164,8 @@ def predict(trainer: "Trainer", data: Any, activation: str = "auto") -> Any:
 
 def default_predict_step(step: Step, batch: Any, activation: Callable) -> Any:
     """The model's prediction for one batch of inputs, ``activation`` applied to the prediction field
-    (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this."""
+    (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this, passing
+    ``step.activation`` (the one ``predict(activation=...)`` chose)."""
     inputs = O.predict_inputs(step.model, batch, step.io.label_key)
     with step.autocast():
         out = O.call_model(step.model, inputs, step.io.input_keys)

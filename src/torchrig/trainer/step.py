@@ -205,6 +205,7 @@ class Step:
         self._skipped: Optional[torch.Tensor] = None       # device-skipped windows since the last settle()
         self._settled_step = 0
         self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
+        self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
 
     @property
     def global_step(self) -> int:
