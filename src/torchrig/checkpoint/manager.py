@@ -230,7 +230,7 @@ class CheckpointManager:
             if self.writes and self._background is not None:
                 weights, state, files, metrics = host_copy((model.state_dict(), state, weight_files(others), metrics))
                 self.submit(self.write, step, weights, state, config, meta, metrics, files=files)
-                path = self.dir / f"{PREFIX}{step:08d}"  # once written; `wait()` to be sure
+                path = self.dir / checkpoint_name(step)  # once written; `wait()` to be sure
             elif self.writes:
                 path = self.write(step, model.state_dict(), state, config, meta, metrics, files=weight_files(others))
         self.last_step = step
@@ -322,7 +322,7 @@ class CheckpointManager:
         Any write error (full disk, file size limit, I/O error) removes what this save wrote and raises a
         one-line CheckpointWriteError; ``latest`` keeps naming the previous checkpoint.
         """
-        name = f"{PREFIX}{step:08d}"
+        name = checkpoint_name(step)
         previous, published = self.latest_step(), False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -426,6 +426,11 @@ class CheckpointManager:
             if name not in keep:
                 shutil.rmtree(self.dir / name, ignore_errors=True)
                 self.index["checkpoints"].remove(name)
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of checkpoint ``step``: ``step-00000123``."""
+    return f"{PREFIX}{step:08d}"
 
 
 def weight_files(states: dict[str, Any]) -> dict[str, dict]:

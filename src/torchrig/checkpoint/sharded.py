@@ -103,9 +103,10 @@ def _save_async(manager: "CheckpointManager", step: int, parts: tuple, config: O
     import torch.distributed.checkpoint as dcp
 
     from .background import host_copy
+    from .manager import checkpoint_name
 
     weights, shards, state, files = parts
-    name = f"step-{step:08d}"
+    name = checkpoint_name(step)
     staging = ""
     if manager.writes:
         try:

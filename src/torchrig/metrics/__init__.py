@@ -85,6 +85,14 @@ def _class_predictions(output: torch.Tensor) -> torch.Tensor:
     return (output.reshape(output.shape[0], *output.shape[2:]) > 0).long()
 
 
+def _labelled(target: torch.Tensor) -> Optional[torch.Tensor]:
+    """For token / pixel labels (an integer target with more than a batch dimension), where a label is
+    given (not -100); None for other targets, which are all labelled."""
+    if target.ndim >= 2 and not target.is_floating_point():
+        return target != IGNORE_INDEX
+    return None
+
+
 def _check(output: Any, target: Any, name: str) -> None:
     if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise MetricError(f"metric '{name}' needs tensor output and target, got {type(output).__name__} "
@@ -102,8 +110,8 @@ class Accuracy(Metric):
                 raise MetricError(f"metric 'accuracy': predictions of shape {tuple(pred.shape)} do not match "
                                   f"targets of shape {tuple(target.shape)} (targets must be class indices)")
             target = target.reshape(pred.shape)  # (N, 1) float targets of a single-logit classifier
-        if target.ndim >= 2 and not target.is_floating_point():  # token / pixel labels: -100 marks "no label"
-            valid = target != IGNORE_INDEX
+        valid = _labelled(target)
+        if valid is not None:
             self._add("correct", ((pred == target) & valid).sum())
             self._add("total", valid.sum())
             return
@@ -143,14 +151,14 @@ class _Confusion(Metric):
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
         _check(output, target, self.name)
-        tokens = target.ndim >= 2 and not target.is_floating_point()  # token / pixel labels: -100 is "no label"
+        valid = _labelled(target)
         pred = _class_predictions(output).reshape(-1)
         target = target.reshape(-1).long()
         c = self.num_classes or (output.shape[1] if output.ndim >= 2 and output.shape[1] > 1 else 2)
         self.num_classes = c
-        if tokens:  # unlabelled positions weigh 0 (no host read to drop them)
-            valid = target != IGNORE_INDEX
-            cells = torch.bincount((target * c + pred).clamp_min(0), weights=valid.double(), minlength=c * c)
+        if valid is not None:  # unlabelled positions weigh 0 (no host read to drop them)
+            cells = torch.bincount((target * c + pred).clamp_min(0), weights=valid.reshape(-1).double(),
+                                   minlength=c * c)
         else:
             cells = torch.bincount(target * c + pred, minlength=c * c)
         self._add("confusion", cells.reshape(c, c))

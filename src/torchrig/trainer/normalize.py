@@ -30,16 +30,17 @@ from typing import Any, Union
 
 import torch
 
+from .. import runtime
+from ..metrics import IGNORE_INDEX  # the target value PyTorch's cross_entropy and Hugging Face labels skip
+
 MODES = ("auto", "samples", "tokens", "micro_batches")
-IGNORE_INDEX = -100  # the target value PyTorch's cross_entropy and Hugging Face labels skip
 
 Count = Union[int, torch.Tensor]
 
 
 def shifts_labels(model: Any) -> bool:
     """Whether ``model`` (bare or wrapped) is a causal LM that predicts ``labels[..., 1:]``."""
-    model = getattr(model, "module", model)  # DDP / DataParallel wrappers
-    model = getattr(model, "_orig_mod", model)  # torch.compile
+    model = runtime.unwrap(model)
     can_generate = getattr(model, "can_generate", None)
     config = getattr(model, "config", None)
     return (config is not None and callable(can_generate) and bool(can_generate())
@@ -48,9 +49,7 @@ def shifts_labels(model: Any) -> bool:
 
 def is_hugging_face(model: Any) -> bool:
     """Whether ``model`` (bare or wrapped) is a Hugging Face ``PreTrainedModel`` (without importing transformers)."""
-    model = getattr(model, "module", model)
-    model = getattr(model, "_orig_mod", model)
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(runtime.unwrap(model)).__mro__)
 
 
 def is_sequence_target(target: Any) -> bool:
@@ -86,8 +85,6 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -
     all-reduce of one number). A window without any item (every label -100) divides by 1: its
     gradients stay zero. On CPU the factor is a float; elsewhere it stays on the device (no sync).
     """
-    from .. import runtime
-
     if ranks == 1 and not isinstance(total, torch.Tensor):
         return ranks * unit / max(total, 1)
     exact = torch.float32 if device.type == "mps" else torch.float64  # float32 counts exactly to 2**24 only
@@ -98,18 +95,19 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -
     return float(factor) if factor.device.type == "cpu" else factor.float().reshape(())
 
 
-@torch.no_grad()
 def scale_gradients(grads: list, factor: Union[float, torch.Tensor]) -> None:
-    """``grads *= factor`` in place, one fused op per (device, dtype) group; FSDP2 shards locally."""
+    """``grads *= factor`` in place, one fused op per (device, dtype) group; FSDP2 shards locally. A factor
+    of 1.0 (a full batch in one process) returns at once, before any autograd-mode switch."""
     if isinstance(factor, float) and factor == 1.0:
         return
     groups: dict = {}
-    for g in grads:
-        g = g.to_local() if hasattr(g, "to_local") else g
-        if g.is_sparse:
-            g.mul_(factor if isinstance(factor, float) else factor.to(g.device, g.dtype))
-        else:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), group in groups.items():
-        f = factor if isinstance(factor, float) else factor.to(device=device, dtype=dtype)
-        torch._foreach_mul_(group, f)
+    with torch.no_grad():
+        for g in grads:
+            g = g.to_local() if hasattr(g, "to_local") else g
+            if g.is_sparse:
+                g.mul_(factor if isinstance(factor, float) else factor.to(g.device, g.dtype))
+            else:
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), group in groups.items():
+            f = factor if isinstance(factor, float) else factor.to(device=device, dtype=dtype)
+            torch._foreach_mul_(group, f)

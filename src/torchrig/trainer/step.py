@@ -56,10 +56,9 @@ class _FiniteCheck:
     """
 
     def __init__(self) -> None:
-        self.found: Optional[torch.Tensor] = None
-        self.one: Optional[torch.Tensor] = None
-        self._plain: dict = {}  # optimizer id -> whether its gradients suit the fused check (decided once)
+        self._device: Optional[tuple] = None  # (flag, one) of flag(), which callers read later
         self._host: Optional[tuple] = None  # (flag, one) of finite(): its own, never left set
+        self._plain: dict = {}  # optimizer id -> whether its gradients suit the fused check (decided once)
 
     def finite(self, grads: list, key: Any = None) -> bool:
         """The host decision for one optimizer's gradients (``key`` names it: what its gradients are like is
@@ -71,10 +70,7 @@ class _FiniteCheck:
             plain = self._plain[key] = _plain(grads)
         if not plain:
             return not self.flag(grads).item()
-        device = grads[0].device
-        if self._host is None or self._host[0].device != device:
-            self._host = (torch.zeros(1, device=device), torch.ones(1, device=device))
-        found, one = self._host
+        self._host = found, one = _flag_pair(self._host, grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         if found.item():
             found.zero_()
@@ -88,14 +84,19 @@ class _FiniteCheck:
             return (~torch.isfinite(norm.detach())).float().reshape(1)
         if not grads:
             return torch.zeros(1)
-        device = grads[0].device
         if not _plain(grads):
             return (~torch.isfinite(_total_norm_of(grads, 2.0))).float().reshape(1)
-        if self.found is None or self.found.device != device:
-            self.found, self.one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        self.found.zero_()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
-        return self.found
+        self._device = found, one = _flag_pair(self._device, grads[0].device)
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return found
+
+
+def _flag_pair(pair: Optional[tuple], device: torch.device) -> tuple:
+    """``pair`` (a flag and a one for the fused check) when it lives on ``device``, else a new one there."""
+    if pair is None or pair[0].device != device:
+        return torch.zeros(1, device=device), torch.ones(1, device=device)
+    return pair
 
 
 def _plain(grads: list) -> bool:
@@ -319,11 +320,8 @@ class Step:
         count per window, made by every rank before any may reject the window (no rank left waiting).
         None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
         if self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None:
-            total = self._window_count
-            if self.grad_ranks == 1 and type(total) is int:  # one process, counted samples: plain arithmetic
-                self._factor = self.count_unit / max(total, 1)
-            else:
-                self._factor = normalize.window_factor(total, self.grad_ranks, self.count_unit, self.device)
+            self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
+                                                   self.device)
         return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
@@ -348,8 +346,8 @@ class Step:
         factor = self._window_factor()  # its all-reduce runs before any rank may reject the window
         loss_flag = self._nonfinite if self.world_size == 1 else None  # several ranks: the gradients decide
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if factor is not None and not (type(factor) is float and factor == 1.0):  # a full batch: nothing to do
-            normalize.scale_gradients([p.grad for p in params], factor)  # before unscale, clipping and the check
+        if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
+            normalize.scale_gradients([p.grad for p in params], factor)
         if scaler is not None:
             if loss_flag is not None and bool(loss_flag):
                 return self._reject(opt, "loss is not finite")
