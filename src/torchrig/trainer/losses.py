@@ -54,3 +54,13 @@ def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
     if key not in table:
         raise unknown_name("loss", spec, list(LOSSES))
     return table[key]()
+
+
+def tensor_loss(loss_fn: Any) -> Any:
+    """What ``loss_fn`` calls for a tensor prediction (``loss="auto"``: its cross-entropy) when the target
+    needs no conversion: the same function without the wrappers' calls. The user's own callable as it is."""
+    if isinstance(loss_fn, AutoLoss):
+        loss_fn = loss_fn.fallback
+    if isinstance(loss_fn, _Loss) and not loss_fn.float_target:
+        loss_fn = loss_fn.fn
+    return loss_fn

@@ -29,6 +29,7 @@ from .finish import end_of_run
 from .logger import MetricsLogger
 from .microbatch import MicroBatcher
 from .options import resolve_options
+from .plain import GENERAL, PlainStep
 from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
 from .step import Step, default_step
@@ -282,18 +283,18 @@ class Trainer:
 
     def _run_epoch(self, plan: FitPlan, epoch: int, start: int) -> str:
         """One epoch from micro-batch ``start``; returns why it stopped early ("max_steps", "signal") or ""."""
-        cfg, step, log, out = self.cfg, self.step, self.metrics_log, self.metrics_log.out
-        A, device, epoch_len = cfg.accumulate, self.device, plan.epoch_len
-        ckpt_every = cfg.checkpoint.every_steps
+        log, out, state, signals, device = self.metrics_log, self.metrics_log.out, self.state, self._signals, self.device
+        ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
+        plain = PlainStep.for_trainer(self)  # ordinary batches of a plain run skip the general step's bookkeeping
         self.wrapped.train()
         for m in self.models.values():
             m.train()
-        out.start_epoch(epoch, cfg.epochs, epoch_len, initial=start)
+        out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start)
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
-        self.state.epoch, self.state.batch_in_epoch = epoch, i
-        while i < epoch_len:
+        state.epoch, state.batch_in_epoch = epoch, i
+        while i < plan.epoch_len:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -301,32 +302,43 @@ class Trainer:
                 break
             now = time.perf_counter()
             log.wait += now - t0
-            self._signals.beat = now  # progress, for a stop signal's watchdog
+            signals.beat = now  # progress, for a stop signal's watchdog
             batch = to_device(batch, device)
-            w_start = (i // A) * A
-            if i == w_start:
-                step.begin_window(min(A, epoch_len - w_start))
-                step.want_grad_norm = log.should_log(self.global_step + 1)
-            step.sync_gradients = i == w_start + step.window_size - 1
-            step.epoch, step.batch_index = epoch, i
-            values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
+            values = plain(batch, epoch, i) if plain is not None else GENERAL
+            if values is GENERAL:
+                values = self._general_step(plan, epoch, i, batch)
             i += 1
-            self.state.batch_in_epoch = i
+            state.batch_in_epoch = i
             out.advance()
-            if not step.sync_gradients or not step.end_window():
+            if values is None:  # inside an accumulation window, or a skipped step
                 continue
             for fn in on_step_end:
                 fn(self, values)
-            if log.should_log(self.global_step):
+            if log.should_log(state.global_step):
                 self._log_interval(epoch, i)
-            if ckpt_every and self.global_step % ckpt_every == 0:
+            if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
-            signalled = self._signals.check()
-            if self.global_step >= plan.total_steps or signalled:
+            signalled = signals.check()
+            if state.global_step >= plan.total_steps or signalled:
                 out.end_epoch()
-                return "signal" if signalled else ("" if i >= epoch_len else "max_steps")
+                return "signal" if signalled else ("" if i >= plan.epoch_len else "max_steps")
         out.end_epoch()
         return ""
+
+    def _general_step(self, plan: FitPlan, epoch: int, i: int, batch: Any) -> Optional[dict]:
+        """Micro-batch ``i`` through the step function, in its accumulation window; the step function's
+        values when it ended the window with an optimizer step, else None."""
+        step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
+        w_start = (i // A) * A
+        if i == w_start:
+            step.begin_window(min(A, epoch_len - w_start))
+            step.want_grad_norm = self.metrics_log.should_log(self.global_step + 1)
+        step.sync_gradients = i == w_start + step.window_size - 1
+        step.epoch, step.batch_index = epoch, i
+        values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
+        if not step.sync_gradients or not step.end_window():
+            return None
+        return values
 
     def _log_interval(self, epoch: int, batch: int) -> None:
         extra = MetricStates(self.train_metrics, self.rank, self.world_size).values()

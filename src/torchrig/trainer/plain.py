@@ -1,0 +1,104 @@
+"""The plain step: one model, one loss, one optimizer, one batch per optimizer step, fp32, one CPU process.
+
+The general training step (the loop's window bookkeeping, :class:`~.microbatch.MicroBatcher` and
+:func:`~.step.default_step` through :class:`~.step.Step`'s primitives) handles accumulation,
+micro-batches, mixed precision, several ranks, several optimizers, custom step functions and token
+counts. Its Python costs about 50 µs per step, a tenth of a small model's step on one CPU core.
+
+When a run needs none of that, the loop gives each ordinary batch to :class:`PlainStep` instead: the
+same operations in the same order, in one function (forward, the user's loss, the finite check of
+the loss and of the gradients, ``optimizer.step``, ``zero_grad``, the metrics, the logged sums, the
+step counter and the per-step schedulers). Weights, logs, metrics and checkpoints are bitwise those of
+the general step; ``tests/trainer/test_plain.py`` runs both and compares. Anything else (a log step,
+which measures the gradient norm; a short last batch; token targets; a non-finite value under
+``on_nonfinite=error``'s message path included) goes through, or ends in, the general step's code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from . import normalize, outputs
+from .losses import tensor_loss
+from .step import default_step
+
+GENERAL = object()  # what PlainStep returns for a batch the general step must take
+
+
+class PlainStep:
+    """``plain(batch, epoch, index)``: the step's values, None for a skipped step, or ``GENERAL``."""
+
+    def __init__(self, trainer: Any) -> None:
+        step = trainer.step
+        self.trainer, self.step, self.state, self.log = trainer, step, step.state, trainer.metrics_log
+        self.model, self.loss_fn, self.key = step.model, step.loss_fn, step.io.output_key
+        self.tensor_loss = tensor_loss(step.loss_fn)  # the same function, without the wrappers' calls
+        self.optimizer = step.optimizer
+        self.metrics = step.metrics
+        self.schedulers = step.per_step_schedulers
+        self.every = trainer.metrics_log.every_steps
+        self.unit = step.count_unit  # a full batch; a shorter one is weighted, so the general step takes it
+        self.tokens_possible = step.loss_normalization == "auto"  # integer (B, T) targets count tokens
+
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> Optional["PlainStep"]:
+        """A PlainStep when the whole run suits it (decided once per fit), else None."""
+        step, micro = trainer.step, trainer.micro
+        plain = (trainer.world_size == 1 and trainer.cfg.accumulate == 1 and step.host_checks
+                 and micro.size is None and not micro.auto and step.before_update is None
+                 and step.precision.dtype is None and step.precision.scaler is None
+                 and not step.clip_grad_norm and not step.clip_grad_value
+                 and len(step.optimizers) == 1 and not step.class_last
+                 and step.loss_normalization != "tokens"
+                 # a skipped step restores BatchNorm-like buffers from a copy the general step takes
+                 and (step.on_nonfinite == "error" or next(step.model.buffers(), None) is None))
+        return cls(trainer) if plain else None
+
+    def __call__(self, batch: Any, epoch: int, index: int) -> Any:
+        if (type(batch) is not list and type(batch) is not tuple) or len(batch) != 2:
+            return GENERAL
+        inputs, target = batch
+        state = self.state
+        if (type(inputs) is not torch.Tensor or type(target) is not torch.Tensor or not inputs.ndim
+                or inputs.shape[0] != self.unit or self.trainer.step_fn is not default_step
+                or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))
+                or (self.every and (state.global_step + 1) % self.every == 0)):  # a log step measures more
+            return GENERAL
+        step, opt = self.step, self.optimizer
+        step.epoch, step.batch_index, step.batch, step.batch_size = epoch, index, batch, inputs.shape[0]
+        output = self.model(inputs)
+        if type(output) is torch.Tensor and self.tensor_loss is not None:
+            prediction, loss = output, self.tensor_loss(output, target)
+        else:
+            prediction, loss = outputs.prediction_and_loss(output, target, self.loss_fn, self.key)
+        bad_loss = loss.numel() == 1 and not math.isfinite(loss.item())
+        loss.backward()
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        taken = not bad_loss and step._check.finite(grads, id(opt))
+        if taken:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:  # raises under on_nonfinite=error; the metrics and logs still count a skipped batch
+            step._reject(opt, "loss is not finite" if bad_loss else "gradients are not finite (the loss is)")
+        if self.metrics:
+            if type(prediction) is torch.Tensor and prediction.dtype == torch.float32:
+                prediction = prediction.detach()
+                for m in self.metrics:
+                    m.update(prediction, target)
+            else:
+                step.update_metrics(prediction, target)  # conversions and errors in one place
+        values = {"loss": loss.detach()}
+        # float inputs are no token ids: the logger need not look for tokens to count
+        self.log.record(values, step.batch_size, 1, None if inputs.is_floating_point() else batch)
+        if not taken:
+            state.skipped_steps += 1
+            return None
+        state.global_step += 1
+        if self.schedulers:
+            for sch in self.schedulers:
+                sch.step()
+        return values
+
