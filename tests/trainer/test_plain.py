@@ -155,7 +155,6 @@ def test_a_custom_step_function_or_a_flop_count_takes_the_general_step(tmp_path,
         return default_step(step, batch)
 
     model = TinyNet()
-    trainer = None
     monkeypatch.setattr(P.PlainStep, "for_trainer", classmethod(lambda cls, t: _Counted(_FOR_TRAINER(cls, t))))
     _Counted.taken = 0
     x, y = make_classification(n=64)
@@ -179,3 +178,12 @@ def test_callbacks_see_where_the_loop_is(tmp_path, monkeypatch):
     b_seen, seen[:] = list(seen), []
     b, _ = _fit(tmp_path, "general", False, monkeypatch, callbacks=[Where()])
     assert taken > 0 and b_seen == seen and len(seen) == 18
+
+
+def test_skip_with_batchnorm_keeps_the_general_step(tmp_path, monkeypatch):
+    """A skipped window restores running statistics from a copy only the general step takes."""
+    bn = lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))  # noqa: E731
+    _, taken = _fit(tmp_path, "skip", True, monkeypatch, model=bn, on_nonfinite="skip")
+    assert taken == 0
+    _, taken = _fit(tmp_path, "error", True, monkeypatch, model=bn)
+    assert taken > 0
