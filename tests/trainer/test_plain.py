@@ -187,3 +187,24 @@ def test_skip_with_batchnorm_keeps_the_general_step(tmp_path, monkeypatch):
     assert taken == 0
     _, taken = _fit(tmp_path, "error", True, monkeypatch, model=bn)
     assert taken > 0
+
+
+def test_a_step_function_that_returns_nothing_still_ends_steps(tmp_path):
+    """The loop's after-step work (hooks, log rows, checkpoints, max_steps) runs for a step_fn returning None."""
+    from torchrig.trainer.step import default_step
+
+    ends = []
+
+    class Count:
+        def on_step_end(self, trainer, values):
+            ends.append(values)
+
+    x, y = make_classification(n=64)
+    trainer = torchrig.Trainer(TinyNet(), "sgd", lr=0.1, epochs=3, batch_size=16, max_steps=6, log_every=2,
+                               step_fn=lambda step, batch: default_step(step, batch) and None, callbacks=[Count()],
+                               checkpoint_every=3, keep_last=5, run_dir=str(tmp_path), **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    assert trainer.global_step == 6 and ends == [{}] * 6
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("kind") == "interval"] == [2, 4, 6]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
+        "step-00000003", "step-00000004", "step-00000006"]  # every 3 steps, and the end of epoch 1

@@ -338,7 +338,7 @@ class Trainer:
         values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
         if not step.sync_gradients or not step.end_window():
             return None
-        return values
+        return values if values is not None else {}  # a step function may return nothing to log
 
     def _log_interval(self, epoch: int, batch: int) -> None:
         extra = MetricStates(self.train_metrics, self.rank, self.world_size).values()
