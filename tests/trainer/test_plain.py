@@ -208,3 +208,44 @@ def test_a_step_function_that_returns_nothing_still_ends_steps(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("kind") == "interval"] == [2, 4, 6]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
         "step-00000003", "step-00000004", "step-00000006"]  # every 3 steps, and the end of epoch 1
+
+
+class _DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = TinyNet()
+
+    def forward(self, x):
+        return {"logits": self.net(x), "features": x.sum(dim=1)}
+
+
+class _TupleOut(_DictOut):
+    def forward(self, x):
+        out = super().forward(x)
+        return out["logits"], out["features"]
+
+
+class _Frozen(nn.Module):
+    """A frozen first layer (no gradients) and an unused parameter (its gradient stays None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.unused = TinyNet(), nn.Parameter(torch.zeros(3))
+        self.net.backbone.requires_grad_(False)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("model, options", [
+    (_DictOut, dict(output_key="logits")),
+    (_TupleOut, {}),
+    (_Frozen, {}),
+    (TinyNet, dict(loss=nn.CrossEntropyLoss(label_smoothing=0.1))),
+    (TinyNet, dict(loss_normalization="micro_batches")),
+])
+def test_plain_equals_general_for_other_outputs_and_losses(tmp_path, monkeypatch, model, options):
+    a, taken = _fit(tmp_path, "plain", True, monkeypatch, model=model, **options)
+    b, _ = _fit(tmp_path, "general", False, monkeypatch, model=model, **options)
+    assert taken > 0
+    _same(a, b)
