@@ -29,10 +29,8 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, (list, tuple)):
-        # Tensors moved inline, without a recursive call each: this runs on every training step. A CPU
-        # tensor in a CPU run is kept without the dispatch of a no-op ``to``.
-        cpu = device.type == "cpu"
-        moved = [(v if cpu and v.is_cpu else v.to(device, non_blocking=non_blocking)) if isinstance(v, torch.Tensor)
+        # Tensors moved inline, without a recursive call each: this runs on every training step.
+        moved = [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor)
                  else to_device(v, device, non_blocking) for v in batch]
         if type(batch) is list:
             return moved

@@ -103,15 +103,6 @@ class Accuracy(Metric):
     name = "accuracy"
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        correct = self._states.get("correct")
-        if (correct is not None and type(output) is torch.Tensor and type(target) is torch.Tensor
-                and output.ndim == 2 and target.ndim == 1 and output.shape[1] > 1 and output.shape[0] == target.shape[0]
-                and not target.is_floating_point()
-                and correct.device == output.device):
-            # the usual (batch, classes) scores against class indices, after the first update: two ops
-            correct += (output.argmax(dim=1) == target).sum()
-            self._pending["total"] = self._pending.get("total", 0) + target.shape[0]
-            return
         _check(output, target, self.name)
         pred = _class_predictions(output)
         if pred.shape != target.shape:

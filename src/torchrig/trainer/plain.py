@@ -40,7 +40,6 @@ class PlainStep:
         self.optimizer = step.optimizer
         self.metrics = step.metrics
         self.schedulers = step.per_step_schedulers
-        self.every = trainer.metrics_log.every_steps
         self.unit = step.count_unit  # a full batch; a shorter one is weighted, so the general step takes it
         self.tokens_possible = step.loss_normalization == "auto"  # integer (B, T) targets count tokens
 
@@ -66,7 +65,7 @@ class PlainStep:
         if (type(inputs) is not torch.Tensor or type(target) is not torch.Tensor or not inputs.ndim
                 or inputs.shape[0] != self.unit or self.trainer.step_fn is not default_step
                 or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))
-                or (self.every and (state.global_step + 1) % self.every == 0)):  # a log step measures more
+                or self.log.should_log(state.global_step + 1)):  # a log step measures more
             return GENERAL
         step, opt = self.step, self.optimizer
         step.epoch, step.batch_index, step.batch, step.batch_size = epoch, index, batch, inputs.shape[0]

@@ -114,11 +114,6 @@ class RunLogger:
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, ncols=self._columns,
                              bar_format=terminal.BAR_FORMAT, leave=True, unit="batch")
 
-    @property
-    def has_bar(self) -> bool:
-        """Whether a progress bar is shown this epoch (it then advances per batch)."""
-        return self._bar is not None
-
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)

@@ -291,7 +291,6 @@ class Trainer:
         for m in self.models.values():
             m.train()
         out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start)
-        bar, log_every = out.has_bar, log.every_steps
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
@@ -310,13 +309,12 @@ class Trainer:
                 values = self._general_step(plan, epoch, i, batch)
             i += 1
             state.batch_in_epoch = i
-            if bar:
-                out.advance()
+            out.advance()
             if values is None:  # inside an accumulation window, or a skipped step
                 continue
             for fn in on_step_end:
                 fn(self, values)
-            if log_every and state.global_step % log_every == 0:
+            if log.should_log(state.global_step):
                 self._log_interval(epoch, i)
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
