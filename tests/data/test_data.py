@@ -6,7 +6,7 @@ from collections import namedtuple
 
 import pytest
 import torch
-from helpers import AugmentedDataset, DictDataset, DictNet, TinyNet, make_classification
+from helpers import AugmentedDataset, DictDataset, DictNet, SlowSamples, TinyNet, make_classification
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from torchrig.data import Batches, DataError, ResumableSampler, TensorBatches, prepare_eval, prepare_train, to_device
@@ -254,8 +254,9 @@ def test_worker_seeding_is_reproducible_and_independent_of_worker_count():
     assert not torch.equal(two, _augmented_epoch(2, epoch=1))  # but new randomness each epoch
 
 
-# num_workers="auto": the cores this process may use, shared by the processes of the machine, less one
-# for the training loop itself, at most 16 (e.g. 1 worker on 2 cores).
+# num_workers="auto" for samples that are slow to make: the cores this process may use, shared by the
+# processes of the machine, less one for the training loop itself, at most 16 (e.g. 1 worker on 2 cores).
+# Cheap samples get none (tests/data/test_workers.py).
 AUTO_WORKERS = [  # (usable cores, processes on the machine, workers per process)
     (1, 1, 0), (2, 1, 1), (3, 1, 2), (5, 1, 4), (16, 1, 15), (64, 1, 16), (8, 2, 3), (16, 4, 3), (4, 4, 0),
     (6, 4, 0),
@@ -269,8 +270,8 @@ def test_worker_count_auto(monkeypatch, cores, local_world_size, workers):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     x, y = make_classification(n=12)
-    b = prepare_train(AugmentedDataset(x, y), **_kw(num_workers="auto", local_world_size=local_world_size,
-                                                    persistent_workers=False))
+    b = prepare_train(SlowSamples(AugmentedDataset(x, y)), **_kw(num_workers="auto", local_world_size=local_world_size,
+                                                                 persistent_workers=False))
     assert b.source.num_workers == workers
 
 

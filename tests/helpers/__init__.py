@@ -67,6 +67,23 @@ class AugmentedDataset(Dataset):
         return self.x[i] * sign * scale + 0.05 * torch.randn_like(self.x[i]), self.y[i]
 
 
+class SlowSamples(Dataset):
+    """``dataset``'s samples, each taking ``seconds`` more (a decoded image, say); counts its fetches."""
+
+    def __init__(self, dataset: Dataset, seconds: float = 2e-3):
+        self.dataset, self.seconds, self.fetched = dataset, seconds, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        import time
+
+        self.fetched += 1
+        time.sleep(self.seconds)
+        return self.dataset[i]
+
+
 class DictDataset(Dataset):
     """Samples as dicts with a ``labels`` key, like Hugging Face batches."""
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from torchrig.config import DistConfig
 from torchrig.data import ResumableSampler, TensorBatches, prefetch_to_device
-from torchrig.data import loaders
+from torchrig.data import workers
 from torchrig.metrics import Metric, get_metrics
 from torchrig.runtime import configure_backends, wants_channels_last
 from torchrig.runtime.wrap import broadcast_buffers
@@ -95,7 +95,7 @@ def test_broadcast_buffers_off_with_sync_batchnorm():
 @pytest.mark.parametrize("cores, local_ranks, expected", [(32, 1, 16), (32, 2, 15), (16, 4, 3), (8, 8, 0), (2, 1, 1)])
 def test_loader_workers_scale_with_the_cores_of_each_rank(monkeypatch, cores, local_ranks, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert loaders._auto_workers(local_ranks) == expected
+    assert workers.most_workers(local_ranks) == expected
 
 
 def test_fast_path_batches_kept_on_their_device():

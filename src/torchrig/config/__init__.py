@@ -30,7 +30,9 @@ class DataConfig:
     batch_size: int = 64  # per process
     micro_batch_size: Union[int, str, None] = None  # rows per forward/backward; None: the loaded batch; "auto": halve on OOM
     eval_batch_size: Optional[int] = None  # defaults to batch_size
-    num_workers: Union[int, str] = "auto"  # "auto": 0 for in-memory tensors, else min(16, cores per local rank - 1)
+    # "auto": 0 for in-memory tensors or samples cheaper to make here than to receive from a worker process
+    # (timed on a few), else min(16, cores per local rank - 1); samples are seeded alike either way
+    num_workers: Union[int, str] = "auto"
     pin_memory: Union[bool, str] = "auto"  # "auto": on when training on CUDA
     persistent_workers: bool = True
     prefetch_factor: Optional[int] = None

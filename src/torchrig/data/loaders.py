@@ -7,17 +7,15 @@ the order so that a run resumes at the exact sample where it stopped, on any num
 
 from __future__ import annotations
 
-import os
-import random
 from typing import Any, Iterator, Optional
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
 from ..errors import TorchrigError
 
 from .sampler import ResumableSampler
+from .workers import RngKept, SeededSamples, auto_workers, in_memory_tensors, most_workers
 
 
 class DataError(TorchrigError, ValueError):
@@ -78,39 +76,6 @@ def _cuda_prefetch(it: Iterator, device: torch.device) -> Iterator:
 
 
 _END = object()
-
-
-def _seed_worker_sample(seed: int, epoch: int, index: int) -> None:
-    s = (seed * 1_000_003 + epoch * 7_919 + index) % (2**63 - 1)
-    # The CPU generator is the one a worker's transforms draw from (workers never use CUDA):
-    # seeding it alone costs 1 µs, torch.manual_seed (every device type) about 90 µs per sample.
-    torch.default_generator.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s % (2**32))
-
-
-class _SeededSamples(Dataset):
-    """Seeds the worker's RNGs from ``(seed, epoch, index)`` before each sample, so random
-    augmentation in worker processes does not depend on the worker count or the resume point."""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, item):
-        index, epoch = item
-        _seed_worker_sample(self.seed, epoch, index)
-        return self.dataset[index]
-
-
-def _auto_workers(local_world_size: int = 1) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # every core this rank owns but one (the training process's own), up to 16: beyond that a worker
-    # adds memory (a dataset copy each) more than speed
-    return max(0, min(16, cores // max(1, local_world_size) - 1))
 
 
 class TensorBatches:
@@ -227,7 +192,7 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
 
     if isinstance(data, Batches):
         return data
-    workers = _auto_workers(local_world_size) if num_workers == "auto" else int(num_workers)
+    workers = most_workers(local_world_size) if num_workers == "auto" else int(num_workers)  # for streams
     pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
     if not train and is_iterable_source(data):
         from .iterable_eval import build_iterable_eval
@@ -241,11 +206,17 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
                               steps_per_epoch=steps_per_epoch, max_steps=max_steps, accumulate=accumulate)
     if isinstance(data, DataLoader):
         return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, fast_path=fast_path)
-    data = torch_format(data)
+    dataset = _as_dataset(torch_format(data))
+    # auto: no worker process where a batch costs less to make here than to receive from one (workers.py);
+    # samples are then seeded here as a worker seeds them, so the choice does not change what is drawn
+    auto = num_workers == "auto"
+    if auto:
+        workers = auto_workers(dataset, batch_size, seed, local_world_size)
     options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin, drop_last=drop_last and train,
                    persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
-    return _resumable(_as_dataset(data), options, train=train, shuffle=shuffle and train, seed=seed, rank=rank,
-                      world_size=world_size, fast_path=fast_path)
+    return _resumable(dataset, options, train=train, shuffle=shuffle and train, seed=seed, rank=rank,
+                      world_size=world_size, fast_path=fast_path,
+                      seed_here=auto and not in_memory_tensors(dataset))
 
 
 def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world_size: int,
@@ -273,10 +244,11 @@ _WORKER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_con
 
 
 def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, seed: int, rank: int,
-               world_size: int, fast_path: bool) -> Batches:
+               world_size: int, fast_path: bool, seed_here: bool = False) -> Batches:
     """The one way batches are made: a ResumableSampler over ``dataset``, then the in-memory fast
     path for a TensorDataset (when ``fast_path``), else a DataLoader with ``options`` (its keyword
-    arguments) whose workers seed every sample from ``(seed, epoch, index)``."""
+    arguments) whose workers seed every sample from ``(seed, epoch, index)`` — as this process does
+    without workers when ``seed_here``."""
     try:
         n = len(dataset)
     except TypeError:
@@ -289,14 +261,16 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     if fast_path and type(dataset) is TensorDataset:
         return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last, pin=options["pin_memory"]),
                        sampler, batch_size)
-    if options["num_workers"] > 0:
+    workers = options["num_workers"] > 0
+    if workers or seed_here:
         sampler.with_epoch = True
-        dataset = _SeededSamples(dataset, seed)
-    else:
+        dataset = SeededSamples(dataset, seed)
+    if not workers:
         options = {k: v for k, v in options.items() if k not in _WORKER_OPTIONS}
     g = torch.Generator()
     g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG
-    return Batches(DataLoader(dataset, sampler=sampler, generator=g, **options), sampler, batch_size)
+    loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
+    return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size)
 
 
 def prepare_train(data: Any, **kwargs: Any) -> Batches:

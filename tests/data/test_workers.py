@@ -1,0 +1,139 @@
+"""data.num_workers=auto: no worker process for cheap samples, and the same samples whatever it chose."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import AugmentedDataset, SlowSamples, TinyNet, make_classification
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
+
+from torchrig.data import prepare_eval, prepare_train, workers
+from torchrig.data.workers import RngKept, SeededSamples
+
+CPU = torch.device("cpu")
+
+
+def _kw(**extra):
+    kw = dict(batch_size=6, seed=7, rank=0, world_size=1, device=CPU, num_workers="auto", persistent_workers=False)
+    kw.update(extra)
+    return kw
+
+
+@pytest.fixture
+def four_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+
+
+def _rng_draws() -> tuple:
+    return random.random(), float(np.random.uniform()), float(torch.rand(()))
+
+
+def _epoch(batches, epoch: int = 0) -> torch.Tensor:
+    batches.set_epoch(epoch)
+    return torch.cat([xb for xb, _ in batches])
+
+
+def test_cheap_samples_get_no_worker_and_are_seeded_here(four_cores):
+    x, y = make_classification(n=24)
+    b = prepare_train(AugmentedDataset(x, y), **_kw())
+    assert isinstance(b.source, RngKept)
+    assert b.source.num_workers == 0 and isinstance(b.source.dataset, SeededSamples)
+    assert len(b) == 4 and b.source.sampler is b.sampler  # what the loop reads goes through
+
+
+def test_slow_samples_get_a_worker_per_core_but_one(four_cores):
+    x, y = make_classification(n=24)
+    slow = SlowSamples(AugmentedDataset(x, y), seconds=2e-3)
+    b = prepare_train(slow, **_kw())
+    assert isinstance(b.source, DataLoader) and b.source.num_workers == 3
+    assert slow.fetched == 0  # the probe timed two samples of a copy (2 ms each: clearly slow) and stopped
+    assert workers.batch_fetch_s(slow, 6, 0) > workers.CHEAP_BATCH_S
+
+
+@pytest.mark.parametrize("make", [
+    lambda x, y: TensorDataset(x, y),
+    lambda x, y: Subset(TensorDataset(x, y), list(range(0, 24, 2))),
+    lambda x, y: ConcatDataset([TensorDataset(x, y), Subset(TensorDataset(x, y), [0, 1])]),
+])
+def test_in_memory_tensors_get_no_worker_and_no_seeding(four_cores, make):
+    x, y = make_classification(n=24)
+    b = prepare_train(make(x, y), **_kw(fast_path=False))
+    assert type(b.source) is DataLoader and b.source.num_workers == 0
+    assert not isinstance(b.source.dataset, SeededSamples)  # nothing random to seed
+    e = prepare_eval(make(x, y), **_kw(fast_path=False))
+    assert type(e.source) is DataLoader and e.source.num_workers == 0
+
+
+@pytest.mark.slow
+def test_auto_draws_the_samples_a_worker_draws_and_leaves_training_randomness_alone(four_cores):
+    x, y = make_classification(n=24)
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    here = prepare_train(AugmentedDataset(x, y), **_kw())
+    assert isinstance(here.source, RngKept)
+    epochs_here = [_epoch(here, e) for e in (0, 1)]
+    after = _rng_draws()
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    assert after == _rng_draws()  # fetching moved none of the training process's generators
+    worker = prepare_train(AugmentedDataset(x, y), **_kw(num_workers=1))
+    assert worker.source.num_workers == 1
+    for e, got in enumerate(epochs_here):
+        assert torch.equal(got, _epoch(worker, e))  # bitwise the samples a worker process makes
+    assert not torch.equal(epochs_here[0], epochs_here[1])  # new randomness each epoch
+
+
+def test_the_probe_keeps_random_state_and_a_lazily_opened_handle_off_the_data_set():
+    class Lazy(Dataset):
+        """Opens its 'file' on first access, as a data set meant for worker processes does."""
+
+        def __init__(self):
+            self.handle = None
+
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, i):
+            if self.handle is None:
+                self.handle = object()
+            return torch.randn(3), i
+
+    data = Lazy()
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    fetch = workers.batch_fetch_s(data, 8, seed=0)
+    after = _rng_draws()
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    assert after == _rng_draws()
+    assert data.handle is None  # opened on the probe's copy, so worker processes open their own
+    assert 0 < fetch < workers.CHEAP_BATCH_S
+
+
+def test_the_probe_gives_up_on_a_failing_sample(four_cores):
+    class Broken(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            raise ValueError("bad sample")
+
+    assert workers.batch_fetch_s(Broken(), 4, seed=0) is None
+    assert workers.auto_workers(Broken(), 4, seed=0) == 3  # workers, as before: the loader reports the error
+
+
+@pytest.mark.slow
+def test_fit_is_bitwise_the_same_whatever_auto_chooses(make_trainer, four_cores, tmp_path, monkeypatch):
+    monkeypatch.setattr(workers, "CHEAP_BATCH_S", 10.0)  # auto: no worker, whatever this machine's timing
+    x, y = make_classification(n=48)
+    weights = []
+    for num_workers in ("auto", 1):
+        torch.manual_seed(0)
+        trainer = make_trainer(TinyNet(dropout=0.3), num_workers=num_workers, epochs=2, seed=11,
+                               run_dir=str(tmp_path / str(num_workers)))
+        trainer.fit(AugmentedDataset(x, y), val_data=AugmentedDataset(x, y))
+        weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        weights[-1]["val_loss"] = torch.tensor(trainer.history[-1]["val/loss"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
