@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 QUICK = BENCH / "results" / "quick"
-SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run")
+SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run", "workers")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,17 @@ def test_fastpath_quick(quick_runs):
     assert r["same_parameters"] is True  # the two paths saw the same samples in the same order
     assert r["ratio"] > 0 and r["data_ratio"] > 0
     assert "per step DataLoader / fast path" in stdout
+
+
+def test_workers_quick(quick_runs):
+    stdout, r = quick_runs["workers"]
+    assert r["benchmark"] == "workers" and r["quick"] is True
+    assert set(r["by_data"]) == {"cheap", "costly"}
+    for d in r["by_data"].values():
+        assert set(d["arms"]) == {"none", "workers", "auto"}
+        assert all(a["median_step_us"] > 0 and a["steps"] > 0 for a in d["arms"].values())
+        assert d["auto_vs_best"] > 0 and d["auto_vs_workers"] > 0
+    assert "cheap: auto / faster fixed choice" in stdout  # printed after auto's weights matched the workers'
 
 
 def test_import_time_quick(quick_runs):
