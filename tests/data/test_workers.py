@@ -137,3 +137,35 @@ def test_fit_is_bitwise_the_same_whatever_auto_chooses(make_trainer, four_cores,
         weights[-1]["val_loss"] = torch.tensor(trainer.history[-1]["val/loss"])
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+class _Pids(Dataset):
+    """Rows of tensors; each fetch leaves a file named after the fetching process's id in ``folder``."""
+
+    def __init__(self, x, y, folder):
+        self.x, self.y, self.folder = x, y, folder
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        (self.folder / str(os.getpid())).touch()
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.slow
+def test_validation_workers_serve_every_epoch_of_a_fit_and_stop_with_it(make_trainer, tmp_path):
+    x, y = make_classification(n=32)
+    seen = tmp_path / "val-pids"
+    seen.mkdir()
+    val = _Pids(x, y, seen)
+    trainer = make_trainer(TinyNet(), num_workers=1, epochs=3, run_dir=str(tmp_path / "run"))
+    trainer.fit((x, y), val_data=val)
+    pids = {int(p.name) for p in seen.iterdir()}
+    assert len(pids) == 1 and os.getpid() not in pids  # one worker process for the three validations
+    assert len([h for h in trainer.history if "val/loss" in h]) == 3
+    again = trainer.evaluate(val)  # after fit: a loader of its own, with a worker of its own
+    assert again["loss"] == trainer.history[-1]["val/loss"]
+    worker = pids.pop()
+    with pytest.raises(ProcessLookupError):  # fit's validation worker was stopped and reaped
+        os.kill(worker, 0)

@@ -47,7 +47,7 @@ def run(trainer: "Trainer", data: Any, metrics: list, forward: Callable[[Step, A
         consume: Callable[[Step, Any, Any], None]) -> Any:
     """``consume(step, batch, forward(step, batch))`` for each batch of this rank's shard; returns the
     batches iterated (for a stream: with the stream positions of this rank's samples)."""
-    batches = prepare_eval(data, **trainer._loader_kwargs(eval_=True))
+    batches = trainer._eval_batches(data)
     step = trainer._make_step(metrics)
     # DDP adds nothing to a forward without backward, and ranks may see different batch counts.
     step.model = trainer.wrapped if trainer.strategy == "fsdp" else runtime.unwrap(trainer.wrapped)

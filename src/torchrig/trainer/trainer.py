@@ -20,7 +20,7 @@ from .. import config as C
 from .. import runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
-from ..data import prefetch_to_device, prepare_train, to_device
+from ..data import Batches, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
@@ -73,6 +73,7 @@ class Trainer:
         self.resumed_from: Optional[Path] = None
         self.plots: list = []
         self.plot_process = None  # the end-of-run plot drawn in the background (log.plot=background)
+        self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built)
         self._signals = runtime.StopSignal()
         self._owns_group = False
         self._run = RunDir()
@@ -157,13 +158,26 @@ class Trainer:
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
         self.open_run()
+        self._val_loader = (val_data, None)
         try:
             plan = self._prepare_data(train_data, val_data)
             self._build_schedules(plan)
             self._set_up_run(val_data)
             return {} if self._restore(plan) else self._train(plan)
         finally:  # the save in flight is written (or its error raised) before the run directory is let go
+            self._val_loader = None  # its loader's workers stop with it
             finish_saves(self.checkpoints, self._run.close)
+
+    def _eval_batches(self, data: Any) -> Any:
+        """``data``'s evaluation batches. During ``fit`` the validation data's are built once, so that its
+        loader's worker processes (``data.persistent_workers``) serve every epoch instead of starting anew."""
+        kept = self._val_loader
+        if kept is not None and kept[0] is data and kept[1] is not None:
+            return kept[1]
+        batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
+        if kept is not None and kept[0] is data and type(batches) is Batches:  # not a stream: it keeps no position
+            self._val_loader = (data, batches)
+        return batches
 
     def _train(self, plan: FitPlan) -> dict:
         self._run_callbacks.call("on_fit_start", self)
