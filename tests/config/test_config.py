@@ -230,6 +230,16 @@ def test_trainer_unknown_keyword_suggests(tmp_path):
         torchrig.Trainer(torch.nn.Linear(2, 2), epoch=3, run_dir=str(tmp_path))
 
 
+def test_trainer_data_keywords_reach_their_keys(tmp_path):
+    import torch
+
+    import torchrig
+
+    trainer = torchrig.Trainer(torch.nn.Linear(2, 2), steps_per_epoch=7, persistent_workers=False,
+                               run_dir=str(tmp_path))
+    assert trainer.cfg.data.steps_per_epoch == 7 and trainer.cfg.data.persistent_workers is False
+
+
 def test_trainer_bad_value_is_a_config_error(tmp_path):
     import torch
 
