@@ -11,7 +11,7 @@ import torch
 from helpers import AugmentedDataset, SlowSamples, TinyNet, make_classification
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
-from torchrig.data import prepare_eval, prepare_train, workers
+from torchrig.data import DataError, prepare_eval, prepare_train, workers
 from torchrig.data.workers import RngKept, SeededSamples
 
 CPU = torch.device("cpu")
@@ -38,7 +38,8 @@ def _epoch(batches, epoch: int = 0) -> torch.Tensor:
     return torch.cat([xb for xb, _ in batches])
 
 
-def test_cheap_samples_get_no_worker_and_are_seeded_here(four_cores):
+def test_cheap_samples_get_no_worker_and_are_seeded_here(four_cores, monkeypatch):
+    monkeypatch.setattr(workers, "CHEAP_BATCH_S", 1.0)  # cheap, however loaded this machine is
     x, y = make_classification(n=24)
     b = prepare_train(AugmentedDataset(x, y), **_kw())
     assert isinstance(b.source, RngKept)
@@ -86,29 +87,47 @@ def test_auto_draws_the_samples_a_worker_draws_and_leaves_training_randomness_al
     assert not torch.equal(epochs_here[0], epochs_here[1])  # new randomness each epoch
 
 
-def test_the_probe_keeps_random_state_and_a_lazily_opened_handle_off_the_data_set():
-    class Lazy(Dataset):
-        """Opens its 'file' on first access, as a data set meant for worker processes does."""
+class _Lazy(Dataset):
+    """Opens its 'file' on first access, as a data set meant for worker processes does, and draws noise
+    from a generator of its own."""
 
-        def __init__(self):
-            self.handle = None
+    def __init__(self):
+        self.handle, self.rng = None, torch.Generator().manual_seed(0)
 
-        def __len__(self):
-            return 50
+    def __len__(self):
+        return 50
 
-        def __getitem__(self, i):
-            if self.handle is None:
-                self.handle = object()
-            return torch.randn(3), i
+    def __getitem__(self, i):
+        if self.handle is None:
+            self.handle = object()
+        return torch.randn(3, generator=self.rng), i
 
-    data = Lazy()
+
+@pytest.mark.parametrize("wrap", [lambda d: d, lambda d: Subset(d, list(range(40)))])
+def test_the_probe_runs_apart_from_the_training_process(wrap):
+    data = _Lazy()
+    rng_before = data.rng.get_state()
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
-    fetch = workers.batch_fetch_s(data, 8, seed=0)
+    fetch = workers.batch_fetch_s(wrap(data), 8, seed=0)
     after = _rng_draws()
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
-    assert after == _rng_draws()
-    assert data.handle is None  # opened on the probe's copy, so worker processes open their own
-    assert 0 < fetch < workers.CHEAP_BATCH_S
+    assert after == _rng_draws()  # no global generator moved
+    assert data.handle is None  # opened in the probe's process: worker processes open their own
+    assert torch.equal(data.rng.get_state(), rng_before)  # and the data set's own generator did not move
+    assert 0 < fetch < 1.0
+
+
+def test_an_empty_data_set_is_named_under_auto(four_cores):
+    class Empty(Dataset):
+        def __len__(self):
+            return 0
+
+        def __getitem__(self, i):
+            raise IndexError(i)
+
+    assert workers.batch_fetch_s(Empty(), 4, seed=0) is None
+    with pytest.raises(DataError, match=r"the training data set is empty \(0 samples\)"):
+        prepare_train(Empty(), **_kw())
 
 
 def test_the_probe_gives_up_on_a_failing_sample(four_cores):
@@ -151,6 +170,38 @@ class _Pids(Dataset):
     def __getitem__(self, i):
         (self.folder / str(os.getpid())).touch()
         return self.x[i], self.y[i]
+
+
+class _Growing(Dataset):
+    """Validation rows; each fetch leaves a file named after the row index; ``n`` rows for now."""
+
+    def __init__(self, x, y, folder, n):
+        self.x, self.y, self.folder, self.n = x, y, folder, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        (self.folder / str(i)).touch()
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_validation_data_that_grows_between_epochs_is_read_whole(make_trainer, tmp_path, num_workers):
+    x, y = make_classification(n=48)
+    seen = tmp_path / "rows"
+    seen.mkdir()
+    val = _Growing(x, y, seen, 16)
+
+    class Grow:
+        def on_eval_end(self, trainer, results):
+            val.n += 16
+
+    trainer = make_trainer(TinyNet(), num_workers=num_workers, epochs=3, run_dir=str(tmp_path / "run"),
+                           callbacks=[Grow()])
+    trainer.fit((x, y), val_data=val)
+    assert sorted(int(p.name) for p in seen.iterdir()) == list(range(48))  # 16, then 32, then 48 rows
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ class DataConfig:
     # (timed on a few), else min(16, cores per local rank - 1); samples are seeded alike either way
     num_workers: Union[int, str] = "auto"
     pin_memory: Union[bool, str] = "auto"  # "auto": on when training on CUDA
-    persistent_workers: bool = True  # loader workers live for the whole fit: training's and validation's
+    persistent_workers: bool = True  # loader workers live for the whole fit: training's, and a validation Dataset's
     prefetch_factor: Optional[int] = None
     shuffle: bool = True
     drop_last: bool = False

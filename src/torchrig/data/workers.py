@@ -8,9 +8,9 @@ in-memory tensors takes some 0.15 ms to fetch and collate in place. So ``auto`` 
 
 - no worker for in-memory tensors (a ``TensorDataset``, or a ``Subset`` / ``ConcatDataset`` of them):
   their samples are a slice each, with nothing to do in parallel;
-- no worker when a batch's samples are fetched here in less than :data:`CHEAP_BATCH_S`, timed on a
-  few samples of a shallow copy of the data set (a file that ``__getitem__`` opens lazily stays the
-  workers' own) with every random generator put back afterwards;
+- no worker when a batch's samples are fetched in less than :data:`CHEAP_BATCH_S`, timed on a few
+  samples in a forked child process (a file that ``__getitem__`` opens lazily, a generator it draws
+  from, stay untouched in the training process);
 - else one worker per core this rank owns but one, up to 16.
 
 Each sample is drawn with the random generators seeded from ``(seed, epoch, index)``
@@ -21,10 +21,13 @@ same samples whatever ``auto`` chose and whatever the machine's core count.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
+import select
+import signal
+import sys
 import time
+import warnings
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -34,6 +37,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 # A batch that takes less than this to fetch in the training process costs less there than sent by a worker.
 CHEAP_BATCH_S = 1.5e-3
 PROBE_SAMPLES = 8  # samples timed to decide (fewer when the first two are already slow)
+PROBE_TIMEOUT_S = 2.0  # a probe still running by then has found slow samples
 
 
 def most_workers(local_world_size: int = 1) -> int:
@@ -64,25 +68,55 @@ def auto_workers(dataset: Dataset, batch_size: int, seed: int, local_world_size:
 
 
 def batch_fetch_s(dataset: Dataset, batch_size: int, seed: int) -> Optional[float]:
-    """Seconds to fetch ``batch_size`` samples in this process, from the median of a few; None when the
-    data set cannot be copied or a sample raises (the loader then reports it as usual)."""
+    """Seconds to fetch ``batch_size`` samples here, from the median of a few, timed in a forked child
+    process: a file a sample opens, a generator it draws from or a cache it fills stays in the child.
+    None when that cannot tell (no ``fork``, an empty data set, a sample that raises: the loader
+    then reports it as usual); ``inf`` when the child takes longer than :data:`PROBE_TIMEOUT_S`."""
     try:
-        probe, n = SeededSamples(copy.copy(dataset), seed), len(dataset)
+        n = len(dataset)
     except Exception:
         return None
+    if n == 0 or not sys.platform.startswith("linux"):  # fork is what Linux DataLoader workers use too
+        return None
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns of fork in a process with threads, as DataLoader workers
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: time the samples, write the answer, leave without running any exit handler
+        try:
+            os.close(read)
+            torch.set_num_threads(1)  # as a DataLoader worker does: an OpenMP pool does not survive a fork
+            samples = SeededSamples(dataset, seed)
+            _time_samples(samples, n, batch_size)  # once untimed: the fork's copy-on-write faults, first calls
+            os.write(write, repr(_time_samples(samples, n, batch_size)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = "inf"
+    try:
+        ready, _, _ = select.select([read], [], [], PROBE_TIMEOUT_S)
+        answer = os.read(read, 64).decode() if ready else "inf"
+    finally:
+        os.close(read)
+        if answer == "inf":
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        return float(answer)
+    except ValueError:  # nothing written: a sample raised
+        return None
+
+
+def _time_samples(samples: SeededSamples, n: int, batch_size: int) -> float:
     k = min(n, PROBE_SAMPLES)
     limit = CHEAP_BATCH_S / batch_size
     times: list[float] = []
-    with kept_rng():
-        for j in range(k):
-            t0 = time.perf_counter()
-            try:
-                probe[(j * n // k, 0)]
-            except Exception:
-                return None
-            times.append(time.perf_counter() - t0)
-            if len(times) == 2 and min(times) > limit:
-                break  # clearly slow: no need to look further
+    for j in range(k):
+        t0 = time.perf_counter()
+        samples[(j * n // k, 0)]
+        times.append(time.perf_counter() - t0)
+        if len(times) == 2 and min(times) > limit:
+            break  # clearly slow: no need to look further
     rest = sorted(times[1:] or times)  # the first sample may pay one-off costs (opening a file …)
     return rest[len(rest) // 2] * batch_size
 

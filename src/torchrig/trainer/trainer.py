@@ -73,7 +73,7 @@ class Trainer:
         self.resumed_from: Optional[Path] = None
         self.plots: list = []
         self.plot_process = None  # the end-of-run plot drawn in the background (log.plot=background)
-        self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built)
+        self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built, its length)
         self._signals = runtime.StopSignal()
         self._owns_group = False
         self._run = RunDir()
@@ -158,7 +158,7 @@ class Trainer:
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
         self.open_run()
-        self._val_loader = (val_data, None)
+        self._val_loader = (val_data, None, None)
         try:
             plan = self._prepare_data(train_data, val_data)
             self._build_schedules(plan)
@@ -169,14 +169,17 @@ class Trainer:
             finish_saves(self.checkpoints, self._run.close)
 
     def _eval_batches(self, data: Any) -> Any:
-        """``data``'s evaluation batches. During ``fit`` the validation data's are built once, so that its
-        loader's worker processes (``data.persistent_workers``) serve every epoch instead of starting anew."""
+        """``data``'s evaluation batches. During ``fit``, when the validation data's loader has persistent
+        worker processes, it is built once, so that they serve every epoch instead of starting anew (again
+        if the data set's length changes)."""
         kept = self._val_loader
-        if kept is not None and kept[0] is data and kept[1] is not None:
+        if kept is not None and kept[0] is data and kept[1] is not None and kept[2] == len(data):
             return kept[1]
         batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
-        if kept is not None and kept[0] is data and type(batches) is Batches:  # not a stream: it keeps no position
-            self._val_loader = (data, batches)
+        source = getattr(batches, "source", None)
+        if (kept is not None and kept[0] is data and type(batches) is Batches  # a stream keeps no position
+                and getattr(source, "num_workers", 0) > 0 and getattr(source, "persistent_workers", False)):
+            self._val_loader = (data, batches, len(data))
         return batches
 
     def _train(self, plan: FitPlan) -> dict:
