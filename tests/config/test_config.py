@@ -240,6 +240,26 @@ def test_trainer_data_keywords_reach_their_keys(tmp_path):
     assert trainer.cfg.data.steps_per_epoch == 7 and trainer.cfg.data.persistent_workers is False
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_steps_per_epoch_caps_the_epoch_of_a_data_set(tmp_path, fast_path):
+    import torch
+
+    import torchrig
+
+    x, y = torch.randn(40, 2), torch.randint(0, 2, (40,))
+    rows = []
+
+    class Rows:
+        def on_log(self, trainer, values, kind):
+            rows.append((kind, trainer.global_step))
+
+    trainer = torchrig.Trainer(torch.nn.Linear(2, 2), batch_size=8, epochs=3, steps_per_epoch=2, accumulate=1,
+                               fast_path=fast_path, num_workers=0, callbacks=[Rows()], run_dir=str(tmp_path),
+                               tensorboard=False, plot=False, progress="none")
+    trainer.fit((x, y))  # 5 batches per epoch in the data; 2 taken
+    assert trainer.global_step == 6 and [s for k, s in rows if k == "epoch"] == [2, 4, 6]
+
+
 def test_trainer_bad_value_is_a_config_error(tmp_path):
     import torch
 
@@ -261,3 +281,26 @@ def test_trainer_takes_a_config_object(tmp_path):
     assert trainer.cfg.epochs == 2 and trainer.cfg.optim.lr == 0.5
     assert cfg.optim.lr != 0.5  # the caller's config is not modified
     assert isinstance(trainer.optimizers["default"], torch.optim.SGD)
+
+
+def test_a_capped_epoch_resumes_exactly(tmp_path):
+    import torch
+
+    import torchrig
+
+    x, y = torch.randn(40, 2), torch.randint(0, 2, (40,))
+
+    def run(run_dir, **kw):
+        torch.manual_seed(0)
+        trainer = torchrig.Trainer(torch.nn.Linear(2, 2), optimizer="sgd", lr=0.1, batch_size=8, epochs=3,
+                                   steps_per_epoch=2, fast_path=False, num_workers=0, run_dir=str(run_dir),
+                                   tensorboard=False, plot=False, progress="none", seed=3, **kw)
+        trainer.fit((x, y))
+        return trainer
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "parts", max_steps=3)  # stops in the middle of the second (capped) epoch
+    resumed = run(tmp_path / "parts", resume="latest")
+    assert resumed.global_step == whole.global_step == 6
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.state_dict().values(),
+                                                 resumed.model.state_dict().values()))

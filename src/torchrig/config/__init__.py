@@ -48,7 +48,8 @@ class DataConfig:
     input_keys: Optional[list] = None  # dict batch keys passed to forward; None: those forward's signature accepts
     label_key: Optional[str] = None  # the target's key in dict batches; None: labels, label, target, targets or y
     factory: Optional[str] = None  # "module:attr": build_data(cfg) -> train | (train, val[, test]) | dict
-    steps_per_epoch: Optional[int] = None  # optimizer steps per epoch for iterable data without a length
+    # optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data
+    steps_per_epoch: Optional[int] = None
 
 
 @dataclass

@@ -138,6 +138,8 @@ class FitPlan:
         if epoch_len == 0:
             raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
                              f"drop_last={cfg.data.drop_last}); lower data.batch_size")
+        if cfg.data.steps_per_epoch:  # an epoch shorter than the data (a stream's length is this already)
+            epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
         steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
         total = cfg.epochs * steps_per_epoch
         if cfg.max_steps is not None:
