@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import os
 import re
 import time
@@ -208,6 +209,7 @@ def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+                gc.collect()  # DDP wrappers left in reference cycles let go of the group now, not at exit
                 # A gloo worker thread drops its last finished work (and the Python tensors in it) a moment
                 # after the caller saw the work complete. The group usually outlives this call (DDP's hooks
                 # keep it), so an interpreter that starts exiting in that moment aborts with "terminate
