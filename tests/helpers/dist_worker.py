@@ -135,18 +135,6 @@ def report_listeners() -> None:
     Path(os.environ["LISTEN_REPORT"]).write_text("\n".join(listening_sockets(pids)) + "\n")
 
 
-def _leave() -> None:
-    """Leave the group as torchrig does, after freeing the Trainers and their DDP wrappers (reference
-    cycles) while the interpreter is whole: a gloo thread that releases Python tensors during the
-    interpreter's exit aborts the process ("terminate called without an active exception")."""
-    import gc
-
-    from torchrig import runtime
-
-    gc.collect()
-    runtime.destroy_process_group()
-
-
 def _pair_kwargs() -> dict:
     return {"init_method": os.environ["TEST_INIT"], "rank": int(os.environ["TEST_RANK"]),
             "world_size": int(os.environ["TEST_WORLD"]), "dist_timeout": float(os.environ.get("TEST_TIMEOUT", 60))}
@@ -321,17 +309,19 @@ def _sync_batchnorm_on_cpu(out: Path) -> dict:
 def features(out: Path) -> None:
     import torch.distributed as dist
 
+    from torchrig import runtime
+
     report = {"ddp_options": _ddp_options(out), "gradient_syncs": _gradient_syncs(out),
               "metrics": _metrics_over_ranks(out), "sync_batchnorm": _sync_batchnorm_on_cpu(out)}
     (out / f"features-{dist.get_rank()}.json").write_text(json.dumps(report))
-    _leave()
+    runtime.destroy_process_group()  # torchrig's: collects DDP wrappers in cycles, gives gloo's threads a moment
 
 
 def ema(out: Path) -> None:
     """DDP and FSDP2 fits keeping an EMA; evaluation with and without it; the EMA a resume restores."""
     import torch.distributed as dist
 
-    from torchrig import Trainer
+    from torchrig import Trainer, runtime
 
     x, y = train_data()
     ex, ey = eval_data()
@@ -353,7 +343,7 @@ def ema(out: Path) -> None:
         report[name] = found
         again.close()
     (out / f"ema-{dist.get_rank()}.json").write_text(json.dumps(report))
-    _leave()
+    runtime.destroy_process_group()  # torchrig's: collects DDP wrappers in cycles, gives gloo's threads a moment
 
 
 def fit(out: Path) -> None:

@@ -94,8 +94,8 @@ def batch_fetch_s(dataset: Dataset, batch_size: int, seed: int) -> Optional[floa
     os.close(write)
     answer = "inf"
     try:
-        ready, _, _ = select.select([read], [], [], PROBE_TIMEOUT_S)
-        answer = os.read(read, 64).decode() if ready else "inf"
+        if select.select([read], [], [], PROBE_TIMEOUT_S)[0]:
+            answer = os.read(read, 64).decode()
     finally:
         os.close(read)
         if answer == "inf":
@@ -179,10 +179,8 @@ class RngKept:
         it = iter(self.loader)
         while True:
             with kept_rng():
-                batch = next(it, _END)
-            if batch is _END:
-                return
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
             yield batch
-
-
-_END = object()

@@ -176,9 +176,9 @@ class Trainer:
         if kept is not None and kept[0] is data and kept[1] is not None and kept[2] == len(data):
             return kept[1]
         batches = prepare_eval(data, **self._loader_kwargs(eval_=True))
-        source = getattr(batches, "source", None)
         if (kept is not None and kept[0] is data and type(batches) is Batches  # a stream keeps no position
-                and getattr(source, "num_workers", 0) > 0 and getattr(source, "persistent_workers", False)):
+                and getattr(batches.source, "num_workers", 0) > 0
+                and getattr(batches.source, "persistent_workers", False)):
             self._val_loader = (data, batches, len(data))
         return batches
 
