@@ -1,7 +1,8 @@
 """A training step reads nothing back from the device between log steps.
 
-On CPU the step reads the loss scalar on purpose (a memory load there). With ``step.host_checks``
-off, the step runs exactly as on a GPU, so counting host reads (``item``, ``__bool__``, ``tolist``,
+On CPU the step reads the loss scalar on purpose (a memory load there), and the metrics logger sums the
+logged scalars as Python floats. With ``step.host_checks`` and ``metrics_log.host`` off, a step runs
+exactly as on a GPU, so counting host reads (``item``, ``__bool__``, ``tolist``,
 ``cpu`` …) made by torchrig's own code on CPU counts the reads that would synchronise a GPU. The
 data layer's reads of its CPU index tensors are not device reads and are not counted. On a GPU the
 same run is checked with ``torch.cuda.set_sync_debug_mode("error")``.
@@ -67,7 +68,7 @@ class DeviceLikeSteps:
         self.log_steps: list[list[str]] = []
 
     def on_fit_start(self, trainer):
-        trainer.step.host_checks = False
+        trainer.step.host_checks = trainer.metrics_log.host = False
         self.calls.clear()
 
     def on_step_end(self, trainer, values):

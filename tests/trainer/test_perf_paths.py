@@ -1,12 +1,15 @@
 """The cheaper per-step paths give the same results as the straightforward ones.
 
 The performance work (docs/performance.md) replaced a few per-step operations by cheaper ones:
-metric sample counts kept as Python numbers until read, the CPU non-finite check reading the loss
-scalar, one TensorBoard event per logged row. These tests pin down that nothing observable changed.
+metric sample counts kept as Python numbers until read, CPU batches of the train metrics updated
+together (``tests/metrics/test_feed.py``), logged scalars summed as Python floats on the CPU, the CPU
+non-finite check reading the loss scalar, one TensorBoard event per logged row. These tests pin down
+that nothing observable changed.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -64,6 +67,34 @@ def test_train_metrics_survive_checkpoint_and_resume(tmp_path):
     assert resumed.history[-1]["train/accuracy"] == full.history[-1]["train/accuracy"]
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_logged_loss_is_the_float_sum_of_the_step_losses(tmp_path):
+    """On the CPU the interval's loss sum is a Python float (no tensor op per step): the mean of exactly the
+    losses the steps returned, summed in order; a device-like logger keeps tensors on the device."""
+    x, y = make_classification(40)
+    losses = []
+
+    class Watch:
+        def on_step_end(self, trainer, values):
+            losses.append(values["loss"])  # the step's own tensor, handed to callbacks as before
+            assert isinstance(trainer.metrics_log.sums["loss"], float)
+
+    trainer = torchrig.Trainer(TinyNet(), epochs=1, batch_size=4, log_every=5, run_dir=str(tmp_path),
+                               callbacks=[Watch()], **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    intervals = [r for r in rows if r.get("kind") == "interval"]
+    assert [r["step"] for r in intervals] == [5, 10] and all(isinstance(v, torch.Tensor) for v in losses)
+    for row, part in zip(intervals, (losses[:5], losses[5:])):
+        assert row["train/loss"] == sum(float(v) for v in part) / 5
+
+    device_like = torchrig.trainer.logger.MetricsLogger(None, every_steps=5, device=torch.device("cpu"))
+    device_like.host = False
+    for v in losses[:3]:
+        device_like.record({"loss": v}, 4)
+    assert isinstance(device_like.sums["loss"], torch.Tensor)
+    assert float(device_like.sums["loss"]) == pytest.approx(sum(float(v) for v in losses[:3]))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -29,7 +29,10 @@ class MetricsLogger:
                  device: Optional[torch.device] = None):
         self.out, self.every_steps = out, every_steps
         self.world_size, self.device = world_size, device
-        self.sums: dict[str, Any] = {}         # logging interval: running sums (tensors stay tensors)
+        # On the CPU a scalar is read at once (a memory load) and summed as a Python float: no tensor op per
+        # step. On an accelerator values stay tensors on the device until a log step reads them.
+        self.host = device is None or device.type == "cpu"
+        self.sums: dict[str, Any] = {}         # logging interval: running sums
         self.count = 0                          # micro-batches in the interval
         self.samples = 0
         self.tokens: Any = None                 # token count of token-id batches (a tensor until flush)
@@ -51,15 +54,23 @@ class MetricsLogger:
         gives the token count of token data."""
         self.count = self.count + weight
         self.samples += n
-        tokens = tokens_of(batch)
-        if tokens is not None:
-            self.tokens = tokens if self.tokens is None else self.tokens + tokens
+        if batch is not None:
+            tokens = tokens_of(batch)
+            if tokens is not None:
+                self.tokens = tokens if self.tokens is None else self.tokens + tokens
         if out:
+            unweighted = not isinstance(weight, torch.Tensor) and weight == 1
+            sums = self.sums
             for k, v in out.items():
-                if isinstance(v, torch.Tensor) and v.requires_grad:
-                    v = v.detach()
-                v = v if not isinstance(weight, torch.Tensor) and weight == 1 else v * weight
-                self.sums[k] = self.sums[k] + v if k in self.sums else v
+                if isinstance(v, torch.Tensor):
+                    if self.host and v.ndim == 0 and v.is_cpu:
+                        v = v.item()
+                    elif v.requires_grad:
+                        v = v.detach()
+                if not unweighted:
+                    v = v * weight
+                s = sums.get(k)
+                sums[k] = v if s is None else s + v
 
     def start_epoch(self, resumed: bool) -> None:
         """A new epoch starts from empty sums, unless it goes on from a checkpoint's."""

@@ -35,6 +35,7 @@ class PlainStep:
     def __init__(self, trainer: Any) -> None:
         step = trainer.step
         self.trainer, self.step, self.state, self.log = trainer, step, step.state, trainer.metrics_log
+        self.device = trainer.device  # a batch already there needs no to_device: a no-op that costs ~1 µs
         self.model, self.loss_fn, self.key = step.model, step.loss_fn, step.io.output_key
         self.tensor_loss = tensor_loss(step.loss_fn)  # the same function, without the wrappers' calls
         self.optimizer = step.optimizer
@@ -63,6 +64,7 @@ class PlainStep:
         inputs, target = batch
         state = self.state
         if (type(inputs) is not torch.Tensor or type(target) is not torch.Tensor or not inputs.ndim
+                or inputs.device != self.device or target.device != self.device  # the loop moves the others
                 or inputs.shape[0] != self.unit or self.trainer.step_fn is not default_step
                 or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))
                 or self.log.should_log(state.global_step + 1)):  # a log step measures more
@@ -87,7 +89,7 @@ class PlainStep:
             if type(prediction) is torch.Tensor and prediction.dtype == torch.float32:
                 prediction = prediction.detach()
                 for m in self.metrics:
-                    m.update(prediction, target)
+                    m.feed(prediction, target)
             else:
                 step.update_metrics(prediction, target)  # conversions and errors in one place
         values = {"loss": loss.detach()}

@@ -57,20 +57,21 @@ class _FiniteCheck:
 
     def __init__(self) -> None:
         self._device: Optional[tuple] = None  # (flag, one) of flag(), which callers read later
-        self._host: Optional[tuple] = None  # (flag, one) of finite(): its own, never left set
-        self._plain: dict = {}  # optimizer id -> whether its gradients suit the fused check (decided once)
+        # optimizer id -> (flag, one) of finite() on its gradients' device when they suit the fused check,
+        # else None (decided once); finite() never leaves a flag set
+        self._host: dict = {}
 
     def finite(self, grads: list, key: Any = None) -> bool:
         """The host decision for one optimizer's gradients (``key`` names it: what its gradients are like is
         looked at once, not at every step). The flag stays 0 between steps, so no op resets it."""
         if not grads:
             return True
-        plain = self._plain.get(key)
-        if plain is None:
-            plain = self._plain[key] = _plain(grads)
-        if not plain:
+        pair = self._host.get(key, False)
+        if pair is False:
+            pair = self._host[key] = _flag_pair(None, grads[0].device) if _plain(grads) else None
+        if pair is None:
             return not self.flag(grads).item()
-        self._host = found, one = _flag_pair(self._host, grads[0].device)
+        found, one = pair
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         if found.item():
             found.zero_()
@@ -477,7 +478,7 @@ class Step:
         if self.class_last and out.ndim == 3 and isinstance(target, torch.Tensor) and target.ndim == 2:
             out, target = self._token_layout(out, target)
         for m in self.metrics:
-            m.update(out, target)
+            m.feed(out, target)
 
     def _token_layout(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A Hugging Face model's token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a

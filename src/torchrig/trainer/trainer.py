@@ -320,10 +320,9 @@ class Trainer:
             now = time.perf_counter()
             log.wait += now - t0
             signals.beat = now  # progress, for a stop signal's watchdog
-            batch = to_device(batch, device)
-            values = plain(batch, epoch, i) if plain is not None else GENERAL
+            values = plain(batch, epoch, i) if plain is not None else GENERAL  # a batch on the device
             if values is GENERAL:
-                values = self._general_step(plan, epoch, i, batch)
+                values = self._general_step(plan, epoch, i, to_device(batch, device))
             i += 1
             state.batch_in_epoch = i
             out.advance()
