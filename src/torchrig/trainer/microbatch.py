@@ -82,6 +82,7 @@ class MicroBatcher:
         self.t = t
         self.auto = setting == "auto"
         self.size: Optional[int] = d.batch_size if self.auto else setting
+        t.step.cuts_batches = self.size is not None  # its pieces are weighed by their counts (Step.backward)
         if setting is not None and t.cfg.loss_normalization == "micro_batches":
             raise ConfigError(f"config key 'data.micro_batch_size': {setting!r} needs loss_normalization auto, "
                               f"samples or tokens (micro_batches weighs every micro-batch alike, so cutting a "

@@ -10,9 +10,10 @@ When a run needs none of that, the loop gives each ordinary batch to :class:`Pla
 same operations in the same order, in one function (forward, the user's loss, the finite check of
 the loss and of the gradients, ``optimizer.step``, ``zero_grad``, the metrics, the logged sums, the
 step counter and the per-step schedulers). Weights, logs, metrics and checkpoints are bitwise those of
-the general step; ``tests/trainer/test_plain.py`` runs both and compares. A log step (which measures
-the gradient norm), a short last batch (weighted) and token targets take the general step; a
-non-finite loss or gradient is raised or skipped by the general step's own ``Step._reject``.
+the general step; ``tests/trainer/test_plain.py`` runs both and compares. A log step measures the
+gradient norm, as the general step does; a short last batch is a whole window on one process, which
+the general step does not reweigh either (``Step.begin_window``). Token targets take the general step;
+a non-finite loss or gradient is raised or skipped by the general step's own ``Step._reject``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from . import normalize, outputs
 from .losses import tensor_loss
-from .step import default_step
+from .step import _finite, _total_norm_of, default_step
 
 GENERAL = object()  # what PlainStep returns for a batch the general step must take
 
@@ -41,7 +42,8 @@ class PlainStep:
         self.optimizer = step.optimizer
         self.metrics = step.metrics
         self.schedulers = step.per_step_schedulers
-        self.unit = step.count_unit  # a full batch; a shorter one is weighted, so the general step takes it
+        # a logged loss weighs its samples: a full batch 1, a short one its share of one (micro_batches: 1)
+        self.unit = step.count_unit if step.loss_normalization != "micro_batches" else None
         self.tokens_possible = step.loss_normalization == "auto"  # integer (B, T) targets count tokens
 
     @classmethod
@@ -65,9 +67,8 @@ class PlainStep:
         state = self.state
         if (type(inputs) is not torch.Tensor or type(target) is not torch.Tensor or not inputs.ndim
                 or inputs.device != self.device or target.device != self.device  # the loop moves the others
-                or inputs.shape[0] != self.unit or self.trainer.step_fn is not default_step
-                or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))
-                or self.log.should_log(state.global_step + 1)):  # a log step measures more
+                or self.trainer.step_fn is not default_step
+                or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))):
             return GENERAL
         step, opt = self.step, self.optimizer
         step.epoch, step.batch_index, step.batch, step.batch_size = epoch, index, batch, inputs.shape[0]
@@ -79,7 +80,11 @@ class PlainStep:
         bad_loss = loss.numel() == 1 and not math.isfinite(loss.item())
         loss.backward()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        taken = not bad_loss and step._check.finite(grads, id(opt))
+        if self.log.should_log(state.global_step + 1):  # a log step: the gradient norm, which carries the check
+            norm = step.grad_norm = _total_norm_of(grads, step.clip_norm_type) if grads else torch.zeros(())
+            taken = not bad_loss and _finite(norm)
+        else:
+            taken = not bad_loss and step._check.finite(grads, id(opt))
         if taken:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -94,7 +99,9 @@ class PlainStep:
                 step.update_metrics(prediction, target)  # conversions and errors in one place
         values = {"loss": loss.detach()}
         # float inputs are no token ids: the logger need not look for tokens to count
-        self.log.record(values, step.batch_size, 1, None if inputs.is_floating_point() else batch)
+        n = step.batch_size
+        self.log.record(values, n, 1 if n == self.unit or self.unit is None else n / self.unit,
+                        None if inputs.is_floating_point() else batch)
         if not taken:
             state.skipped_steps += 1
             return None

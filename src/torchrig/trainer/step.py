@@ -187,6 +187,8 @@ class Step:
         self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
         self._counted = False
         self._factor: Any = None
+        self._whole = False             # the window is one whole micro-batch on one process (begin_window)
+        self.cuts_batches = False       # set by MicroBatcher when data.micro_batch_size cuts loaded batches
         # where the loop is
         self.epoch = 0
         self.batch_index = 0           # micro-batch index in the epoch
@@ -219,6 +221,9 @@ class Step:
         """Before the first of the ``size`` micro-batches of one optimizer step."""
         self.window_size = size
         self._window_count, self._factor = None, None
+        # One whole micro-batch on one process: the window's count is its own, so its loss weighs exactly 1
+        # and the gradients need no rescaling (no op; bitwise what a hand-written loop computes).
+        self._whole = size == 1 and self.grad_ranks == 1 and not self.cuts_batches
         self._nonfinite = None
         self._window_found = None
         self.grad_norm = None
@@ -306,12 +311,19 @@ class Step:
             if self.weight == 0:
                 return loss * 0.0
             return loss / self.window_size if self.window_size > 1 else loss
-        if count is None:
+        default = count is None
+        if default:
             count = self.count if self._counted else self.count_of()
         count = count * self.weight
-        if not self._counted:
+        first = not self._counted
+        if first:
             self.count, self._counted = count, True
             self._window_count = count if self._window_count is None else self._window_count + count
+        if self._whole:  # a further loss with a count of its own weighs count / the micro-batch's count
+            if first or default:
+                return loss
+            n = self._window_count
+            return loss * (count / (n.clamp_min(1) if isinstance(n, torch.Tensor) else max(n, 1)))
         if not isinstance(count, torch.Tensor) and count == self.count_unit:
             return loss  # a full batch of samples: nothing to weigh (and no extra op per micro-batch)
         return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
@@ -320,7 +332,8 @@ class Step:
         """What turns the window's summed gradients into the global-batch mean; one all-reduce of the
         count per window, made by every rank before any may reject the window (no rank left waiting).
         None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
-        if self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None:
+        if (self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None
+                and not self._whole):
             self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
                                                    self.device)
         return self._factor
