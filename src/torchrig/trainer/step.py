@@ -331,7 +331,8 @@ class Step:
     def _window_factor(self) -> Any:
         """What turns the window's summed gradients into the global-batch mean; one all-reduce of the
         count per window, made by every rank before any may reject the window (no rank left waiting).
-        None (gradients left as they are) when no loss went through :meth:`backward` in this window."""
+        None (gradients left as they are) when no loss went through :meth:`backward` in this window, or
+        when the window is one whole micro-batch on one process (its count is the global one)."""
         if (self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None
                 and not self._whole):
             self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
