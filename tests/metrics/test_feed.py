@@ -79,11 +79,30 @@ def test_queue_limits():
         m.feed(output, target)
         assert len(m._queue) < n
     big = Accuracy()
-    wide = torch.zeros(4, Metric.QUEUE_LIMIT[1] // 3), torch.zeros(4, dtype=torch.long)
-    for _ in range(3):
+    wide = torch.zeros(4, Metric.FEED_LIMIT // 8), torch.zeros(4, dtype=torch.long)  # FEED_LIMIT / 2 elements
+    most = Metric.QUEUE_LIMIT[1] // (Metric.FEED_LIMIT // 2)
+    for _ in range(most + 5):
         big.feed(*wide)
-        assert len(big._queue) <= 1  # 4 × elements/3 is past the element limit: held at most once
+        assert len(big._queue) < most  # the element limit folds the queue before the batch limit does
     assert big.compute() == 1.0
+    huge = Accuracy()
+    for _ in range(3):
+        huge.feed(torch.zeros(4, Metric.FEED_LIMIT), torch.zeros(4, dtype=torch.long))  # too big to copy
+        assert not huge._queue
+    assert huge.compute() == 1.0
+
+
+def test_what_is_queued_is_a_copy():
+    """A loader or a model may reuse its buffers: a queued batch must not change with them."""
+    m, updated = Accuracy(), Accuracy()
+    batches = [(o, t) for o, t in _batches(n_batches=5) if len(t) == 16]
+    output, target = torch.empty_like(batches[0][0]), torch.empty_like(batches[0][1])
+    for o, t in batches:
+        output.copy_(o)
+        target.copy_(t)  # the same tensors, filled in place each batch
+        m.feed(output, target)
+        updated.update(o, t)
+    assert m.states["correct"] == updated.states["correct"]
 
 
 def test_a_bad_first_batch_fails_at_once_and_a_later_one_with_its_own_shapes():
@@ -114,7 +133,24 @@ def test_a_subclass_with_its_own_update_is_updated_at_once():
             calls.append(len(target))
             super().update(output, target)
 
-    assert not LastBatch.batchable and Counted.batchable
+    class LastBatchMixin:
+        def update(self, output, target):
+            calls.append(len(target))
+            self.states = {}
+            Accuracy.update(self, output, target)
+
+    class Mixed(LastBatchMixin, Accuracy):  # the mixin's update is the one used: Accuracy's flag does not cover it
+        pass
+
+    class Inherits(Accuracy):  # Accuracy's own update
+        pass
+
+    assert not LastBatch.batchable and Counted.batchable and not Mixed.batchable and Inherits.batchable
+    m = Mixed()
+    for output, target in _batches(n_batches=4):
+        m.feed(output, target)
+    assert calls == [16, 16, 16, 5] and not m._queue
+    calls.clear()
     m = LastBatch()
     for output, target in _batches(n_batches=4):
         m.feed(output, target)
@@ -143,3 +179,40 @@ def test_fed_in_inference_mode_and_read_outside():
             m.feed(output, target)
             updated.update(output, target)
     assert m.compute() == updated.compute()
+
+
+def test_a_normal_tensor_fed_in_inference_mode_is_folded_in_inference_mode():
+    """In evaluation a model may return a view of a normal tensor (a parameter expanded over the batch): the
+    queued update runs in the mode it was fed in, where the inference-tensor states may be updated."""
+    scores, target = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    m, updated = Accuracy(), Accuracy()
+    with torch.inference_mode():
+        for output in (scores * 1, scores[:], scores * 1):  # an inference tensor, a normal view, …
+            m.feed(output, target)
+            updated.update(output, target)
+    assert m.compute() == updated.compute()
+    m.reset()
+    m.feed(scores, target)
+    with torch.inference_mode():  # a change of mode folds what was queued in the other mode first
+        m.feed(scores * 1, target)
+    m.feed(scores, target)
+    assert m.states["total"] == 24
+
+
+def test_evaluate_a_model_whose_output_is_a_view_of_a_parameter(tmp_path):
+    import torchrig
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    class Prior(nn.Module):  # learnt class scores, the same for every sample
+        def __init__(self):
+            super().__init__()
+            self.logits = nn.Parameter(torch.tensor([0.1, 0.5, -0.2]))
+
+        def forward(self, x):
+            return self.logits.expand(x.shape[0], -1)
+
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(0))
+    t = torchrig.Trainer(Prior(), epochs=1, batch_size=8, run_dir=str(tmp_path), metrics=["accuracy"],
+                         plot=False, tensorboard=False, progress="none")
+    assert t.evaluate(TensorDataset(x, y))["accuracy"] == (y == 1).float().mean().item()

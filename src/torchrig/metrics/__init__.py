@@ -33,14 +33,20 @@ class Metric:
     device: Optional[torch.device] = None  # where new states live: the run's device (set by the trainer)
     batchable = False
     QUEUE_LIMIT = 64, 1 << 20  # batches and tensor elements ``feed`` holds before it updates
+    FEED_LIMIT = 1 << 16  # a batch with more elements (token logits …) is updated at once, not copied
 
     def __init__(self) -> None:
         self.states = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "update" in cls.__dict__ and "batchable" not in cls.__dict__:
-            cls.batchable = False
+        # ``batchable`` vouches for the ``update`` of the class that set it (or one it inherits): an update
+        # defined by a subclass of it, or by a mixin before it in the MRO, is not batchable unless it says so
+        if "batchable" not in cls.__dict__:
+            owner = next(k for k in cls.__mro__ if "update" in k.__dict__)
+            declared = next(k for k in cls.__mro__ if "batchable" in k.__dict__)
+            if not issubclass(declared, owner):
+                cls.batchable = False
 
     # ``states`` maps names to float64 tensors. Two kinds of update wait instead of costing tensor ops on
     # every training step, and are applied whenever ``states`` is read, so every reader (compute, sync,
@@ -76,13 +82,19 @@ class Metric:
         read (at log steps, epoch ends, checkpoints) or the queue is full: one ``argmax`` / ``==`` / ``sum``
         per log interval instead of one per step, which is a tenth of a small model's step on one CPU core.
         The first batch after a reset is updated at once, so a bad output or target is reported there.
-        Accelerator tensors are never held: their ops are queued by the device anyway, and compiled models
-        there may reuse their output buffers."""
+        What is queued is a copy (a loader or a model may reuse its buffers), under the autograd mode of the
+        call (evaluation's states are inference tensors); batches over :data:`FEED_LIMIT` elements are
+        updated at once. Accelerator tensors are never held: their ops are queued by the device anyway."""
         if (not self.batchable or type(output) is not torch.Tensor or type(target) is not torch.Tensor
-                or not output.is_cpu or not target.is_cpu or not (self._queue or self._states)):
+                or not output.is_cpu or not target.is_cpu or not (self._queue or self._states)
+                or output.numel() + target.numel() > self.FEED_LIMIT):
             self.update(output, target)
             return
-        self._queue.append((output, target))
+        inference = torch.is_inference_mode_enabled()
+        if self._queue and inference != self._queue_inference:
+            self._update_queued()
+        self._queue_inference = inference
+        self._queue.append((output.detach().clone(), target.clone()))
         self._queued += output.numel() + target.numel()
         if len(self._queue) >= self.QUEUE_LIMIT[0] or self._queued >= self.QUEUE_LIMIT[1]:
             self._update_queued()
@@ -91,7 +103,7 @@ class Metric:
         """One ``update`` on the queued batches concatenated, or one per batch when they do not concatenate
         (other trailing shapes, or a batch whose output and target differ in rows: its own update reports it)."""
         queue, self._queue, self._queued = self._queue, [], 0
-        with torch.inference_mode(queue[0][0].is_inference()):  # as fed: evaluation's states are inference tensors
+        with torch.inference_mode(self._queue_inference):  # as fed: evaluation's states are inference tensors
             if all(o.ndim and t.ndim and o.shape[0] == t.shape[0] for o, t in queue):
                 try:
                     output, target = torch.cat([o for o, _ in queue]), torch.cat([t for _, t in queue])
