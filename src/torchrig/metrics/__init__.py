@@ -87,7 +87,7 @@ class Metric:
         updated at once. Accelerator tensors are never held: their ops are queued by the device anyway."""
         if (not self.batchable or type(output) is not torch.Tensor or type(target) is not torch.Tensor
                 or not output.is_cpu or not target.is_cpu or not (self._queue or self._states)
-                or output.numel() + target.numel() > self.FEED_LIMIT):
+                or (size := output.numel() + target.numel()) > self.FEED_LIMIT):
             self.update(output, target)
             return
         inference = torch.is_inference_mode_enabled()
@@ -95,7 +95,7 @@ class Metric:
             self._update_queued()
         self._queue_inference = inference
         self._queue.append((output.detach().clone(), target.clone()))
-        self._queued += output.numel() + target.numel()
+        self._queued += size
         if len(self._queue) >= self.QUEUE_LIMIT[0] or self._queued >= self.QUEUE_LIMIT[1]:
             self._update_queued()
 

@@ -25,7 +25,7 @@ import torch
 
 from . import normalize, outputs
 from .losses import tensor_loss
-from .step import _finite, _total_norm_of, default_step
+from .step import _finite, _total_norm, default_step
 
 GENERAL = object()  # what PlainStep returns for a batch the general step must take
 
@@ -81,7 +81,7 @@ class PlainStep:
         loss.backward()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if self.log.should_log(state.global_step + 1):  # a log step: the gradient norm, which carries the check
-            norm = step.grad_norm = _total_norm_of(grads, step.clip_norm_type) if grads else torch.zeros(())
+            norm = step.grad_norm = _total_norm(grads, step.clip_norm_type)
             taken = not bad_loss and _finite(norm)
         else:
             taken = not bad_loss and step._check.finite(grads, id(opt))

@@ -30,9 +30,8 @@ class NonFiniteLossError(TorchrigError, FloatingPointError):
     """The loss or the gradients became NaN or infinite; the message names the optimizer step."""
 
 
-def _total_norm(params: list, norm_type: float) -> torch.Tensor:
+def _total_norm(grads: list, norm_type: float) -> torch.Tensor:
     """The norm of all gradients together (a plain tensor also for FSDP2's sharded gradients)."""
-    grads = [p.grad for p in params]
     return _total_norm_of(grads, norm_type) if grads else torch.zeros(())
 
 
@@ -438,7 +437,7 @@ class Step:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
         if not (self.clip_grad_norm or self.want_grad_norm):
             return None
-        norm = _total_norm(params, self.clip_norm_type)
+        norm = _total_norm([p.grad for p in params], self.clip_norm_type)
         if self.clip_grad_norm:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
         self.grad_norm = norm
