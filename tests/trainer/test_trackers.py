@@ -221,6 +221,25 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(runs, monkeypatch):
     assert steps == [s for s, n, _ in jsonl_values(run) if n == "train/loss"]
 
 
+def test_mlflow_keeps_one_point_per_step_when_a_run_resumes_from_an_earlier_checkpoint(runs):
+    """The stopped run got to step 6; resumed from step 4, it trains step 6 again. MLflow cannot delete a
+    point, so the resumed run does not log a metric at a step that already has it (the same value: resume
+    is exact) and the history reads as metrics.jsonl does."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    run = runs / "resumed-early"
+    fit(run, ["mlflow"], tensorboard=False, max_steps=6, checkpoint_every=2)
+    fit(run, ["mlflow"], tensorboard=False, resume=str(run / "checkpoints" / "step-00000004"))
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    logged = by_name(jsonl_values(run))
+    assert [s for s, _ in logged["train/loss"]] == [2, 4, 4, 6, 8, 8]  # an interval and an epoch row at 4, 8
+    for name in ("train/loss", "train/accuracy", "grad_norm"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+        assert history == [(s, pytest.approx(v)) for s, v in sorted(logged[name])], name
+
+
 @pytest.mark.parametrize("name", ["mlflow", "wandb"])
 def test_a_missing_tracker_package_stops_the_run_before_training(name, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, name, None)  # `import mlflow` now fails, as when it is not installed

@@ -164,10 +164,16 @@ class TensorBoardTracker(Tracker):
 class MLflowTracker(Tracker):
     """An MLflow run through ``MlflowClient`` (no server): params, metrics with their step, the final
     metrics, the tag ``torchrig.run_dir``. Store: ``log.mlflow_uri``, by default an SQLite file
-    ``mlruns/mlflow.db`` beside the run directory (``runs/<recipe>/mlruns``), shared by its sibling runs."""
+    ``mlruns/mlflow.db`` beside the run directory (``runs/<recipe>/mlruns``), shared by its sibling runs.
+
+    A resumed run goes on in the same MLflow run. Steps between the checkpoint and where the stopped run got
+    to are trained again; a metric that run already logged at such a step is not logged twice (MLflow keeps
+    every point, and cannot delete one). Resume is exact, so the values kept are the ones the resumed run
+    computes again, unless the configuration was changed in between."""
 
     name = "mlflow"
     package = "mlflow"
+    logged: dict = {}  # metric -> the last step the stopped run logged it at, when resuming
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         from mlflow.entities import Param
@@ -204,6 +210,8 @@ class MLflowTracker(Tracker):
             self.client.update_run(resume_id, status="RUNNING")
         except MlflowException:
             return None  # the store no longer holds it: a new run
+        self.logged = {key: max((m.step for m in self.client.get_metric_history(resume_id, key)), default=-1)
+                       for key in self.client.get_run(resume_id).data.metrics}
         return resume_id
 
     def _create(self, run_dir: Path, store: Path) -> str:
@@ -218,8 +226,8 @@ class MLflowTracker(Tracker):
     def log(self, values: dict, step: int) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in _numbers(values).items()]
+        now, logged = int(time.time() * 1000), self.logged
+        metrics = [Metric(k, v, now, step) for k, v in _numbers(values).items() if step > logged.get(k, -1)]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
         self.last_step = step
