@@ -216,3 +216,82 @@ def test_evaluate_a_model_whose_output_is_a_view_of_a_parameter(tmp_path):
     t = torchrig.Trainer(Prior(), epochs=1, batch_size=8, run_dir=str(tmp_path), metrics=["accuracy"],
                          plot=False, tensorboard=False, progress="none")
     assert t.evaluate(TensorDataset(x, y))["accuracy"] == (y == 1).float().mean().item()
+
+
+def test_owned_batches_are_queued_without_a_copy():
+    m, updated = Accuracy(), Accuracy()
+    batches = _batches(n_batches=6)
+    for o, t in batches:
+        m.feed(o, t, owned=True)
+        updated.update(o, t)
+    assert m._queue[-1][0].data_ptr() == batches[-1][0].data_ptr() and m._queue[-1][1] is batches[-1][1]
+    assert _states(m) == _states(updated)
+
+
+def _train_accuracy(model, loader, lr=0.5):
+    """Per-step train accuracy of a hand loop: the predictions each step makes before its update."""
+    from torch.nn import functional as F
+
+    opt, correct, total = torch.optim.SGD(model.parameters(), lr=lr), 0, 0
+    for x, y in loader:
+        out = model(x)
+        correct += int((out.argmax(dim=1) == y).sum())
+        total += len(y)
+        F.cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return correct / total
+
+
+class _Prior(torch.nn.Module):
+    """Learnt class scores, the same for every sample: its output is a view of its parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor([0.3, 0.0, -0.3]))
+
+    def forward(self, x):
+        return self.logits.expand(x.shape[0], -1)
+
+
+def _reusing_collate():
+    """A collate function that fills the same two tensors for every batch."""
+    buffers = {}
+
+    def collate(samples):
+        x = torch.stack([s[0] for s in samples])
+        y = torch.stack([s[1] for s in samples])
+        if x.shape not in buffers:
+            buffers[x.shape] = torch.empty_like(x), torch.empty_like(y)
+        bx, by = buffers[x.shape]
+        return [bx.copy_(x), by.copy_(y)]
+    return collate
+
+
+@pytest.mark.parametrize("case", ["output_a_view_of_a_parameter", "a_collate_that_reuses_its_buffers"])
+def test_training_metrics_are_exact_when_the_model_or_the_loader_reuses_memory(case, tmp_path):
+    """Training queues a batch uncopied only when the loop made it and the step computed the output;
+    here one or the other changes after the step, and the train accuracy is still the hand loop's."""
+    import json
+
+    import torchrig
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 4, generator=g), torch.randint(0, 3, (96,), generator=g)
+    collate = _reusing_collate() if case == "a_collate_that_reuses_its_buffers" else None
+
+    def model():
+        torch.manual_seed(0)
+        return _Prior() if case == "output_a_view_of_a_parameter" else torch.nn.Linear(4, 3)
+
+    def loader():
+        return DataLoader(TensorDataset(x, y), batch_size=8, collate_fn=collate)
+
+    expected = _train_accuracy(model(), loader())
+    m = model()
+    t = torchrig.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.5), epochs=1, run_dir=str(tmp_path),
+                         metrics=["accuracy"], plot=False, tensorboard=False, progress="none", num_workers=0)
+    t.fit(loader())
+    row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert row["train/accuracy"] == expected

@@ -129,3 +129,22 @@ def test_tensorboard_rows_hold_every_value(tmp_path):
     assert {"train/loss", "train/accuracy", "lr", "samples_per_s"} <= tags
     assert {2, 4, 6, 8} <= {e.step for e in acc.Scalars("train/loss")}  # every log step
     assert acc.Scalars("train/accuracy")[-1].value == pytest.approx(trainer.history[-1]["train/accuracy"])
+
+
+@pytest.mark.parametrize("data, owned", [("tensors", True), ("dataloader", True), ("own_collate", False)])
+def test_train_batches_the_loop_made_are_fed_to_the_metrics_uncopied(data, owned, tmp_path, monkeypatch):
+    """The fast path's gathered batches and default_collate's are new for each step, as is the model's
+    output: the metrics queue them without a copy. A user's collate function may reuse its buffers."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from torchrig.metrics import Metric
+
+    seen = []
+    feed = Metric.feed
+    monkeypatch.setattr(Metric, "feed", lambda self, o, t, owned=False: (seen.append(owned), feed(self, o, t, owned)))
+    x, y = make_classification(32)
+    given = {"tensors": TensorDataset(x, y),
+             "dataloader": DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True),
+             "own_collate": DataLoader(TensorDataset(x, y), batch_size=8, collate_fn=lambda b: default_collate(b))}
+    torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=8, epochs=1, **QUIET).fit(given[data])
+    assert seen == [owned] * 4

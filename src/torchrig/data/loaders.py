@@ -117,10 +117,12 @@ class TensorBatches:
 
 
 class Batches:
-    """What the loop iterates: a DataLoader or TensorBatches plus its resumable sampler."""
+    """What the loop iterates: a DataLoader or TensorBatches plus its resumable sampler. ``fresh``: each
+    batch's tensors are new, made for it (gathered, or collated by ``default_collate``), so nothing writes
+    them after the step; a user's collate function or stream may hand out buffers it fills again."""
 
-    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int):
-        self.source = source
+    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int, fresh: bool = False):
+        self.source, self.fresh = source, fresh
         self.sampler = sampler
         self.batch_size = batch_size
         self._skip_next = 0
@@ -260,7 +262,7 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
                                drop_last=drop_last, pad=train, batch_size=batch_size)
     if fast_path and type(dataset) is TensorDataset:
         return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last, pin=options["pin_memory"]),
-                       sampler, batch_size)
+                       sampler, batch_size, fresh=True)
     workers = options["num_workers"] > 0
     if workers or seed_here:
         sampler.with_epoch = True
@@ -270,7 +272,8 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     g = torch.Generator()
     g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG
     loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
-    return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size)
+    fresh = options.get("collate_fn") in (None, torch.utils.data.default_collate)
+    return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size, fresh)
 
 
 def prepare_train(data: Any, **kwargs: Any) -> Batches:

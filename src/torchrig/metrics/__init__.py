@@ -75,16 +75,18 @@ class Metric:
     def reset(self) -> None:
         self.states = {}
 
-    def feed(self, output: Any, target: Any) -> None:
+    def feed(self, output: Any, target: Any, owned: bool = False) -> None:
         """``update(output, target)``, now or together with the next batches.
 
         A batchable metric queues CPU tensors and updates once on the concatenated batches when ``states`` is
         read (at log steps, epoch ends, checkpoints) or the queue is full: one ``argmax`` / ``==`` / ``sum``
         per log interval instead of one per step, which is a tenth of a small model's step on one CPU core.
         The first batch after a reset is updated at once, so a bad output or target is reported there.
-        What is queued is a copy (a loader or a model may reuse its buffers), under the autograd mode of the
-        call (evaluation's states are inference tensors); batches over :data:`FEED_LIMIT` elements are
-        updated at once. Accelerator tensors are never held: their ops are queued by the device anyway."""
+        What is queued is a copy (a loader or a model may reuse its buffers), unless ``owned``: the caller
+        vouches that nothing writes either tensor later (the output of this step's forward, a batch collated
+        for it). Batches are queued under the autograd mode of the call (evaluation's states are inference
+        tensors); batches over :data:`FEED_LIMIT` elements are updated at once. Accelerator tensors are never
+        held: their ops are queued by the device anyway."""
         if (not self.batchable or type(output) is not torch.Tensor or type(target) is not torch.Tensor
                 or not output.is_cpu or not target.is_cpu or not (self._queue or self._states)
                 or (size := output.numel() + target.numel()) > self.FEED_LIMIT):
@@ -94,7 +96,7 @@ class Metric:
         if self._queue and inference != self._queue_inference:
             self._update_queued()
         self._queue_inference = inference
-        self._queue.append((output.detach().clone(), target.clone()))
+        self._queue.append((output.detach(), target) if owned else (output.detach().clone(), target.clone()))
         self._queued += size
         if len(self._queue) >= self.QUEUE_LIMIT[0] or self._queued >= self.QUEUE_LIMIT[1]:
             self._update_queued()

@@ -7,9 +7,9 @@ counts. Its Python costs some 30 µs per step more than this one: a twentieth of
 on one CPU core.
 
 When a run needs none of that, the loop gives each ordinary batch to :class:`PlainStep` instead: the
-same operations in the same order, in one function (forward, the user's loss, the finite check of
-the loss and of the gradients, ``optimizer.step``, ``zero_grad``, the metrics, the logged sums, the
-step counter and the per-step schedulers). Weights, logs, metrics and checkpoints are bitwise those of
+same operations in the same order, in one function (forward, the user's loss, backward, the metrics,
+the finite check of the loss and of the gradients, ``optimizer.step``, ``zero_grad``, the logged sums,
+the step counter and the per-step schedulers). Weights, logs, metrics and checkpoints are bitwise those of
 the general step; ``tests/trainer/test_plain.py`` runs both and compares. A log step measures the
 gradient norm, as the general step does; a short last batch is a whole window on one process, which
 the general step does not reweigh either (``Step.begin_window``). Token targets take the general step;
@@ -37,6 +37,7 @@ class PlainStep:
         step = trainer.step
         self.trainer, self.step, self.state, self.log = trainer, step, step.state, trainer.metrics_log
         self.device = trainer.device  # a batch already there needs no to_device: a no-op that costs ~1 µs
+        self.cpu = self.device.type == "cpu"  # is_cpu reads a flag; .device makes an object
         self.model, self.loss_fn, self.key = step.model, step.loss_fn, step.io.output_key
         self.tensor_loss = tensor_loss(step.loss_fn)  # the same function, without the wrappers' calls
         self.optimizer = step.optimizer
@@ -45,6 +46,7 @@ class PlainStep:
         # a logged loss weighs its samples: a full batch 1, a short one its share of one (micro_batches: 1)
         self.unit = step.count_unit if step.loss_normalization != "micro_batches" else None
         self.tokens_possible = step.loss_normalization == "auto"  # integer (B, T) targets count tokens
+        self.fresh_batches = False  # the loop sets Batches.fresh: the metrics may then keep targets uncopied
 
     @classmethod
     def for_trainer(cls, trainer: Any) -> Optional["PlainStep"]:
@@ -66,7 +68,8 @@ class PlainStep:
         inputs, target = batch
         state = self.state
         if (type(inputs) is not torch.Tensor or type(target) is not torch.Tensor or not inputs.ndim
-                or inputs.device != self.device or target.device != self.device  # the loop moves the others
+                or not (inputs.is_cpu and target.is_cpu if self.cpu else  # the loop moves the others
+                        inputs.device == target.device == self.device)
                 or self.trainer.step_fn is not default_step
                 or (self.tokens_possible and target.ndim > 1 and normalize.is_sequence_target(target))):
             return GENERAL
@@ -77,8 +80,20 @@ class PlainStep:
             prediction, loss = output, self.tensor_loss(output, target)
         else:
             prediction, loss = outputs.prediction_and_loss(output, target, self.loss_fn, self.key)
-        bad_loss = loss.numel() == 1 and not math.isfinite(loss.item())
+        value = loss.item() if loss.numel() == 1 else None  # read once: the finite check and the logged sum
+        bad_loss = value is not None and not math.isfinite(value)
         loss.backward()
+        # the metrics see the predictions before the update, as in the general step (a model's output may be
+        # a view of its parameters)
+        if self.metrics:
+            if type(prediction) is torch.Tensor and prediction.dtype == torch.float32:
+                # computed by this step (not a view of a parameter or of the input): nothing writes it later
+                owned = self.fresh_batches and prediction.grad_fn is not None and not prediction._is_view()
+                prediction = prediction.detach()
+                for m in self.metrics:
+                    m.feed(prediction, target, owned)
+            else:
+                step.update_metrics(prediction, target)  # conversions and errors in one place
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if self.log.should_log(state.global_step + 1):  # a log step: the gradient norm, which carries the check
             norm = step.grad_norm = _total_norm(grads, step.clip_norm_type)
@@ -88,19 +103,14 @@ class PlainStep:
         if taken:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        else:  # raises under on_nonfinite=error; the metrics and logs still count a skipped batch
+        else:  # raises under on_nonfinite=error; the metrics (above) and the logs still count a skipped batch
             step._reject(opt, "loss is not finite" if bad_loss else "gradients are not finite (the loss is)")
-        if self.metrics:
-            if type(prediction) is torch.Tensor and prediction.dtype == torch.float32:
-                prediction = prediction.detach()
-                for m in self.metrics:
-                    m.feed(prediction, target)
-            else:
-                step.update_metrics(prediction, target)  # conversions and errors in one place
         values = {"loss": loss.detach()}
-        # float inputs are no token ids: the logger need not look for tokens to count
+        # the float read above is what the logger's host sum would read again; float inputs are no token ids,
+        # so the logger need not look for tokens to count
         n = step.batch_size
-        self.log.record(values, n, 1 if n == self.unit or self.unit is None else n / self.unit,
+        self.log.record({"loss": value} if self.log.host and loss.ndim == 0 else values, n,
+                        1 if n == self.unit or self.unit is None else n / self.unit,
                         None if inputs.is_floating_point() else batch)
         if not taken:
             state.skipped_steps += 1

@@ -304,6 +304,8 @@ class Trainer:
         ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
         plain = PlainStep.for_trainer(self)  # ordinary batches of a plain run skip the general step's bookkeeping
+        if plain is not None:
+            plain.fresh_batches = getattr(plan.batches, "fresh", False)
         self.wrapped.train()
         for m in self.models.values():
             m.train()
