@@ -50,7 +50,7 @@ def _fit(tmp_path, name, plain: bool, monkeypatch, data=None, model=None, **kw):
     options = dict(epochs=3, batch_size=16, seed=3, lr=0.05, num_workers=0, log_every=4,
                    metrics=["accuracy", "f1"], run_dir=str(tmp_path / name), **QUIET)
     options.update(kw)
-    trainer = torchrig.Trainer(model, "adamw", **options)
+    trainer = _fit.last = torchrig.Trainer(model, "adamw", **options)  # last: for a run that raises
     trainer.fit(data if data is not None else TensorDataset(x, y))
     return trainer, _Counted.taken
 
@@ -125,9 +125,12 @@ class _NaNAt(nn.Module):
 @pytest.mark.parametrize("where, message", [("loss", "loss is not finite at optimizer step {}"),
                                             ("grads", "gradients are not finite (the loss is) at optimizer step {}")])
 def test_non_finite_error_names_the_step_as_the_general_step_does(tmp_path, monkeypatch, where, message, at):
+    states = []
     for plain in (True, False):
         with pytest.raises(NonFiniteLossError, match=re.escape(message.format(at))):
-            _fit(tmp_path, f"{where}{plain}", plain, monkeypatch, model=lambda: _NaNAt(at, where), metrics=[])
+            _fit(tmp_path, f"{where}{plain}", plain, monkeypatch, model=lambda: _NaNAt(at, where))
+        states.append([{k: v.tolist() for k, v in m.states.items()} for m in _fit.last.train_metrics])
+    assert states[0] == states[1]  # both counted the failing batch before raising
 
 
 @pytest.mark.parametrize("at", [2, 4])

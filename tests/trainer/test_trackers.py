@@ -240,6 +240,39 @@ def test_mlflow_keeps_one_point_per_step_when_a_run_resumes_from_an_earlier_chec
         assert history == [(s, pytest.approx(v)) for s, v in sorted(logged[name])], name
 
 
+def test_mlflow_keeps_the_epoch_row_a_stop_signal_cut_off(runs):
+    """A stop signal during the epoch's last step (a log step): the stopped run logs the interval row at
+    step 4 and its checkpoint, not the epoch row. Resumed there, the epoch row at step 4 is new to MLflow."""
+    pytest.importorskip("mlflow")
+    import os
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    from torchrig.runtime import RunStopped
+    from torchrig.trainer.step import default_step
+
+    def step_fn(step, batch):
+        out = default_step(step, batch)
+        if step.global_step == 3 and not sent:  # optimizer step 4, the epoch's last
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    sent, run = [], runs / "signalled"
+    with pytest.raises(RunStopped):
+        fit(run, ["mlflow"], tensorboard=False, step_fn=step_fn)
+    assert [s for s, _ in by_name(jsonl_values(run))["train/loss"]] == [2, 4]
+    fit(run, ["mlflow"], tensorboard=False, step_fn=step_fn, resume="latest")
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    logged = by_name(jsonl_values(run))
+    assert [s for s, _ in logged["train/loss"]] == [2, 4, 4, 6, 8, 8]
+    for name in ("train/loss", "train/accuracy", "val/accuracy"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+        assert history == [(s, pytest.approx(v)) for s, v in sorted(logged[name])], name
+
+
 @pytest.mark.parametrize("name", ["mlflow", "wandb"])
 def test_a_missing_tracker_package_stops_the_run_before_training(name, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, name, None)  # `import mlflow` now fails, as when it is not installed

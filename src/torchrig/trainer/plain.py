@@ -83,12 +83,14 @@ class PlainStep:
         value = loss.item() if loss.numel() == 1 else None  # read once: the finite check and the logged sum
         bad_loss = value is not None and not math.isfinite(value)
         loss.backward()
-        # the metrics see the predictions before the update, as in the general step (a model's output may be
-        # a view of its parameters)
+        # the metrics see the predictions before the update, as in default_step (a model's output may be a
+        # view of its parameters)
         if self.metrics:
             if type(prediction) is torch.Tensor and prediction.dtype == torch.float32:
-                # computed by this step (not a view of a parameter or of the input): nothing writes it later
-                owned = self.fresh_batches and prediction.grad_fn is not None and not prediction._is_view()
+                # computed by this forward, not a view (of a parameter, of the input) nor written in place (a
+                # buffer the model fills): nothing writes it later
+                owned = (self.fresh_batches and prediction.grad_fn is not None and not prediction._is_view()
+                         and prediction._version == 0)
                 prediction = prediction.detach()
                 for m in self.metrics:
                     m.feed(prediction, target, owned)

@@ -516,7 +516,7 @@ class Step:
 
 
 def default_step(step: Step, batch: Any) -> dict:
-    """zero_grad (after the previous step) → forward under autocast → loss → backward → step."""
+    """zero_grad (after the previous step) → forward under autocast → loss → backward → metrics → step."""
     inputs, target = step.split(batch)
     if target is None:
         raise ValueError("training batches carry no target: give (inputs, target) pairs, a dict with a "
@@ -525,8 +525,8 @@ def default_step(step: Step, batch: Any) -> dict:
         output = step.forward(inputs, target=target)
         prediction, loss = step.loss(output, target)
     step.backward(loss, step.count_of(target))
+    step.update_metrics(prediction, target)  # before the update: a prediction may be a view of a parameter
     step.optimizer_step()
-    step.update_metrics(prediction, target)
     return {"loss": loss.detach()}
 
 

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -167,13 +168,13 @@ class MLflowTracker(Tracker):
     ``mlruns/mlflow.db`` beside the run directory (``runs/<recipe>/mlruns``), shared by its sibling runs.
 
     A resumed run goes on in the same MLflow run. Steps between the checkpoint and where the stopped run got
-    to are trained again; a metric that run already logged at such a step is not logged twice (MLflow keeps
-    every point, and cannot delete one). Resume is exact, so the values kept are the ones the resumed run
-    computes again, unless the configuration was changed in between."""
+    to are trained again; a point that run already logged at such a step (a metric at a step, as often as it
+    was logged there) is not logged twice (MLflow keeps every point, and cannot delete one). Resume is exact,
+    so the values kept are the ones the resumed run computes again, unless the configuration was changed."""
 
     name = "mlflow"
     package = "mlflow"
-    logged: dict = {}  # metric -> the last step the stopped run logged it at, when resuming
+    replayed: Counter = Counter()  # (metric, step) -> points the stopped run logged after the checkpoint
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         from mlflow.entities import Param
@@ -210,8 +211,11 @@ class MLflowTracker(Tracker):
             self.client.update_run(resume_id, status="RUNNING")
         except MlflowException:
             return None  # the store no longer holds it: a new run
-        self.logged = {key: max((m.step for m in self.client.get_metric_history(resume_id, key)), default=-1)
-                       for key in self.client.get_run(resume_id).data.metrics}
+        try:  # the stopped run's points after the checkpoint: the resumed run computes them again
+            self.replayed = Counter((key, m.step) for key in self.client.get_run(resume_id).data.metrics
+                                    for m in self.client.get_metric_history(resume_id, key) if m.step > self.start_step)
+        except MlflowException:
+            pass  # unreadable history: the resumed run logs every point
         return resume_id
 
     def _create(self, run_dir: Path, store: Path) -> str:
@@ -226,8 +230,12 @@ class MLflowTracker(Tracker):
     def log(self, values: dict, step: int) -> None:
         from mlflow.entities import Metric
 
-        now, logged = int(time.time() * 1000), self.logged
-        metrics = [Metric(k, v, now, step) for k, v in _numbers(values).items() if step > logged.get(k, -1)]
+        now, replayed, metrics = int(time.time() * 1000), self.replayed, []
+        for k, v in _numbers(values).items():
+            if replayed[(k, step)] > 0:  # MLflow holds this point already
+                replayed[(k, step)] -= 1
+            else:
+                metrics.append(Metric(k, v, now, step))
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
         self.last_step = step
