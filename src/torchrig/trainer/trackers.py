@@ -174,7 +174,6 @@ class MLflowTracker(Tracker):
 
     name = "mlflow"
     package = "mlflow"
-    replayed: Counter = Counter()  # (metric, step) -> points the stopped run logged after the checkpoint
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         from mlflow.entities import Param
@@ -188,6 +187,7 @@ class MLflowTracker(Tracker):
         if uri is None:
             store.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{store / 'mlflow.db'}"
+        self.replayed: Counter = Counter()  # (metric, step) -> points the stopped run logged after the checkpoint
         try:
             self.client = client = MlflowClient(tracking_uri=uri)
             self.run_id = self._continue(resume_id) or self._create(run_dir, store)
