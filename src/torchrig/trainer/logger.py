@@ -76,6 +76,9 @@ class MetricsLogger:
         """A new epoch starts from empty sums, unless it goes on from a checkpoint's."""
         if not resumed:
             self.sums, self.count, self.epoch_sums, self.epoch_count = {}, 0, {}, 0
+        # the interval's clock restarts here, and so do the counts measured against it: samples and tokens of
+        # the last epoch's tail (after its last row) and the time waited for them are no part of the new interval
+        self.samples, self.tokens, self.wait = 0, None, 0.0
         self._t_last = time.perf_counter()
 
     # -- rows -------------------------------------------------------------------------------------

@@ -59,9 +59,11 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
         raise NameError_("the model has no trainable parameters (all requires_grad=False); unfreeze some with "
                          "p.requires_grad_(True), or pass an optimizer built on the parameters to train")
     opts = dict(options or {})
-    fused_ok = device is not None and device.type == "cuda"
+    # fused: one kernel per step, and a non-finite step is skipped on the GPU (no host read); never beside an
+    # explicit foreach choice (PyTorch refuses both)
+    fused_ok = device is not None and device.type == "cuda" and "foreach" not in opts
     if key == "sgd":
-        if fused_ok:  # one kernel per step, and a non-finite step is skipped on the GPU (no host read)
+        if fused_ok and not opts.get("dampening"):  # a fused SGD with dampening cannot skip a first step exactly
             opts.setdefault("fused", True)
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **opts)
     if key in ("adam", "adamw"):

@@ -11,6 +11,7 @@ log. Precision, accumulation, clipping, gradient sync, checkpoints and logging s
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -123,7 +124,40 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
     if type(opt) not in _DEVICE_SKIP or not opt.defaults.get("fused"):
         return False
     first = next((p for g in opt.param_groups for p in g["params"]), None)
-    return first is not None and not hasattr(first, "to_local")
+    return first is not None and not hasattr(first, "to_local") and prime_momentum(opt)
+
+
+def prime_momentum(opt: torch.optim.Optimizer) -> bool:
+    """Make a fused SGD's momentum buffers (zeros) before its first step; False if that would change its result.
+
+    PyTorch's fused SGD creates them with ``empty_like`` in its first step and, when that step is skipped on
+    the device (``found_inf``: an fp16 overflow, a NaN window), keeps them uninitialised: the next step would
+    take garbage as momentum. Zeros give the first step's own result (``buf = momentum·0 + (1 − 0)·grad``,
+    bitwise ``grad``) when ``dampening`` is 0; with another dampening the first step differs, so such an
+    optimizer is left alone (False) and its non-finite steps are decided on the host.
+    """
+    if type(opt) is not torch.optim.SGD or not opt.defaults.get("fused"):
+        return True
+    size = sum(len(g["params"]) for g in opt.param_groups)
+    if _PRIMED.get(opt) == size:  # done for these parameters (add_param_group makes more)
+        return True
+    primed = True
+    for group in opt.param_groups:
+        if not group["momentum"]:
+            continue
+        for p in group["params"]:
+            state = opt.state[p]
+            if state.get("momentum_buffer") is None:
+                if group["dampening"]:
+                    primed = False
+                    continue
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if primed:
+        _PRIMED[opt] = size
+    return primed
+
+
+_PRIMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters primed
 
 
 def _total_norm_of(grads: list, norm_type: float) -> torch.Tensor:
@@ -374,6 +408,7 @@ class Step:
             if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
                 scaler.unscale_(opt)
                 self._clip(params)
+            prime_momentum(opt)
             scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
         else:
             norm = self._clip(params)  # when a norm is measured anyway, it carries the check
