@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUIET, TinyNet, make_classification
+from helpers import QUIET, TinyNet, fp16_precision, make_classification
+from helpers import step_configs as C
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -33,30 +35,88 @@ DATA_LAYER = str(Path(SRC) / "data")
 READS = ("item", "__bool__", "tolist", "cpu", "__float__", "__int__", "numpy")
 
 
+def _torchrig_frame(depth: int = 2):
+    """The innermost torchrig frame on the stack above the spy (torch's own code called by torchrig counts too),
+    or None when torchrig is not on the stack."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(SRC):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _scalar_data(data) -> bool:
+    """A Python number, or a (nested) list of them: what ``torch.tensor`` must copy from host memory."""
+    if isinstance(data, (bool, int, float)):
+        return True
+    return isinstance(data, (list, tuple)) and bool(data) and all(_scalar_data(v) for v in data)
+
+
 @contextlib.contextmanager
 def count_host_reads():
-    """Count tensor reads whose caller is torchrig (outside the data layer); yields the counter list."""
+    """Count what would make a GPU wait, when torchrig (at any depth of the stack) asks for it:
+
+    * a tensor read on the host (``item``, ``__bool__``, ``tolist`` …); reads in the data layer count only for
+      tensors made for the run's device (there it reads its own CPU index tensors, which wait for nothing);
+    * ``torch.tensor`` / ``torch.as_tensor`` of Python numbers with a ``device``: a copy from pageable host
+      memory, which on CUDA waits for the GPU;
+    * ``GradScaler.get_scale``: a read of the fp16 scale.
+
+    Yields the list the counts go to (``"what at file:line"``).
+    """
     calls: list[str] = []
+    device_born = weakref.WeakSet()  # tensors made by torch.tensor(..., device=…) from Python numbers
     originals = {name: getattr(torch.Tensor, name) for name in READS}
+    factories = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}
+    get_scale = torch.amp.GradScaler.get_scale
+
+    def where(frame) -> str:
+        return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
     def spy(name):
         original = originals[name]
 
         def read(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(SRC) and not caller.startswith(DATA_LAYER):
-                calls.append(f"{name} at {Path(caller).name}:{sys._getframe(1).f_lineno}")
+            frame = _torchrig_frame()
+            if frame is not None and (not frame.f_code.co_filename.startswith(DATA_LAYER) or self in device_born):
+                calls.append(f"{name} at {where(frame)}")
             return original(self, *args, **kwargs)
 
         return read
 
+    def factory(name):
+        original = factories[name]
+
+        def make(data, *args, **kwargs):
+            out = original(data, *args, **kwargs)
+            frame = _torchrig_frame()
+            if frame is not None and kwargs.get("device") is not None and _scalar_data(data):
+                calls.append(f"torch.{name}(number, device=…) at {where(frame)}")
+                device_born.add(out)
+            return out
+
+        return make
+
+    def scale(self):
+        frame = _torchrig_frame()
+        if frame is not None:
+            calls.append(f"GradScaler.get_scale at {where(frame)}")
+        return get_scale(self)
+
     for name in READS:
         setattr(torch.Tensor, name, spy(name))
+    for name in factories:
+        setattr(torch, name, factory(name))
+    torch.amp.GradScaler.get_scale = scale
     try:
         yield calls
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for name, original in factories.items():
+            setattr(torch, name, original)
+        torch.amp.GradScaler.get_scale = get_scale
 
 
 class DeviceLikeSteps:
@@ -103,6 +163,48 @@ def test_no_host_reads_between_log_steps(run_dir):
     assert all(reads == [] for reads in watch.quiet_steps), watch.quiet_steps
     # the counter sees reads where they are allowed: a log step reads the gradient norm
     assert any(reads for reads in watch.log_steps)
+
+
+@pytest.mark.parametrize("name", list(C.CONFIGS))
+def test_no_host_reads_between_log_steps_in_every_configuration(name, tmp_path, monkeypatch):
+    """The configurations the CUDA sync census runs (precision, fused optimizers, metrics, accumulation, token
+    normalisation, clipping, EMA, a skipped window, micro-batches), here with the host checks off: no step
+    strictly between two log steps reads anything back. fp16 runs with ``GradScaler("cpu")``."""
+    real = torchrig.runtime.make_precision
+    monkeypatch.setattr(torchrig.runtime, "make_precision",
+                        lambda p, device: fp16_precision() if p == "fp16" else real(p, device))
+    with count_host_reads() as calls:
+        watch = DeviceLikeSteps(calls, every=C.EVERY)
+        opts, model, data = C.build(name, tmp_path / "run", "cpu", callbacks=[watch])
+        trainer = torchrig.Trainer(model, **opts)
+        trainer.fit(data)
+    assert trainer.global_step == C.STEPS
+    assert len(watch.quiet_steps) == C.STEPS - C.STEPS // C.EVERY
+    assert all(reads == [] for reads in watch.quiet_steps), watch.quiet_steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_counter_sees_what_it_must():
+    """Each kind of thing the counter looks for is counted when torchrig code does it, at any depth of the stack,
+    and not otherwise (code compiled with a file name inside the package stands in for torchrig's)."""
+    def as_torchrig(code: str, name: str = "trainer/x.py", **env):
+        exec(compile(code, str(Path(SRC) / name), "exec"), {"torch": torch, **env})
+
+    scaler = torch.amp.GradScaler("cpu")
+    with count_host_reads() as calls:
+        as_torchrig("float(torch.ones(()))")
+        as_torchrig("torch.ones(3).tolist()")
+        as_torchrig("torch.tensor(3, device='cpu'); torch.as_tensor([1.0, 2.0], device='cpu')")
+        as_torchrig("scaler.get_scale()", scaler=scaler)
+        as_torchrig("f()", f=lambda: torch.ones(()).item())  # a read inside a callee: torchrig is further up
+    assert [c.split(" at ")[0] for c in calls] == ["__float__", "tolist", "torch.tensor(number, device=…)",
+                                                  "torch.as_tensor(number, device=…)", "GradScaler.get_scale", "item"]
+    with count_host_reads() as calls:
+        torch.ones(()).item()                                    # not torchrig
+        as_torchrig("torch.tensor(3)")                           # no device: a CPU tensor
+        as_torchrig("torch.ones(3).tolist()", name="data/x.py")  # the data layer reading its own CPU tensor
+        as_torchrig("t = torch.tensor([1], device='cpu'); t.tolist()", name="data/x.py")  # …but not one for the device
+    assert [c.split(" at ")[0] for c in calls] == ["torch.tensor(number, device=…)", "tolist"]
 
 
 def test_counter_sees_the_cpu_reads(run_dir):

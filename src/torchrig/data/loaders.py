@@ -103,13 +103,18 @@ class TensorBatches:
         idx = self.sampler.indices()
         b = self.batch_size
         stop = (len(idx) // b) * b if self.drop_last else len(idx)
+        # Tensors on an accelerator: the epoch's indices go there once, from page-locked memory (a copy from
+        # pageable memory would wait for the GPU, once per batch)
+        on_device = {t.device: (idx.pin_memory() if t.device.type == "cuda" else idx).to(t.device, non_blocking=True)
+                     for t in self.tensors if t.device.type != "cpu"}
         for start in range(0, stop, b):
             sel = idx[start:start + b]
-            yield [self._gather(t, sel) for t in self.tensors]  # a list, as default_collate gives
+            yield [self._gather(t, on_device[t.device][start:start + b] if t.device in on_device else sel)
+                   for t in self.tensors]  # a list, as default_collate gives
 
     def _gather(self, t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
-            return t.index_select(0, sel.to(t.device, non_blocking=True))
+            return t.index_select(0, sel)
         if not self.pin:
             return t.index_select(0, sel)
         out = torch.empty((len(sel), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
@@ -153,6 +158,13 @@ class Batches:
     def weight(self, index: int) -> int:
         """0 for batch ``index`` of the epoch when it is this rank's filler (see ResumableSampler), else 1."""
         return 0 if index == self._filler else 1
+
+    def global_samples(self, first: int, count: int) -> Optional[int]:
+        """Samples in batches ``first … first + count - 1`` of the epoch over all ranks together, known on every
+        rank from the sampler without any communication; None when torchrig does not sample (a user's loader)."""
+        if self.sampler is None or not self.sampler.pad:
+            return None
+        return sum(self.sampler.global_batch_samples(i) for i in range(first, first + count))
 
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)

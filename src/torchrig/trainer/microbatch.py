@@ -211,14 +211,14 @@ class MicroBatcher:
         old, self.size = self.size, self.size // 2
         per_step = math.ceil(t.cfg.data.batch_size / self.size) * t.cfg.accumulate
         t.print(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
-        step.begin_window(step.window_size)
+        step.begin_window(step.window_size, step.window_samples)
         self.failed, self.agreed = False, None
         for m in self.synced if self.guard else ():
             m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
 
     def _snapshot(self) -> tuple:
         t, log = self.t, self.t.metrics_log
-        metrics = [{k: v.clone() for k, v in m.states.items()} for m in t.train_metrics]
+        metrics = [m.snapshot() for m in t.train_metrics]
         logged = (dict(log.sums), log.count, log.samples)
         buffers = [b.detach().clone() for b in runtime.unwrap(t.model).buffers()]
         rng = (torch.get_rng_state(),
@@ -229,8 +229,8 @@ class MicroBatcher:
     def _restore(self, saved: tuple) -> None:
         t, log = self.t, self.t.metrics_log
         metrics, logged, buffers, rng = saved
-        for m, states in zip(t.train_metrics, metrics):
-            m.states = {k: v.clone() for k, v in states.items()}
+        for m, snap in zip(t.train_metrics, metrics):
+            m.restore(snap)
         log.sums, log.count, log.samples = dict(logged[0]), logged[1], logged[2]
         for b, value in zip(runtime.unwrap(t.model).buffers(), buffers):
             b.copy_(value)

@@ -349,7 +349,9 @@ class Trainer:
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
         w_start = (i // A) * A
         if i == w_start:
-            step.begin_window(min(A, epoch_len - w_start))
+            size = min(A, epoch_len - w_start)
+            step.begin_window(size, plan.batches.global_samples(w_start, size) if self.step_fn is default_step
+                              else None)
             step.want_grad_norm = self.metrics_log.should_log(self.global_step + 1)
         step.sync_gradients = i == w_start + step.window_size - 1
         step.epoch, step.batch_index = epoch, i
