@@ -10,15 +10,13 @@ same run is checked with ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import QUIET, TinyNet, fp16_precision, make_classification
 from helpers import step_configs as C
+from helpers.host_reads import SRC, count_host_reads
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -29,95 +27,6 @@ from torchrig.trainer.logger import MetricsLogger
 from torchrig.trainer.progress import RunLogger
 from torchrig.trainer.state import MetricStates
 from torchrig.trainer.step import Step, default_step
-
-SRC = str(Path(torchrig.__file__).resolve().parent)
-DATA_LAYER = str(Path(SRC) / "data")
-READS = ("item", "__bool__", "tolist", "cpu", "__float__", "__int__", "numpy")
-
-
-def _torchrig_frame(depth: int = 2):
-    """The innermost torchrig frame on the stack above the spy (torch's own code called by torchrig counts too),
-    or None when torchrig is not on the stack."""
-    frame = sys._getframe(depth)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(SRC):
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def _scalar_data(data) -> bool:
-    """A Python number, or a (nested) list of them: what ``torch.tensor`` must copy from host memory."""
-    if isinstance(data, (bool, int, float)):
-        return True
-    return isinstance(data, (list, tuple)) and bool(data) and all(_scalar_data(v) for v in data)
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Count what would make a GPU wait, when torchrig (at any depth of the stack) asks for it:
-
-    * a tensor read on the host (``item``, ``__bool__``, ``tolist`` …); reads in the data layer count only for
-      tensors made for the run's device (there it reads its own CPU index tensors, which wait for nothing);
-    * ``torch.tensor`` / ``torch.as_tensor`` of Python numbers with a ``device``: a copy from pageable host
-      memory, which on CUDA waits for the GPU;
-    * ``GradScaler.get_scale``: a read of the fp16 scale.
-
-    Yields the list the counts go to (``"what at file:line"``).
-    """
-    calls: list[str] = []
-    device_born = weakref.WeakSet()  # tensors made by torch.tensor(..., device=…) from Python numbers
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-    factories = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}
-    get_scale = torch.amp.GradScaler.get_scale
-
-    def where(frame) -> str:
-        return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-
-    def spy(name):
-        original = originals[name]
-
-        def read(self, *args, **kwargs):
-            frame = _torchrig_frame()
-            if frame is not None and (not frame.f_code.co_filename.startswith(DATA_LAYER) or self in device_born):
-                calls.append(f"{name} at {where(frame)}")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    def factory(name):
-        original = factories[name]
-
-        def make(data, *args, **kwargs):
-            out = original(data, *args, **kwargs)
-            frame = _torchrig_frame()
-            if frame is not None and kwargs.get("device") is not None and _scalar_data(data):
-                calls.append(f"torch.{name}(number, device=…) at {where(frame)}")
-                device_born.add(out)
-            return out
-
-        return make
-
-    def scale(self):
-        frame = _torchrig_frame()
-        if frame is not None:
-            calls.append(f"GradScaler.get_scale at {where(frame)}")
-        return get_scale(self)
-
-    for name in READS:
-        setattr(torch.Tensor, name, spy(name))
-    for name in factories:
-        setattr(torch, name, factory(name))
-    torch.amp.GradScaler.get_scale = scale
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-        for name, original in factories.items():
-            setattr(torch, name, original)
-        torch.amp.GradScaler.get_scale = get_scale
-
 
 class DeviceLikeSteps:
     """Turns the host checks off (as on a GPU) and records the reads made in each optimizer step."""
@@ -313,3 +222,26 @@ def test_no_sync_in_steady_state_on_cuda(run_dir):
         torch.cuda.set_sync_debug_mode(0)
     assert trainer.global_step == 8 and checked == [2, 3, 5, 6, 7]
     assert trainer.optimizers["default"].defaults["fused"]
+
+
+@pytest.mark.slow
+def test_no_host_reads_between_log_steps_under_ddp(tmp_path):
+    """The same census in both ranks of a DDP run: the loss count, the micro-batch agreement and the stream
+    flags travel without a read of device memory (flags the ranks agree on go through gloo, in host memory)."""
+    import json
+
+    from helpers import dist_procs
+    from helpers.host_reads_worker import DDP_CONFIGS
+
+    out = tmp_path / "out"
+    results = dist_procs.pair("ddp", out, tmp_path / "store", timeout=240,
+                              worker=dist_procs.HELPERS / "host_reads_worker.py")
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    for rank in (0, 1):
+        report = json.loads((out / f"reads-{rank}.json").read_text())
+        assert sorted(report) == sorted(DDP_CONFIGS)
+        for name, r in report.items():
+            assert r["steps"] == C.STEPS and r["finite"], name
+            assert len(r["quiet"]) == C.STEPS - C.STEPS // C.EVERY
+            assert all(reads == [] for reads in r["quiet"]), (rank, name, r["quiet"])

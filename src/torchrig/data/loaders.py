@@ -7,6 +7,7 @@ the order so that a run resumes at the exact sample where it stopped, on any num
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
@@ -33,7 +34,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
         if type(batch) is list:
             return moved
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a Hugging Face BatchEncoding (a UserDict): a plain dict from here on
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     return batch
 
@@ -53,26 +54,38 @@ def _cuda_prefetch(it: Iterator, device: torch.device) -> Iterator:
         with torch.cuda.stream(copy_stream):
             return to_device(batch, device)
 
-    def tensors(batch: Any) -> list:
-        if isinstance(batch, torch.Tensor):
-            return [batch]
-        if isinstance(batch, (list, tuple)):
-            return [t for v in batch for t in tensors(v)]
-        if isinstance(batch, dict):
-            return [t for v in batch.values() for t in tensors(v)]
-        return []
+    def ready(batch: Any) -> None:
+        compute = torch.cuda.current_stream(device)
+        compute.wait_stream(copy_stream)  # the step's kernels start after its batch arrived
+        for t in _tensors(batch):
+            t.record_stream(compute)  # the caching allocator must not reuse it while the step runs
 
+    return lookahead(it, issue, ready)
+
+
+def lookahead(it: Iterator, issue: Any, ready: Any) -> Iterator:
+    """``it``'s batches, each ``issue``d one batch ahead (the next one's copy starts before the current one is
+    handed out: it overlaps the current step) and made ``ready`` just before it is handed out. The source is
+    therefore read one batch ahead of what the loop has trained, which its position must allow for (see
+    ``IterableBatches.position``)."""
     pending = next(it, _END)
     pending = pending if pending is _END else issue(pending)
     while pending is not _END:
         current = pending
-        compute = torch.cuda.current_stream(device)
-        compute.wait_stream(copy_stream)  # the step's kernels start after its batch arrived
-        for t in tensors(current):
-            t.record_stream(compute)  # the caching allocator must not reuse it while the step runs
+        ready(current)
         nxt = next(it, _END)
-        pending = nxt if nxt is _END else issue(nxt)  # overlaps the step about to run on `compute`
+        pending = nxt if nxt is _END else issue(nxt)  # overlaps the step about to run
         yield current
+
+
+def _tensors(batch: Any) -> list:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    return []
 
 
 _END = object()
