@@ -281,3 +281,36 @@ def test_averaging_gradients_takes_buckets_not_a_gradient_sized_buffer():
     assert [len(b) for b in buckets] == [2, 2, 2, 2, 2, 1]
     assert all(len({t.dtype for t in b}) == 1 for b in buckets)
     assert sum(len(b) for b in buckets) == len(tensors)
+
+
+def test_the_channels_last_probe_never_calls_the_compiled_model(tmp_path, monkeypatch):
+    """The probe forward (one row, eval mode) goes to the bare module: through ``torch.compile`` it compiled a
+    second graph, and made the batch size dynamic (slower kernels) for the rest of the run."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, backend="eager"))  # traces, no codegen
+    monkeypatch.setattr(torchrig.runtime, "wants_channels_last", lambda model, setting, device: True)  # as on CUDA
+    torch._dynamo.utils.counters.clear()
+    probed = []
+    real_probe = torchrig.runtime.channels_last_breaks
+    monkeypatch.setattr(torchrig.runtime, "channels_last_breaks",
+                        lambda model, forward, device: probed.append(model) or real_probe(model, forward, device))
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+            self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+        def forward(self, x):
+            return self.head(self.conv(x).flatten(1))
+
+    torch.manual_seed(0)
+    t = torchrig.Trainer(Conv(), "sgd", run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, num_workers=0,
+                         compile=True, **QUIET)
+    t.fit(_images(32))
+    assert [type(m).__name__ for m in probed] == ["Conv"]  # the probe ran, on the bare module
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the compiled model: one graph, batch 8
+    torch._dynamo.reset()

@@ -357,8 +357,11 @@ class Trainer:
         convolution) turns them off under ``auto`` in one process, with one line, and is refused otherwise."""
         self._layout_probe = False
         row = chunks(self.step.split(to_device(batch, self.device))[0], 1)[0]
+        # the bare module: a compiled one would compile again for a one-row, eval-mode call (and then take the
+        # batch size as dynamic, slower, for the rest of the run); a DDP one would sync its buffers
+        bare = runtime.unwrap(self.wrapped)
         with self.precision.autocast():
-            error = runtime.channels_last_breaks(self.model, lambda: self.step.forward(row), self.device)
+            error = runtime.channels_last_breaks(bare, lambda: self.step.forward(row, model=bare), self.device)
         if error is None:
             return
         model = type(runtime.unwrap(self.model)).__name__
