@@ -127,7 +127,7 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     path = resolve(checkpoint)
     if path is None:
         raise CheckpointError(f"no checkpoint found at '{checkpoint}'")
-    _, _, saved = read_checkpoint(path)
+    _, meta, saved = read_checkpoint(path)
     if saved is None:
         raise CheckpointError(f"checkpoint '{path}' has no config.yaml; it was not written by torchrig train")
     cfg = C.from_dict(saved)
@@ -145,10 +145,10 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         C.set_key(cfg, key.strip(), raw)
     C.validate(cfg)
     given = {item.partition("=")[0].strip() for item in overrides or []}
-    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only from the current folder
+    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only what the run was trained with
         spec = C.get_key(cfg, key)
         if spec and key not in given:
-            factory.check_saved_spec(spec, key, f"checkpoint '{path}'")
+            factory.check_saved_spec(spec, key, path, meta)
     if cfg.model.python_class and not cfg.model.factory:
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
