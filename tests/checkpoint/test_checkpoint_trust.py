@@ -232,3 +232,173 @@ def test_an_edited_factory_or_a_checkpoint_without_a_record_is_refused(victim, c
                          f"was imported from; torchrig imports a factory read back from a checkpoint only when it is "
                          f"the file the run was trained with. Name it on the command line: "
                          f"--set model.factory=MODULE:FUNCTION")
+
+
+# ----------------------------------------------------------------------------- a process group from a checkpoint
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# A real attacker: a process that opens a process group as rank 0 on 127.0.0.1, then runs the very command
+# the victim runs (so that every collective before the exchange matches), except that every object it gives
+# torchrig's gather / broadcast is a pickle payload that would create a marker file.
+ATTACKER = r"""
+import datetime, os, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+marker, joined, port, *command = sys.argv[1:]
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {marker}",))
+
+
+import torchrig.runtime as R
+
+gather, broadcast = R.gather, R.broadcast
+R.gather = lambda obj: gather(Payload())
+R.broadcast = lambda obj, src=0: broadcast(obj if isinstance(obj, torch.Tensor) else Payload(), src)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+Path(joined).touch()
+from torchrig.cli import main
+sys.exit(main(command))
+"""
+
+
+def _subprocess_env() -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SRC))
+    return env
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    assert main(["train", *QUICK, "--set", "max_steps=2", "--set", f"run_dir={root / 'run'}"]) == 0
+    np.save(root / "x.npy", np.zeros((5, 8, 8), dtype=np.float32))
+    return root
+
+
+def _commands(root: Path, run: Path) -> dict[str, list[str]]:
+    return {"evaluate": ["evaluate", "--checkpoint", str(run)],
+            "predict": ["predict", "--checkpoint", str(run), "--input", str(root / "x.npy"),
+                        "--output", str(root / "p.csv")]}
+
+
+def _attack(root: Path, tmp_path: Path, port: int, command: list[str], *victim_extra: str):
+    """Start the attacker on ``port``, then the victim's ``torchrig COMMAND``; (victim's result, marker, joined)."""
+    import subprocess
+
+    marker, joined = tmp_path / "pwned", tmp_path / "joined"
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(marker), str(joined), str(port), *command],
+                                cwd=root, env=_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        victim = subprocess.run([sys.executable, "-m", "torchrig.cli", *command, *victim_extra], cwd=root,
+                                env=_subprocess_env(), capture_output=True, text=True, timeout=240)
+    finally:
+        attacker.kill()
+        attacker.wait()
+    return victim, marker, joined
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["evaluate", "predict"])
+def test_a_checkpoint_cannot_make_this_process_join_a_process_group(digits_run, tmp_path, way):
+    """config.yaml names an attacker's group (dist.init_method, rank, world_size): the victim evaluates alone,
+    says that it ignored them, and never connects."""
+    from helpers.dist_procs import free_port
+
+    run = tmp_path / "crafted"
+    shutil.copytree(digits_run / "run", run, symlinks=True)
+    port = free_port()
+    for config_file in (run / "checkpoints").glob("step-*/config.yaml"):
+        config = yaml.safe_load(config_file.read_text())
+        config["dist"].update(init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2, backend="gloo")
+        config_file.write_text(yaml.safe_dump(config))
+    victim, marker, joined = _attack(digits_run, tmp_path, port, _commands(digits_run, run)[way])
+    assert not marker.exists() and not joined.exists()
+    assert victim.returncode == 0, victim.stderr
+    ckpt = (run / "checkpoints" / "latest").resolve()
+    assert victim.stderr.strip().splitlines() == [
+        f"torchrig: checkpoint '{ckpt}' names dist.init_method=tcp://127.0.0.1:{port}, dist.rank=1, dist.world_size=2, "
+        f"dist.backend=gloo; ignored: how this process joins a process group comes from this command line and its "
+        f"environment only (torchrun's RANK, WORLD_SIZE, MASTER_ADDR)"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["evaluate", "predict"])
+def test_objects_from_another_rank_are_never_unpickled(digits_run, tmp_path, way):
+    """Joined on purpose (the command line names the group), rank 0 sends a pickle payload where torchrig
+    exchanges plain data: it is refused, by name, and never runs."""
+    from helpers.dist_procs import free_port
+
+    port = free_port()
+    victim, marker, joined = _attack(digits_run, tmp_path, port, _commands(digits_run, digits_run / "run")[way],
+                                     "--set", f"dist.init_method=tcp://127.0.0.1:{port}", "--set", "dist.rank=1",
+                                     "--set", "dist.world_size=2")
+    assert joined.exists()  # the attacker's group formed: the victim took part
+    assert not marker.exists()
+    assert victim.returncode == 1
+    assert victim.stderr.strip().splitlines()[-1] == (
+        "torchrig: error: rank 1: the object rank 0 sent pickles 'posix.system'; ranks exchange only plain data "
+        "(tensors, numbers, strings, lists, tuples, dicts), so that no process can make another run code. Check "
+        "that every rank runs your own program (and gather / broadcast plain values)")
+
+
+# ----------------------------------------------------------------------------- the other fields read back
+
+
+def test_this_runs_keys_are_never_taken_from_a_checkpoint(tmp_path):
+    """Every key of THIS_RUN, crafted in config.yaml, takes this run's value: the default, or --set."""
+    from torchrig import config as C
+    from torchrig.recipes.run import THIS_RUN, inference_config
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000001"
+    crafted = {"dist": {"init_method": "tcp://203.0.113.7:29500", "rank": 1, "world_size": 2, "backend": "gloo",
+                        "timeout": 1e9, "strategy": "fsdp"},
+               "device": "cuda:7", "threads": 100000, "interop_threads": 100000,
+               "data": {"num_workers": 1000, "prefetch_factor": 100000, "pin_memory": True, "batch_size": 16},
+               "log": {"trackers": ["mlflow", "wandb"], "mlflow_uri": "http://203.0.113.7:5000",
+                       "project": "theirs", "run_name": "theirs", "tensorboard": True, "plot": True},
+               "profile": {"steps": [1, 2], "memory_snapshot": True}, "resume": "/home/victim/other_run",
+               "resume_weights_only": True, "overwrite": True, "run_dir": "/home/victim/important",
+               "model": {"weights": "/home/victim/secret.pt"}}
+    notes: list[str] = []
+    cfg = inference_config(crafted, ckpt, say=notes.append)
+    default = C.Config()
+    for key in THIS_RUN:
+        if key != "run_dir":
+            assert C.get_key(cfg, key) == C.get_key(default, key), key
+    assert cfg.run_dir == str(tmp_path / "run")  # the run directory the checkpoint lies in
+    assert cfg.data.batch_size == 16  # not a key of this run: the checkpoint's
+    assert notes == [f"torchrig: checkpoint '{ckpt}' names dist.init_method=tcp://203.0.113.7:29500, dist.rank=1, "
+                     f"dist.world_size=2, dist.backend=gloo; ignored: how this process joins a process group comes "
+                     f"from this command line and its environment only (torchrun's RANK, WORLD_SIZE, MASTER_ADDR)"]
+    cfg = inference_config(crafted, tmp_path / "bare", ["threads=2", "data.num_workers=0"], say=notes.append)
+    assert (cfg.threads, cfg.data.num_workers, cfg.run_dir) == (2, 0, str(tmp_path / "bare"))
+
+
+def test_evaluate_ignores_the_machine_keys_of_a_crafted_checkpoint(digits_run, tmp_path, capsys):
+    """The same numbers as the untouched checkpoint, with threads, workers, trackers, paths crafted."""
+    assert main(["evaluate", "--checkpoint", str(digits_run / "run"), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    run = tmp_path / "crafted"
+    shutil.copytree(digits_run / "run", run, symlinks=True)
+    for config_file in (run / "checkpoints").glob("step-*/config.yaml"):
+        config = yaml.safe_load(config_file.read_text())
+        config.update(threads=100000, run_dir=str(tmp_path / "elsewhere"), resume=str(tmp_path / "elsewhere"),
+                      overwrite=True)
+        config["data"].update(num_workers=1000, prefetch_factor=100000)
+        config["log"].update(trackers=["mlflow"], mlflow_uri="http://127.0.0.1:9")
+        config["model"]["weights"] = str(tmp_path / "elsewhere" / "w.pt")
+        config_file.write_text(yaml.safe_dump(config))
+    assert main(["evaluate", "--checkpoint", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    assert not (tmp_path / "elsewhere").exists()
