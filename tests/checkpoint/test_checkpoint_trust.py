@@ -402,3 +402,36 @@ def test_evaluate_ignores_the_machine_keys_of_a_crafted_checkpoint(digits_run, t
     assert main(["evaluate", "--checkpoint", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == expected
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_index_json_never_names_a_folder_to_remove(digits_run, tmp_path, capsys):
+    """Pruning removes the checkpoints index.json lists: a crafted entry outside the folder is dropped."""
+    run = tmp_path / "run"
+    shutil.copytree(digits_run / "run", run, symlinks=True)
+    precious, beside = tmp_path / "precious", tmp_path / "beside"
+    for folder in (precious, beside):
+        folder.mkdir()
+        (folder / "keep.txt").write_text("mine")
+    index = json.loads((run / "checkpoints" / "index.json").read_text())
+    index["checkpoints"] = [str(precious), "../../beside", *index["checkpoints"]]
+    index["best"] = [{"name": "../../beside", "value": 1.0}]
+    (run / "checkpoints" / "index.json").write_text(json.dumps(index))
+    assert main(["train", *QUICK, "--set", f"run_dir={run}", "--set", "resume=latest", "--set", "max_steps=4",
+                 "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=1"]) == 0
+    assert (precious / "keep.txt").read_text() == "mine" and (beside / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000004"]
+
+
+def test_the_last_link_of_numbered_runs_stays_in_its_folder(digits_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    outside = tmp_path / "outside"
+    shutil.copytree(digits_run / "run", outside, symlinks=True)
+    (tmp_path / "runs" / "digits").mkdir(parents=True)
+    link = tmp_path / "runs" / "digits" / "last"
+    link.symlink_to(outside)
+    message = (f"torchrig: error: run link 'runs/digits/last' points outside its folder, to '{outside}'; torchrig "
+               f"follows 'last' only to a run in the same folder. Remove the link, or give the run directory itself")
+    assert one_line_error(capsys, ["evaluate", "--checkpoint", "runs/digits"]) == message
+    before = sorted(p.name for p in (outside / "checkpoints").iterdir())
+    assert one_line_error(capsys, ["train", *QUICK, "--set", "resume=latest", "--set", "max_steps=4"]) == message
+    assert sorted(p.name for p in (outside / "checkpoints").iterdir()) == before
