@@ -209,6 +209,9 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
 def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
                 overrides: Optional[list[str]] = None, features: Optional[list[str]] = None) -> Path:
     """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise RecipeError(f"predict --topk {topk}: expected an integer >= 1, the number of classes to report per "
+                          f"input (default 5)")
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
     x, names = recipe.load_inputs(cfg, Path(inputs))
     out = Path(output)
