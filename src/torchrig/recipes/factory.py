@@ -200,7 +200,7 @@ def build_model(recipe, cfg: C.Config) -> nn.Module:
     """``model.factory(cfg)`` when the config names one, else the recipe's model."""
     if not cfg.model.factory:
         return recipe.build_model(cfg)
-    model = load_factory(cfg.model.factory, "model.factory")(cfg)
+    model = _call(load_factory(cfg.model.factory, "model.factory"), cfg, f"model.factory '{cfg.model.factory}'")
     if not isinstance(model, nn.Module):
         raise FactoryError(f"model.factory '{cfg.model.factory}' returned a {type(model).__name__}, "
                            f"not a torch.nn.Module; return the model")
@@ -212,7 +212,21 @@ def build_data(recipe, cfg: C.Config) -> dict[str, Any]:
     if not cfg.data.factory:
         return recipe.build_data(cfg)
     spec = cfg.data.factory
-    return as_splits(load_factory(spec, "data.factory")(cfg), f"data.factory '{spec}'")
+    return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")
+
+
+def _call(fn: Callable, cfg: C.Config, where: str) -> Any:
+    """``fn(cfg)``; an exception of the user's function becomes one line naming the factory (its own torchrig
+    errors pass as they are, and --debug shows the traceback)."""
+    from ..errors import TorchrigError
+
+    try:
+        return fn(cfg)
+    except TorchrigError:
+        raise
+    except Exception as exc:
+        raise FactoryError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}; fix the factory (run with "
+                           f"--debug to see where it failed)") from exc
 
 
 def _is_data(x: Any) -> bool:
