@@ -189,7 +189,8 @@ def test_a_factory_named_on_the_command_line_is_the_users_choice(victim, capsys)
     _, marker, run = _shared_model(victim)
     assert main(["evaluate", "--checkpoint", str(run), "--set", f"model.factory={PKG}.task:build_model"]) == 0
     assert not marker.exists()
-    assert main(["evaluate", "--checkpoint", str(run), "--set", "model.factory=shared_model.checkpoints.payload:build"]) == 0
+    spec = "shared_model.checkpoints.payload:build"
+    assert main(["evaluate", "--checkpoint", str(run), "--set", f"model.factory={spec}"]) == 0
     assert marker.exists()  # named on the command line: your choice, imported as given
 
 
@@ -435,3 +436,17 @@ def test_the_last_link_of_numbered_runs_stays_in_its_folder(digits_run, tmp_path
     before = sorted(p.name for p in (outside / "checkpoints").iterdir())
     assert one_line_error(capsys, ["train", *QUICK, "--set", "resume=latest", "--set", "max_steps=4"]) == message
     assert sorted(p.name for p in (outside / "checkpoints").iterdir()) == before
+
+
+def test_model_options_read_back_download_nothing(monkeypatch):
+    """model.options reach the torchvision / timm builders: weights= is refused, pretrained= dropped."""
+    timm = pytest.importorskip("timm")
+    from torchrig.models import ModelError
+    from torchrig.models.vision import build_image_model
+
+    with pytest.raises(ModelError, match="torchrig never downloads weights: set model.weights to a local file"):
+        build_image_model("torchvision:resnet18", 3, 3, {"weights": "IMAGENET1K_V1"})
+    seen = {}
+    monkeypatch.setattr(timm, "create_model", lambda name, **kw: seen.update(kw))
+    build_image_model("timm:resnet18", 3, 3, {"pretrained": True})
+    assert seen["pretrained"] is False
