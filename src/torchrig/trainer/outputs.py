@@ -200,8 +200,9 @@ def explain_forward_error(exc: BaseException, model: Any, inputs: Any) -> Option
     """One line for a forward that failed because the inputs' dtype or shape does not fit the model."""
     text = str(exc).strip()
     low = text.lower()
-    if isinstance(exc, torch.OutOfMemoryError) or not isinstance(exc, RuntimeError) or "out of memory" in low:
-        return None
+    if (isinstance(exc, (torch.OutOfMemoryError, getattr(torch.distributed, "DistError", ())))
+            or not isinstance(exc, RuntimeError) or "out of memory" in low):
+        return None  # the micro-batcher's and the collectives' own errors
     if any(w in low for w in _DTYPE_WORDS):
         todo = "convert the inputs to the model's dtype (x.float()) where the data is made"
     elif any(w in low for w in _SHAPE_WORDS):
