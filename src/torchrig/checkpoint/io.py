@@ -54,15 +54,65 @@ def refused(path: str | Path, what: str) -> UnsafeCheckpointError:
         f"or re-save the file as a plain state_dict or safetensors")
 
 
-def weights_only_refusal(path: str | Path, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
-    """``refused`` for a file that ``torch.load(weights_only=True)`` rejected with ``exc``."""
+def corrupt(path: str | Path, detail: str) -> CheckpointError:
+    """The one message for a checkpoint file that cannot be read: damaged, cut short or empty."""
+    return CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({detail}); use another checkpoint")
+
+
+def weights_only_refusal(path: str | Path, exc: pickle.UnpicklingError,
+                         pickled: Optional[bytes] = None) -> CheckpointError:
+    """``refused`` for a file that ``torch.load(weights_only=True)`` rejected with ``exc``, or ``corrupt``.
+
+    Unsafe means that the pickle asks for a function or class to be imported: the loader says so
+    (``GLOBAL posix.system``), or ``pickled`` (the file's pickle, when given) names one outside the
+    plain-data modules. A pickle that names none and still fails is damaged (a flipped bit, a cut): corrupt.
+    """
     text = str(exc)
     found = re.search(r"GLOBAL ([\w.]+)", text)
-    if found:
-        return refused(path, f"pickles '{found.group(1)}'")
     lines = [ln.strip() for ln in text.split("WeightsUnpickler error:")[-1].splitlines() if ln.strip()]
     detail = lines[0][:200] if lines else "no reason given"
-    return refused(path, f"holds pickled data that torch's weights_only loader rejects ({detail})")
+    if found:
+        return refused(path, f"pickles '{found.group(1)}'")
+    if pickled is None:
+        return refused(path, f"holds pickled data that torch's weights_only loader rejects ({detail})")
+    foreign = [name for name in _pickled_globals(pickled) if name.partition(".")[0] not in _PLAIN_MODULES]
+    if foreign:
+        return refused(path, f"pickles '{foreign[0]}'")
+    return corrupt(path, f"its pickled data cannot be read: {detail}")
+
+
+_PLAIN_MODULES = ("torch", "collections", "builtins", "__builtin__", "_codecs", "numpy")
+
+
+def _pickled_globals(data: bytes) -> list[str]:
+    """``module.name`` of every global a pickle imports (GLOBAL, STACK_GLOBAL, INST), as far as it parses."""
+    import pickletools
+
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # a damaged pickle: what parsed so far is what it asks for
+        pass
+    return names
+
+
+def _pickle_of(path: Path) -> bytes:
+    """The pickle inside a ``torch.save`` zip file (``*/data.pkl``), or the file itself (the legacy format)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            return z.read(name) if name else b""
+    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError):
+        with open(path, "rb") as fh:
+            return fh.read(1 << 20)
 
 
 def _pause_spec() -> tuple[str, int]:
@@ -230,10 +280,13 @@ def safe_torch_load(path: Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint file '{path}' does not exist")
+    if path.stat().st_size == 0:
+        raise corrupt(path, "it is empty, 0 bytes")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise weights_only_refusal(path, exc) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({str(exc).splitlines()[0][:200]}); "
-                              f"use another checkpoint") from None
+        raise weights_only_refusal(path, exc, _pickle_of(path)) from None
+    except Exception as exc:  # a damaged file makes the loader fail in any way: a zip error, a bad tensor record …
+        text = str(exc).strip()
+        raise corrupt(path, f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__) \
+            from None

@@ -101,9 +101,9 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
     if p.is_dir() and (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():
         return resolve("latest", p)  # a run directory
     if p.is_dir() and (p / "last").is_dir() and not (p / "checkpoints").exists():
-        return resolve((p / "last").resolve(), run_dir)  # the folder of numbered runs: its newest run
+        return resolve(follow_link(p / "last"), run_dir)  # the folder of numbered runs: its newest run
     if p.name in ("latest", "best"):
-        p = _follow_link(p)
+        p = follow_link(p)
     elif p.is_symlink():
         p = p.resolve()
     if not p.exists():
@@ -115,9 +115,10 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
     return p
 
 
-def _follow_link(link: Path) -> Path:
-    """What a ``latest`` / ``best`` link (a symlink, or a text file naming a checkpoint) names, if it is
-    a checkpoint beside the link: a link elsewhere would make a resume read files of another run."""
+def follow_link(link: Path) -> Path:
+    """What a ``latest`` / ``best`` link (a symlink, or a text file naming a checkpoint) or the ``last`` link
+    of numbered runs names, if it lies beside the link: a link elsewhere would make a resume read files of
+    another run, or a run write into a folder it does not own."""
     if link.is_symlink():
         target = link.resolve()
     elif link.is_file():
@@ -125,9 +126,10 @@ def _follow_link(link: Path) -> Path:
     else:
         return link
     if target.parent != link.parent.resolve():
-        raise CheckpointError(f"checkpoint link '{link}' points outside its folder, to '{target}'; torchrig follows "
-                              f"'{link.name}' only to a checkpoint in the same folder. Remove the link, or give the "
-                              f"checkpoint directory itself")
+        what = "run" if link.name == "last" else "checkpoint"
+        raise CheckpointError(f"{what} link '{link}' points outside its folder, to '{target}'; torchrig follows "
+                              f"'{link.name}' only to a {what} in the same folder. Remove the link, or give the "
+                              f"{what} directory itself")
     return target
 
 
@@ -164,7 +166,7 @@ class CheckpointManager:
         self._yaml: tuple[Optional[str], bytes] = (None, b"")  # the last config (as JSON) and its YAML
         if self.index_path.exists():
             try:
-                self.index = json.loads(self.index_path.read_text())
+                self.index = _plain_index(json.loads(self.index_path.read_text()))
             except (OSError, ValueError):
                 self.index = {"checkpoints": self._scan(), "best": []}
 
@@ -426,6 +428,17 @@ class CheckpointManager:
             if name not in keep:
                 shutil.rmtree(self.dir / name, ignore_errors=True)
                 self.index["checkpoints"].remove(name)
+
+
+def _plain_index(index: Any) -> dict[str, Any]:
+    """``index.json`` as torchrig writes it, or ValueError. Only names of checkpoints (``step-N``) are kept:
+    pruning removes the directories it names, and a crafted ``../../x`` or ``/home/x`` must never be one."""
+    if not isinstance(index, dict):
+        raise ValueError("not a mapping")
+    names = [n for n in index.get("checkpoints") or [] if isinstance(n, str) and re.fullmatch(r"step-\d+", n)]
+    best = [b for b in index.get("best") or [] if isinstance(b, dict) and isinstance(b.get("name"), str)
+            and re.fullmatch(r"step-\d+", b["name"]) and isinstance(b.get("value"), (int, float))]
+    return {"checkpoints": names, "best": best}
 
 
 def checkpoint_name(step: int) -> str:

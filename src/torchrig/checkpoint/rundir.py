@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from .. import runtime
 from .io import CheckpointError, write_bytes_atomic
+from .manager import follow_link
 
 try:
     import fcntl
@@ -171,18 +172,26 @@ def numbered_run_dir(root: str | Path, say: Callable[[str], None] = print, resum
     together never share one; ``root/last`` then points at it. A group restarted by torchrun (or a
     requeued Slurm job), and a run asked to ``resume``, go on in ``root/last``, the newest run.
     """
-    path = None
+    path, error = None, None
     if runtime.get_rank() == 0:
         root = Path(root)
         last = root / "last"
-        if (resume or runtime.restart_count() > 0) and last.is_dir():
-            path = root / os.readlink(last) if last.is_symlink() else last
-            if resume:
-                say(f"torchrig: run_dir not set; resuming the newest run, {path}")
-        else:
-            path = _claim(root)
-            say(f"torchrig: run_dir not set; writing to {path} ({last.name} -> {path.name})")  # fits 80 columns
-    return Path(runtime.broadcast(str(path) if path is not None else None))
+        try:
+            if (resume or runtime.restart_count() > 0) and last.is_dir():
+                path = root / follow_link(last).name  # never into a folder outside root
+                if resume:
+                    say(f"torchrig: run_dir not set; resuming the newest run, {path}")
+            else:
+                path = _claim(root)
+                say(f"torchrig: run_dir not set; writing to {path} ({last.name} -> {path.name})")  # fits 80 columns
+        except CheckpointError as exc:  # told to the other ranks too, so that none waits for rank 0
+            error = exc
+    shared, message = runtime.broadcast((str(path) if path is not None else None, str(error) if error else None))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RunDirError(message)
+    return Path(shared)
 
 
 def discard_unused(path: Path) -> None:

@@ -386,12 +386,30 @@ def _yaml_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: dict = {}
+            for key_node, _ in node.value:  # PyYAML keeps the last of repeated keys without a word
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+                if isinstance(key, typing.Hashable):
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
     return Loader
+
+
+class DuplicateKey(ConfigError):
+    """A key written twice in one YAML mapping (raised by the loader of :func:`_yaml_loader`)."""
+
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"the key {key!r} appears twice (lines {first} and {again})")
+        self.key, self.first, self.again = key, first, again
 
 
 def _parse_scalar(text: str) -> Any:
@@ -403,7 +421,7 @@ def _parse_scalar(text: str) -> Any:
         return text
     try:
         return yaml.load(text, Loader=_yaml_loader())
-    except yaml.YAMLError:
+    except (yaml.YAMLError, DuplicateKey, RecursionError):
         return text
 
 
@@ -640,6 +658,13 @@ def validate(cfg: Config) -> Config:
     if d.rank is not None and d.world_size is not None and d.rank >= d.world_size:
         raise ConfigError(f"config key 'dist.rank': expected an integer < dist.world_size ({d.world_size}), "
                           f"got {d.rank}")
+    for key, value, other in (("rank", d.rank, "world_size"), ("world_size", d.world_size, "rank")):
+        if value is not None and (getattr(d, other) is None or d.init_method is None):
+            missing = [f"dist.{k}" for k in (other, "init_method") if getattr(d, k) is None]
+            raise ConfigError(f"config key 'dist.{key}': {value} is used only with dist.{other} and dist.init_method "
+                              f"(tcp://HOST:PORT or file:///PATH), and {' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not set; set them too, or start the job with "
+                              f"torchrun (torchrig launch), which gives every process its rank")
     if cfg.overwrite and cfg.resume in ("latest", "best"):
         raise ConfigError(f"config key 'overwrite': true would remove the run that resume={cfg.resume!r} continues; "
                           f"set one of them")
@@ -691,6 +716,12 @@ def read_yaml(path: str | Path) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"config file '{p}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"config file '{p}' sets the key {exc.key!r} twice (lines {exc.first} and {exc.again}); "
+                          f"YAML would keep the last silently: keep one of them") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{p}' nests lists or mappings deeper than a config can (Python's recursion "
+                          f"limit); a config is a few levels of keys: check the file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file '{p}' is not a text file (UTF-8 YAML); pass a YAML config file") from None
     if data is None:

@@ -1,7 +1,8 @@
 """Loaders and samplers: distributed sampling, resumable order, worker seeding, in-memory fast path."""
 
-from .loaders import Batches, DataError, TensorBatches, prefetch_to_device, prepare_eval, prepare_train, to_device
+from .loaders import (Batches, DataError, TensorBatches, check_same_data, prefetch_to_device, prepare_eval,
+                      prepare_train, to_device)
 from .sampler import ResumableSampler, padding_batches, unshard
 
-__all__ = ["Batches", "DataError", "TensorBatches", "prepare_eval", "prepare_train", "to_device", "prefetch_to_device",
-           "ResumableSampler", "padding_batches", "unshard"]
+__all__ = ["Batches", "DataError", "TensorBatches", "check_same_data", "prepare_eval", "prepare_train", "to_device",
+           "prefetch_to_device", "ResumableSampler", "padding_batches", "unshard"]

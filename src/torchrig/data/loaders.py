@@ -194,7 +194,28 @@ class Batches:
             for _ in range(self._skip_next):  # a user sampler we cannot fast-forward: consume
                 next(it, None)
             self._skip_next = 0
-        return it
+        return _worker_errors(it, self.source) if getattr(self.source, "num_workers", 0) > 0 else it
+
+
+def _worker_errors(it: Iterator, loader: Any) -> Iterator:
+    """``it``, with an exception raised inside a DataLoader worker process told in one line: torch re-raises
+    it as ``Caught ValueError in DataLoader worker process 0.`` with the data set's own message lines below."""
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            if not (lines and lines[0].startswith("Caught ") and "DataLoader worker process" in lines[0]):
+                raise
+            dataset = getattr(loader, "dataset", None)
+            dataset = getattr(dataset, "dataset", dataset)  # under SeededSamples
+            worker = lines[0].rpartition("process ")[2].rstrip(".")
+            raise DataError(f"the data set {type(dataset).__name__} raised in DataLoader worker {worker}: {lines[-1]}; "
+                            f"fix it (with data.num_workers=0 it runs in this process, where --debug shows the "
+                            f"traceback)") from exc
+        yield batch
 
 
 def _as_dataset(data: Any) -> Dataset:
@@ -299,6 +320,40 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
     fresh = options.get("collate_fn") in (None, torch.utils.data.default_collate)
     return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size, fresh)
+
+
+def check_same_data(train: Batches, val_data: Any, device: torch.device) -> None:
+    """Every rank must hold the same data sets: the sampler gives each its share by position, and ranks with
+    different numbers of batches would wait for each other at a collective until it times out. One
+    all-reduce (of the lengths and their negatives: a maximum and a minimum) finds out at once; every rank
+    then raises the same error. Call it on every rank."""
+    from .. import runtime
+
+    sizes = [_size(train), _size(val_data) if val_data is not None else -1]
+    extremes = runtime.agree_max([*sizes, *[-n for n in sizes]], device)
+    for i, what in enumerate(("training", "validation")):
+        most, least = extremes[i], -extremes[i + 2]
+        if most != least:
+            raise DataError(f"the {what} data has {least} samples on one rank and {most} on another (this rank: "
+                            f"{sizes[i]}); every rank must hold the same data set, which the sampler splits among "
+                            f"them: build it the same way on every rank (the same files, data.path and data.factory)")
+
+
+def _size(data: Any) -> int:
+    """The number of samples of map-style data: training batches (their data set's), a data set, a DataLoader
+    or (x, y) tensors; -1 for a stream, whose ranks agree on their length by themselves."""
+    from .iterable import is_iterable_source
+
+    if isinstance(data, Batches):
+        return data.sampler.n if data.sampler is not None else len(data)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        return len(data[0])
+    if is_iterable_source(data) or not (isinstance(data, DataLoader) or hasattr(data, "__getitem__")):
+        return -1
+    try:
+        return len(data.dataset if isinstance(data, DataLoader) else data)
+    except TypeError:
+        return -1
 
 
 def prepare_train(data: Any, **kwargs: Any) -> Batches:

@@ -202,6 +202,8 @@ class TopK(Metric):
 
     def __init__(self, k: int = 5) -> None:
         super().__init__()
+        if k < 1:
+            raise MetricError(f"metric 'top{k}': k must be at least 1 (top1 is the accuracy); use top1, top3, top5 …")
         self.k = k
         self.name = f"top{k}"
 
@@ -209,8 +211,11 @@ class TopK(Metric):
         _check(output, target, self.name)
         if output.ndim != 2:
             raise MetricError(f"metric '{self.name}' needs (batch, classes) scores, got shape {tuple(output.shape)}")
-        k = min(self.k, output.shape[1])
-        top = output.topk(k, dim=1).indices
+        if self.k >= output.shape[1]:
+            raise MetricError(f"metric '{self.name}': the model scores {output.shape[1]} classes, so every sample "
+                              f"is in its top {self.k} and {self.name} would always be 1; use k below "
+                              f"{output.shape[1]} or remove it from metrics")
+        top = output.topk(self.k, dim=1).indices
         self._add("correct", (top == target.view(-1, 1)).any(dim=1).sum())
         self._add("total", target.shape[0])
 

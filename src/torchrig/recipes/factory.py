@@ -11,10 +11,12 @@ with the current directory first on ``sys.path``, as ``python -m`` would. Both f
   or a dict with the keys ``train`` / ``val`` / ``test``.
 
 The specs are saved in the run's ``config.yaml`` as ``model.factory`` / ``data.factory``, so
-``torchrig evaluate`` and ``predict`` rebuild the same model (and data) from a checkpoint. A spec read
-from a checkpoint is code a crafted ``config.yaml`` could point anywhere, so it is imported only from
-the current directory (your project: :func:`check_saved_spec`); pass the spec again on the command line
-(``--set model.factory=…``) to use one from elsewhere, such as an installed package.
+``torchrig evaluate`` and ``predict`` rebuild the same model (and data) from a checkpoint, and ``train
+--set resume=…`` the same run. A spec read from a checkpoint is code a crafted ``config.yaml`` could
+point anywhere, so it is imported only when it resolves to the very file the run was trained with
+(recorded in ``meta.json``), under the current directory, and never to a file that came with the
+checkpoint (:func:`check_saved_spec`); pass the spec again on the command line (``--set
+model.factory=…``) to use another one, such as an installed package or a project moved elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import sys
 import types
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -81,30 +84,111 @@ def load_factory(spec: str, key: str) -> Callable:
     return obj
 
 
-def check_saved_spec(spec: str, key: str, source: Any) -> None:
-    """Refuse a factory named by a checkpoint's ``config.yaml`` unless its module is a file under the
-    current directory: reading a checkpoint must not run code from elsewhere on ``sys.path``."""
-    import importlib.util
-    from pathlib import Path
-
+def check_saved_spec(spec: str, key: str, checkpoint: Path, meta: Any) -> None:
+    """Refuse a factory that a checkpoint's ``config.yaml`` names unless importing it now runs the very file
+    the run was trained with: the same module, resolved the same way (the current directory first on
+    ``sys.path``) to the same file with the same bytes (``meta.json``'s ``factories`` record, see
+    ``trainer/provenance.py``), under the current directory, and never a file that came with the checkpoint
+    (inside its run directory, or a package that holds the checkpoint). Nothing is imported to decide.
+    """
+    module_name = spec.partition(":")[0]
+    if module_name.partition(".")[0] in sys.stdlib_module_names:
+        return  # load_factory refuses the standard library with its own message
     here = Path.cwd().resolve()
     if str(here) not in sys.path and "" not in sys.path:
         sys.path.insert(0, str(here))
-    top = spec.partition(":")[0].partition(".")[0]
-    if top in sys.stdlib_module_names:
-        return  # load_factory refuses the standard library with its own message
+    start = f"checkpoint '{checkpoint}': its config.yaml names {key} '{spec}'"
+    fix = (f"torchrig imports a factory read back from a checkpoint only when it is the file the run was trained "
+           f"with. Name it on the command line: --set {key}=MODULE:FUNCTION")
+    chain = _module_chain(module_name)
+    if chain is None:
+        raise FactoryError(f"{start}, a module not found from the current directory {here}; {fix}")
+    checkpoint = checkpoint.resolve()
+    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+    module_file = chain[-1]
+    for place in chain:
+        if (place.is_dir() and checkpoint.is_relative_to(place)) or place.is_relative_to(run):
+            raise FactoryError(f"{start}, which is '{place}', a file or folder that holds the checkpoint or lies in "
+                               f"its run directory {run}: torchrig never imports code that comes with a checkpoint. "
+                               f"Name your own factory on the command line: --set {key}=MODULE:FUNCTION")
+    if not module_file.is_relative_to(here):
+        raise FactoryError(f"{start}, a module outside the current directory {here} ('{module_file}'); torchrig runs "
+                           f"code named by a checkpoint only from there. Run from your project folder, or pass "
+                           f"--set {key}={spec} to use it")
+    record = meta.get("factories", {}).get(key) if isinstance(meta, dict) and isinstance(
+        meta.get("factories"), dict) else None
+    if not isinstance(record, dict) or record.get("module") != module_name:
+        raise FactoryError(f"{start}, but its meta.json does not record which file that module was imported from; "
+                           f"{fix}")
+    if record.get("file") != str(module_file):
+        raise FactoryError(f"{start}, which resolves to '{module_file}' here, not to the file the run was trained "
+                           f"with ('{record.get('file')}'); {fix}")
+    if record.get("sha256") != _sha256(module_file):
+        raise FactoryError(f"{start}, whose file '{module_file}' changed since the run was trained (its SHA-256 "
+                           f"differs); {fix}")
+
+
+def _module_chain(name: str) -> Optional[list[Path]]:
+    """The packages and the file importing ``name`` would run, found without importing anything: each
+    package's folder and ``__init__.py`` (a namespace package's folders), then the module's file. None when
+    the module is not found as a file of a path entry (a built-in, a zip, or nothing)."""
+    import importlib.util
+
+    chain: list[Path] = []
+    found = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[:i + 1])
+        try:
+            if i == 0:
+                found = importlib.util.find_spec(full)  # a top-level name: no package to import first
+            else:
+                found = getattr(sys.modules.get(full), "__spec__", None) or \
+                    _find_in(full, list(found.submodule_search_locations))
+        except (ImportError, ValueError):
+            return None
+        if found is None:
+            return None
+        folders = list(found.submodule_search_locations or [])
+        if i < len(parts) - 1 and not folders:
+            return None  # a module, not a package: it has no sub-module
+        chain += [Path(f).resolve() for f in folders]
+        if found.has_location and found.origin:
+            chain.append(Path(found.origin).resolve())
+        elif i == len(parts) - 1:
+            return None  # a namespace package or a built-in: no file to vouch for
+    return chain
+
+
+def _find_in(name: str, folders: list[str]) -> Any:
+    """The spec of sub-module ``name`` in its package's ``folders``, as the import system would find it
+    (a regular module or package first, else the folders of a namespace package), without importing the
+    package: ``PathFinder.find_spec`` would need it in ``sys.modules`` for a namespace package."""
+    import importlib.machinery
+    import pkgutil
+
+    portions: list[str] = []
+    for folder in folders:
+        finder = pkgutil.get_importer(folder)
+        found = finder.find_spec(name) if hasattr(finder, "find_spec") else None
+        if found is not None and found.loader is not None:
+            return found
+        if found is not None:
+            portions += list(found.submodule_search_locations or [])
+    if not portions:
+        return None
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = portions
+    return spec
+
+
+def _sha256(path: Path) -> Optional[str]:
+    import hashlib
+
     try:
-        found = importlib.util.find_spec(top) if top else None
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        return  # not importable at all: load_factory says "module not found"
-    where = found.origin if found.origin not in (None, "namespace") else \
-        next(iter(found.submodule_search_locations or []), None)
-    if where is None or not Path(where).resolve().is_relative_to(here):
-        raise FactoryError(f"{source}: its config.yaml names {key} '{spec}', a module outside the current directory "
-                           f"{here}; torchrig runs code named by a checkpoint only from there. Run from your project "
-                           f"folder, or pass --set {key}={spec} to use it")
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -116,7 +200,7 @@ def build_model(recipe, cfg: C.Config) -> nn.Module:
     """``model.factory(cfg)`` when the config names one, else the recipe's model."""
     if not cfg.model.factory:
         return recipe.build_model(cfg)
-    model = load_factory(cfg.model.factory, "model.factory")(cfg)
+    model = _call(load_factory(cfg.model.factory, "model.factory"), cfg, f"model.factory '{cfg.model.factory}'")
     if not isinstance(model, nn.Module):
         raise FactoryError(f"model.factory '{cfg.model.factory}' returned a {type(model).__name__}, "
                            f"not a torch.nn.Module; return the model")
@@ -128,7 +212,21 @@ def build_data(recipe, cfg: C.Config) -> dict[str, Any]:
     if not cfg.data.factory:
         return recipe.build_data(cfg)
     spec = cfg.data.factory
-    return as_splits(load_factory(spec, "data.factory")(cfg), f"data.factory '{spec}'")
+    return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")
+
+
+def _call(fn: Callable, cfg: C.Config, where: str) -> Any:
+    """``fn(cfg)``; an exception of the user's function becomes one line naming the factory (its own torchrig
+    errors pass as they are, and --debug shows the traceback)."""
+    from ..errors import TorchrigError
+
+    try:
+        return fn(cfg)
+    except TorchrigError:
+        raise
+    except Exception as exc:
+        raise FactoryError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}; fix the factory (run with "
+                           f"--debug to see where it failed)") from exc
 
 
 def _is_data(x: Any) -> bool:
@@ -180,10 +278,11 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
 
     from ..checkpoint import CheckpointError, resolve
 
-    try:  # config.yaml alone (yaml.safe_load), not the optimizer state beside it
+    try:  # config.yaml and meta.json alone (yaml.safe_load, json), not the optimizer state beside them
         path = resolve(cfg.resume, cfg.run_dir)
         saved = yaml.safe_load((path / "config.yaml").read_text()) if path is not None else None
-    except (CheckpointError, OSError, yaml.YAMLError, UnicodeDecodeError):
+        meta = json.loads((path / "meta.json").read_text()) if path is not None else None
+    except (CheckpointError, OSError, ValueError, yaml.YAMLError):
         return [], None  # the resume itself reports what is wrong with the checkpoint
     if not isinstance(saved, dict):
         return [], None
@@ -195,7 +294,7 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
     extra = []
     for key, saved_section in (("model", model), ("data", data)):
         if isinstance(saved_section.get("factory"), str):
-            check_saved_spec(saved_section["factory"], f"{key}.factory", f"checkpoint '{path}'")
+            check_saved_spec(saved_section["factory"], f"{key}.factory", path, meta)
             extra.append(f"{key}.factory={saved_section['factory']}")
             options = saved_section.get("options")
             if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again

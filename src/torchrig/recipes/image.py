@@ -221,6 +221,8 @@ class ImageClassificationRecipe(Recipe):
             raise RecipeError(f"image.classes {list(ic.classes)} (from an earlier run's config) do not match the "
                               f"class folders of '{roots['train']}' {classes}; clear image.classes")
         ic.classes = classes
+        if len(classes) <= 5 and cfg.metrics == self.defaults["metrics"]:  # every sample is in the top 5 of 5
+            cfg.metrics = [m for m in cfg.metrics if m != "top5"]
         index = {c: i for i, c in enumerate(classes)}
         other: dict[str, list] = {}
         for split in ("val", "test"):

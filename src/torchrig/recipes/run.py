@@ -118,41 +118,71 @@ def _readlink(p: Path) -> str:
         return "none"
 
 
+# Keys of a checkpoint's config.yaml that describe the process and the machine that wrote it, not the
+# model: how it joined a process group (a crafted dist.init_method would make this process join a stranger's
+# group), devices, threads, loader workers, logs and trackers, what to resume or overwrite. A checkpoint read
+# back never decides them: they take this run's values (the defaults, then --set). The rules for every key
+# are in docs/reliability.md ("What a checkpoint may decide").
+THIS_RUN = ("dist", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
+            "data.pin_memory", "log", "profile", "resume", "resume_weights_only", "overwrite", "run_dir",
+            "model.weights")
+_JOINING = ("init_method", "rank", "world_size", "backend")  # the dist keys a note names when they were set
+
+
+def inference_config(saved: dict, path: Path, overrides: Optional[list[str]] = None, say=None) -> C.Config:
+    """The config to evaluate or predict with: the checkpoint's ``saved`` config.yaml without the keys of
+    ``THIS_RUN``, then ``overrides`` (``KEY=VALUE``); ``say`` (stderr by default) notes dropped dist keys."""
+    import sys
+
+    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for key in THIS_RUN:
+        section, _, name = key.rpartition(".")
+        owner = kept.get(section) if section else kept
+        if isinstance(owner, dict):
+            owner.pop(name, None)
+    dist = saved.get("dist") if isinstance(saved.get("dist"), dict) else {}
+    joined = {k: dist[k] for k in _JOINING if dist.get(k) is not None}
+    if joined:
+        shown = ", ".join(f"dist.{k}={v}" for k, v in joined.items())
+        (say or (lambda text: print(text, file=sys.stderr)))(
+            f"torchrig: checkpoint '{path}' names {shown}; ignored: how this process joins a process group comes "
+            f"from this command line and its environment only (torchrun's RANK, WORLD_SIZE, MASTER_ADDR)")
+    cfg = C.from_dict(kept)
+    # artifacts (tokenizer, class map) are read from the run directory the checkpoint lies in, or from itself
+    cfg.run_dir = str(path.parent.parent if path.parent.name == "checkpoints" else path)
+    if cfg.precision == "fp16":
+        import torch
+
+        if not torch.cuda.is_available():
+            cfg.precision = "fp32"  # fp16 needs CUDA; on a CPU-only machine evaluate in fp32
+    for item in overrides or []:
+        key, _, raw = item.partition("=")
+        C.set_key(cfg, key.strip(), raw)
+    return C.validate(cfg)
+
+
 def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     """(recipe, cfg, model with the checkpoint's weights, checkpoint dir) on the configured device."""
-    import torch
-
     from ..checkpoint import CheckpointError, load_into, load_weights_file, read_checkpoint, resolve
 
     path = resolve(checkpoint)
     if path is None:
         raise CheckpointError(f"no checkpoint found at '{checkpoint}'")
-    _, _, saved = read_checkpoint(path)
+    _, meta, saved = read_checkpoint(path)
     if saved is None:
         raise CheckpointError(f"checkpoint '{path}' has no config.yaml; it was not written by torchrig train")
-    cfg = C.from_dict(saved)
-    if path.parent.name == "checkpoints":  # artifacts (tokenizer, class map) live in the run dir beside it
-        cfg.run_dir = str(path.parent.parent)
-    cfg.resume = None
-    # how the run was spread over processes does not bind evaluation (ddp: only under torchrun)
-    cfg.dist.strategy = {"fsdp": "none", "ddp": "auto"}.get(cfg.dist.strategy, cfg.dist.strategy)
-    if cfg.device not in ("auto", "cpu"):
-        cfg.device = "auto"  # a GPU-trained checkpoint must evaluate on a CPU-only machine
-    if cfg.precision == "fp16" and not torch.cuda.is_available():
-        cfg.precision = "fp32"  # fp16 needs CUDA; on a CPU-only machine evaluate in fp32
-    for item in overrides or []:
-        key, _, raw = item.partition("=")
-        C.set_key(cfg, key.strip(), raw)
-    C.validate(cfg)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"'{path / 'config.yaml'}' holds a {type(saved).__name__}, not a mapping of config "
+                              f"keys; use a checkpoint written by torchrig train")
+    cfg = inference_config(saved, path, overrides)
     given = {item.partition("=")[0].strip() for item in overrides or []}
-    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only from the current folder
+    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only what the run was trained with
         spec = C.get_key(cfg, key)
         if spec and key not in given:
-            factory.check_saved_spec(spec, key, f"checkpoint '{path}'")
+            factory.check_saved_spec(spec, key, path, meta)
     if cfg.model.python_class and not cfg.model.factory:
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
-    cfg.model.weights = None
     model = factory.build_model(recipe, cfg)
     load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
     return recipe, cfg, model, path
@@ -179,6 +209,9 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
 def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
                 overrides: Optional[list[str]] = None, features: Optional[list[str]] = None) -> Path:
     """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise RecipeError(f"predict --topk {topk}: expected an integer >= 1, the number of classes to report per "
+                          f"input (default 5)")
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
     x, names = recipe.load_inputs(cfg, Path(inputs))
     out = Path(output)

@@ -60,12 +60,26 @@ def use_device(dev: torch.device) -> None:
         torch.cuda.set_device(dev)
 
 
+THREADS_PER_CORE = 4  # more threads than this per core only slow a run down, and enough of them crash it
+
+
+def _check_thread_count(name: str, count: Optional[int]) -> None:
+    """A thread count this machine can run: each thread reserves a stack, and torch creates its pool at once
+    (threads=100000 fails inside an unrelated import, or crashes)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if count is not None and count > THREADS_PER_CORE * cores:
+        raise RuntimeSetupError(f"{name}={count}: more CPU threads than this machine can use ({cores} core(s) "
+                                f"available to this process, at most {THREADS_PER_CORE} threads per core); set "
+                                f"{name} to at most {cores}, or leave it unset")
+
+
 def configure_threads(threads: Optional[int] = None, interop: Optional[int] = None) -> int:
     """Set intra-op (and inter-op) CPU threads; ``TORCH_THREAD_NUM`` is used when ``threads`` is None.
 
     Returns the intra-op thread count in force. Inter-op threads can only be set once per process,
     before any parallel work, so a failure there is ignored rather than fatal.
     """
+    source = "threads"
     if threads is None:
         env = os.environ.get("TORCH_THREAD_NUM")
         if env:
@@ -75,6 +89,9 @@ def configure_threads(threads: Optional[int] = None, interop: Optional[int] = No
                 raise RuntimeSetupError(f"TORCH_THREAD_NUM={env!r} is not an integer; set it to a thread count like 4") from None
             if threads < 1:
                 raise RuntimeSetupError(f"TORCH_THREAD_NUM={env!r} must be at least 1")
+            source = "TORCH_THREAD_NUM"
+    for name, count in ((source, threads), ("interop_threads", interop)):
+        _check_thread_count(name, count)
     if threads is not None:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ import atexit
 import datetime
 import functools
 import gc
+import io
 import os
 import re
 import time
@@ -315,24 +316,70 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:
-    """Broadcast a tensor (in place, returned) or any picklable object from ``src``."""
+    """Broadcast a tensor (in place, returned) or plain data (see :func:`gather`) from ``src``."""
     if not (is_initialized() and get_world_size() > 1):
         return obj
     if isinstance(obj, torch.Tensor):
         dist.broadcast(obj, src)
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src)
-    return box[0]
+    device = _object_device()
+    data = _encode(obj, device) if get_rank() == src else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src)
+    return obj if get_rank() == src else _decode(data, src)
 
 
 def gather(obj: Any) -> list:
-    """Every rank's ``obj`` (tensor or picklable object), in rank order, on every rank."""
+    """Every rank's ``obj``, in rank order, on every rank.
+
+    ``obj`` is plain data: tensors, numbers, strings, None, and lists, tuples, sets and dicts of them.
+    It travels as the bytes of ``torch.save`` in a tensor and is read back with
+    ``torch.load(weights_only=True)``, never with a free unpickler (``all_gather_object``): what
+    another process sends can never make this one run code.
+    """
     if not (is_initialized() and get_world_size() > 1):
         return [obj]
-    out: list = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    device = _object_device()
+    data = _encode(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    counts = torch.cat(sizes).tolist()
+    longest = max(counts)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(parts, padded)
+    rank = get_rank()
+    return [obj if r == rank else _decode(part[:n], r) for r, (part, n) in enumerate(zip(parts, counts))]
+
+
+def _object_device() -> torch.device:
+    """Where the bytes of exchanged objects travel: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+
+
+def _decode(data: torch.Tensor, rank: int) -> Any:
+    try:
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f"pickles '{found.group(1)}'" if found else f"cannot be read as plain data ({type(exc).__name__})"
+        raise DistributedError(
+            f"rank {get_rank()}: the object rank {rank} sent {what}; ranks exchange only plain data (tensors, "
+            f"numbers, strings, lists, tuples, dicts), so that no process can make another run code. Check that "
+            f"every rank runs your own program (and gather / broadcast plain values)") from None
 
 
 def explain_collective_errors(method: Callable) -> Callable:

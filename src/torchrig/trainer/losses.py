@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .optim import NameError_, unknown_name
-from .outputs import AutoLoss
+from .outputs import AutoLoss, BatchError, describe
 
 LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
 
@@ -22,7 +22,13 @@ class _Loss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.float_target:
-            if output.shape != target.shape and output.numel() == target.numel():
+            if output.shape != target.shape:
+                if output.numel() != target.numel():  # torch would broadcast them into a wrong loss, or fail
+                    raise BatchError(
+                        f"the loss {self.name} (config key 'loss') compares the model's output with a target of the "
+                        f"same shape, but the output is {describe(output)} and the targets {describe(target)}"
+                        + ("; these look like class indices: use loss=cross_entropy" if not target.is_floating_point()
+                           and target.ndim == output.ndim - 1 else "; give targets shaped like the output"))
                 output = output.reshape(target.shape)
             if not target.is_floating_point():
                 target = target.to(output.dtype)
@@ -42,12 +48,13 @@ def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
     key = spec.lower()
     # The functional forms: what nn.CrossEntropyLoss & co. call, without a module call per step.
     table = {
-        "cross_entropy": lambda: _Loss(key, functools.partial(F.cross_entropy, label_smoothing=label_smoothing), False),
-        "nll": lambda: _Loss(key, F.nll_loss, False),
-        "mse": lambda: _Loss(key, F.mse_loss, True),
-        "l1": lambda: _Loss(key, F.l1_loss, True),
-        "smooth_l1": lambda: _Loss(key, F.smooth_l1_loss, True),
-        "bce_with_logits": lambda: _Loss(key, F.binary_cross_entropy_with_logits, True),
+        "cross_entropy": lambda: _Loss("cross_entropy",
+                                       functools.partial(F.cross_entropy, label_smoothing=label_smoothing), False),
+        "nll": lambda: _Loss("nll", F.nll_loss, False),
+        "mse": lambda: _Loss("mse", F.mse_loss, True),
+        "l1": lambda: _Loss("l1", F.l1_loss, True),
+        "smooth_l1": lambda: _Loss("smooth_l1", F.smooth_l1_loss, True),
+        "bce_with_logits": lambda: _Loss("bce_with_logits", F.binary_cross_entropy_with_logits, True),
     }
     if key == "auto":
         return AutoLoss(table["cross_entropy"]())

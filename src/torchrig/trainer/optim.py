@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -65,18 +66,29 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
     if key == "sgd":
         if fused_ok and not opts.get("dampening"):  # a fused SGD with dampening cannot skip a first step exactly
             opts.setdefault("fused", True)
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **opts)
-    if key in ("adam", "adamw"):
+        cls, kwargs = torch.optim.SGD, dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    elif key in ("adam", "adamw"):
         cls = torch.optim.Adam if key == "adam" else torch.optim.AdamW
         if fused_ok:
             opts.setdefault("fused", True)
-        return cls(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **opts)
-    if key == "adagrad":
-        return torch.optim.Adagrad(groups, lr=lr, weight_decay=weight_decay, eps=eps if eps != 1e-8 else 1e-10, **opts)
-    if key == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum if momentum != 0.9 else 0.0,
-                                   weight_decay=weight_decay, eps=eps, **opts)
-    raise unknown_name("optimizer", name, list(OPTIMIZERS))
+        kwargs = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    elif key == "adagrad":
+        cls, kwargs = torch.optim.Adagrad, dict(weight_decay=weight_decay, eps=eps if eps != 1e-8 else 1e-10)
+    elif key == "rmsprop":
+        cls = torch.optim.RMSprop
+        kwargs = dict(momentum=momentum if momentum != 0.9 else 0.0, weight_decay=weight_decay, eps=eps)
+    else:
+        raise unknown_name("optimizer", name, list(OPTIMIZERS))
+    unknown = [k for k in options or {} if k not in inspect.signature(cls).parameters]
+    if unknown:
+        valid = [p for p in inspect.signature(cls).parameters if p not in ("self", "params", "lr")]
+        raise NameError_(f"config key 'optim.options': {cls.__name__} (optim.name={name}) takes no keyword "
+                         f"{unknown[0]!r}{suggest(unknown[0], valid, listing='Valid keywords: ' + ', '.join(valid))}")
+    twice = [k for k in options or {} if k in kwargs or k == "lr"]
+    if twice:
+        raise NameError_(f"config key 'optim.options': {twice[0]!r} has its own key, optim.{twice[0]}; set that "
+                         f"instead")
+    return cls(groups, lr=lr, **kwargs, **opts)
 
 
 # ----------------------------------------------------------------------------- schedulers

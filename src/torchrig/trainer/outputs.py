@@ -59,7 +59,8 @@ class OutputError(TorchrigError, TypeError):
 
 
 class BatchError(TorchrigError, TypeError):
-    """A batch whose keys do not fit ``forward``; the message names both and the config keys to set."""
+    """A batch that does not fit the model or the loss (its keys, the inputs' shape or dtype, the targets);
+    the message names both sides and what to change."""
 
 
 @dataclass
@@ -152,7 +153,110 @@ def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable],
     if not isinstance(prediction, torch.Tensor):
         raise OutputError(f"the loss needs a tensor prediction, got {type(prediction).__name__} from the model's "
                           f"output; set output_key to the prediction's index or key")
-    return prediction, loss_fn(prediction, target)
+    try:
+        return prediction, loss_fn(prediction, target)
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise explain_loss_error(exc, loss_fn, prediction, target) or exc
+
+
+# ----------------------------------------------------------------------------- errors a batch causes
+# The model and the loss raise torch's own words when a batch does not fit them ("mat1 and mat2 shapes cannot
+# be multiplied (64x5 and 4x8)", "Target 5 is out of bounds."). These turn the common cases into one line that
+# shows the batch and what the model or the loss takes. They run only once something has failed.
+
+
+def describe(value: Any) -> str:
+    """``float64 (64, 5)`` for a tensor; the same per element of a tuple or per key of a dict."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')} {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def _first_layer(model: Any) -> str:
+    """What the model's first Linear / Conv / Embedding layer takes, in words ('' when none is found)."""
+    module = runtime.unwrap(model) if isinstance(model, nn.Module) else None
+    for name, m in (module.named_modules() if module is not None else []):
+        weight = getattr(m, "weight", None)
+        dtype = str(weight.dtype).replace("torch.", "") if isinstance(weight, torch.Tensor) else "float"
+        shown = f"its first layer '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        if isinstance(m, nn.Linear):
+            return f"{shown} takes {dtype} inputs with {m.in_features} features in the last dimension"
+        if isinstance(m, nn.modules.conv._ConvNd):
+            return f"{shown} takes {dtype} inputs with {m.in_channels} channels in dimension 1"
+        if isinstance(m, nn.Embedding):
+            return f"{shown} takes integer ids below {m.num_embeddings}"
+    return ""
+
+
+_DTYPE_WORDS = ("dtype", "scalar type", "input type", "double and float", "float and double", "should be the same")
+_SHAPE_WORDS = ("shape", "size", "channels", "dimension", "dimensional", "expected input")
+
+
+def explain_forward_error(exc: BaseException, model: Any, inputs: Any) -> Optional["BatchError"]:
+    """One line for a forward that failed because the inputs' dtype or shape does not fit the model."""
+    text = str(exc).strip()
+    low = text.lower()
+    if (isinstance(exc, (torch.OutOfMemoryError, getattr(torch.distributed, "DistError", ())))
+            or not isinstance(exc, RuntimeError) or "out of memory" in low):
+        return None  # the micro-batcher's and the collectives' own errors
+    if any(w in low for w in _DTYPE_WORDS):
+        todo = "convert the inputs to the model's dtype (x.float()) where the data is made"
+    elif any(w in low for w in _SHAPE_WORDS):
+        todo = ("make the data's inputs fit the model (their shape, the number of features or channels) or change "
+                "the model")
+    else:
+        return None
+    layer = _first_layer(model)
+    return BatchError(f"the model's forward failed on a batch of inputs {describe(inputs)}: "
+                      f"{text.splitlines()[0][:300]}; {layer + ': ' if layer else ''}{todo}")
+
+
+def explain_step_error(exc: BaseException, model: Any, inputs: Any, loss_fn: Any, output: Any,
+                       target: Any) -> Optional["BatchError"]:
+    """:func:`explain_forward_error` when the forward raised (no ``output`` yet), else :func:`explain_loss_error`."""
+    if output is None:
+        return explain_forward_error(exc, model, inputs)
+    return explain_loss_error(exc, loss_fn, output, target)
+
+
+def loss_name(loss_fn: Any) -> str:
+    """The loss's name as the config key ``loss`` says it, for messages (``cross_entropy``, ``mse`` ...)."""
+    loss_fn = getattr(loss_fn, "fallback", loss_fn)  # AutoLoss: its cross-entropy
+    name = getattr(loss_fn, "name", None) or getattr(getattr(loss_fn, "func", loss_fn), "__name__", None)
+    return str(name or type(loss_fn).__name__).replace("_loss", "")
+
+
+def explain_loss_error(exc: BaseException, loss_fn: Any, prediction: Any, target: Any) -> Optional["BatchError"]:
+    """One line for a class-index loss given targets it cannot take: float, out of range, or 2-D."""
+    if not (isinstance(prediction, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return None
+    name = loss_name(loss_fn)
+    if name not in ("cross_entropy", "nll"):
+        return None
+    key = f"the loss {name} (config key 'loss')"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    classes = prediction.shape[1] if prediction.ndim >= 2 else None
+    if "out of bounds" in text and classes is not None:
+        t = target.detach()
+        bad = int(t.max()) if int(t.max()) >= classes else int(t.min())
+        return BatchError(f"{key}: the targets hold class {bad}, outside the model's {classes} outputs (classes 0 to "
+                          f"{classes - 1}); check the labels, or give the model one output per class")
+    if target.is_floating_point() and target.shape != prediction.shape:
+        return BatchError(f"{key} takes integer class indices as targets, but they are {describe(target)} (the "
+                          f"model's output is {describe(prediction)}); convert them (y.long()), or choose a loss "
+                          f"for float targets (loss=mse, loss=bce_with_logits)")
+    if target.ndim == prediction.ndim and target.shape != prediction.shape:
+        return BatchError(f"{key} takes one class index per sample (shape {tuple(prediction.shape[:1])}) or class "
+                          f"probabilities shaped like the output {tuple(prediction.shape)}, but the targets are "
+                          f"{describe(target)}; give one label per sample")
+    if "target" in text.lower() and classes is not None:
+        return BatchError(f"{key} cannot take targets {describe(target)} for an output {describe(prediction)} "
+                          f"({text}); give one class index in [0, {classes - 1}] per sample")
+    return None
 
 
 # ----------------------------------------------------------------------------- batches
@@ -293,10 +397,15 @@ def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
     """``model(inputs)``: a dict through :func:`forward_arguments`, a tuple spread, anything else as one."""
     if isinstance(inputs, dict):
         args, kwargs = forward_arguments(model, inputs, input_keys, labels)
+    elif input_keys is not None:
+        raise BatchError(f"data.input_keys={list(input_keys)} names keys of dict batches, but the batches are "
+                         f"{describe(inputs)}, not a dict; remove data.input_keys (or give batches as dicts)")
+    else:
+        args, kwargs = inputs if isinstance(inputs, tuple) else (inputs,), {}
+    try:
         return model(*args, **kwargs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+    except RuntimeError as exc:
+        raise explain_forward_error(exc, model, inputs) or exc
 
 
 def predict_inputs(model: Callable, batch: Any, label_key: Optional[str] = None) -> Any:

@@ -57,10 +57,22 @@ class PlainStep:
                  and step.precision.dtype is None and step.precision.scaler is None
                  and not step.clip_grad_norm and not step.clip_grad_value
                  and len(step.optimizers) == 1 and not step.class_last
-                 and step.loss_normalization != "tokens"
+                 and step.loss_normalization != "tokens" and step.io.input_keys is None
                  # a skipped step restores BatchNorm-like buffers from a copy the general step takes
                  and (step.on_nonfinite == "error" or next(step.model.buffers(), None) is None))
         return cls(trainer) if plain else None
+
+    def _forward_and_loss(self, inputs: torch.Tensor, target: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """(prediction, loss); free until it raises: then one line on the inputs or the targets, as the general
+        step gives (``outputs.explain_step_error``)."""
+        output = None
+        try:
+            output = self.model(inputs)
+            if type(output) is torch.Tensor and self.tensor_loss is not None:
+                return output, self.tensor_loss(output, target)
+            return outputs.prediction_and_loss(output, target, self.loss_fn, self.key)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise outputs.explain_step_error(exc, self.model, inputs, self.tensor_loss, output, target) or exc
 
     def __call__(self, batch: Any, epoch: int, index: int) -> Any:
         if (type(batch) is not list and type(batch) is not tuple) or len(batch) != 2:
@@ -75,11 +87,7 @@ class PlainStep:
             return GENERAL
         step, opt = self.step, self.optimizer
         step.epoch, step.batch_index, step.batch, step.batch_size = epoch, index, batch, inputs.shape[0]
-        output = self.model(inputs)
-        if type(output) is torch.Tensor and self.tensor_loss is not None:
-            prediction, loss = output, self.tensor_loss(output, target)
-        else:
-            prediction, loss = outputs.prediction_and_loss(output, target, self.loss_fn, self.key)
+        prediction, loss = self._forward_and_loss(inputs, target)
         value = loss.item() if loss.numel() == 1 else None  # read once: the finite check and the logged sum
         bad_loss = value is not None and not math.isfinite(value)
         loss.backward()

@@ -4,9 +4,19 @@ The command line rebuilds a model from the config (a recipe's ``model.name``, or
 A model handed to ``Trainer`` in Python cannot be rebuilt that way: its class is recorded as
 ``model.python_class`` (``module:qualname``, for information), and ``torchrig evaluate`` / ``predict``
 refuse such a checkpoint with one line that says so, instead of loading it into the wrong model.
+
+A model or data set built by a factory (``model.factory`` / ``data.factory``, ``module:function``) is
+rebuilt by importing that module again: ``meta.json`` records, under ``factories``, the file the module
+was imported from and a SHA-256 of its bytes, so that a spec read back from a checkpoint is imported only
+when it resolves to that very file (see ``recipes/factory.py``, ``check_saved_spec``).
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import Any
 
 from torch import nn
 
@@ -25,4 +35,22 @@ def saved_config(cfg: C.Config, model: nn.Module, config_builds_model: bool) -> 
     out = C.to_dict(cfg)
     if not (config_builds_model or cfg.model.factory):
         out["model"]["python_class"] = class_path(model)
+    return out
+
+
+def factory_files(cfg: C.Config) -> dict[str, dict[str, Any]]:
+    """``{"model.factory": {"spec", "module", "file", "sha256"}, ...}`` for each factory of ``cfg`` whose
+    module is imported (from a file); the record ``meta.json`` keeps beside the spec."""
+    out = {}
+    for key, spec in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
+        module = sys.modules.get(spec.partition(":")[0]) if spec else None
+        path = getattr(module, "__file__", None)
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
+        except OSError:
+            continue
+        out[key] = {"spec": spec, "module": module.__name__, "file": os.path.realpath(path), "sha256": digest}
     return out

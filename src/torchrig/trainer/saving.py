@@ -52,6 +52,9 @@ def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> O
             + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
     meta = {"step": t.global_step, "epoch": t.state.epoch, "batch_in_epoch": t.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": t.world_size, "precision": t.precision.name}
+    factories = provenance.factory_files(t.cfg)
+    if factories:
+        meta["factories"] = factories
     config = provenance.saved_config(t.cfg, t.model, t.config_builds_model)
     t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
     path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)

@@ -21,7 +21,7 @@ from .. import config as C
 from .. import runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
-from ..data import Batches, prefetch_to_device, prepare_eval, prepare_train, to_device
+from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
@@ -203,6 +203,8 @@ class Trainer:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
         self._data.say = self.print  # a stream's notes go through the progress display
         self._data.position = lambda: self.state.batch_in_epoch  # what the loop trained (a prefetcher reads ahead)
+        if self.world_size > 1:
+            check_same_data(self._data, val_data, self.device)  # one all-reduce: ranks that differ stop now
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
