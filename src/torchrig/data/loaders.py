@@ -332,7 +332,7 @@ def check_same_data(train: Batches, val_data: Any, device: torch.device) -> None
     sizes = [_size(train), _size(val_data) if val_data is not None else -1]
     extremes = runtime.agree_max([*sizes, *[-n for n in sizes]], device)
     for i, what in enumerate(("training", "validation")):
-        most, least = extremes[i], -extremes[i + 2]
+        most, least = int(extremes[i]), -int(extremes[i + 2])
         if most != least:
             raise DataError(f"the {what} data has {least} samples on one rank and {most} on another (this rank: "
                             f"{sizes[i]}); every rank must hold the same data set, which the sampler splits among "
