@@ -403,6 +403,9 @@ class _FullDisk:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return self.fh.write(text)
 
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
     def close(self) -> None:
         self.fh.close()
 
@@ -422,6 +425,37 @@ def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data
     resumed.fit(data)
     assert resumed.global_step == 5
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "samples_per_s" in r] == [1, 2, 3, 4, 5]
+
+
+class _TakeAway:
+    """Deletes (or replaces) metrics.jsonl after the rows of the given steps, as a user's cleanup might."""
+
+    def __init__(self, path: Path, steps: tuple, how: str):
+        self.path, self.steps, self.how = path, steps, how
+
+    def on_log(self, trainer, values, kind):
+        if kind == "interval" and trainer.global_step in self.steps:
+            if self.how == "delete":
+                self.path.unlink()
+            else:
+                other = self.path.with_name("other.jsonl")
+                other.write_text('{"note": "a file put in its place"}\n')
+                os.replace(other, self.path)
+
+
+@pytest.mark.parametrize("how, steps, kept", [("delete", (2,), [3, 4, 5]), ("delete", (2, 4), [5]),
+                                             ("replace", (2,), [3, 4, 5])])
+def test_metrics_jsonl_deleted_or_replaced_mid_run_is_reopened_and_said_once(make_trainer, data, run_dir, capsys,
+                                                                             how, steps, kept):
+    path = run_dir / "metrics.jsonl"
+    make_trainer(log_every=1, callbacks=[_TakeAway(path, steps, how)]).fit(data)
+    rows = read_jsonl(path)
+    assert (rows[0] == {"note": "a file put in its place"}) == (how == "replace")
+    assert [r["step"] for r in rows if r.get("kind") == "interval"] == kept  # no row written into the void
+    assert [r["step"] for r in rows if r.get("kind") == "epoch"] == [5]
+    said = [line for line in capsys.readouterr().err.splitlines() if "metrics.jsonl" in line]
+    assert said == [f"torchrig: '{path}' was {how}d during the run; its rows from step {steps[0] + 1} on are "
+                    f"appended to the file now at that path"]
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path, make_trainer, data):

@@ -7,6 +7,7 @@ keeps a tensor, let alone a graph, alive.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ class RunLogger:
             progress = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
         self.mode = progress if enabled else "none"
         self._jsonl = None
+        self._reopened = False  # metrics.jsonl was deleted or replaced during the run, and reopened
         self._bar = None
         self.started = time.perf_counter()  # for the end-of-run summary
         self.start_step = start_step or 0
@@ -75,11 +77,29 @@ class RunLogger:
         row.update({k: v for k, v in values.items() if v is not None})
         if self._jsonl is not None:
             try:
+                self._follow_jsonl(step)
                 self._jsonl.write(json.dumps(row, default=float) + "\n")
             except OSError as exc:
                 self._drop_jsonl()
                 raise _write_error(exc, self._jsonl_path, f"writing step {step} to") from None
         self.trackers.log(values, step)
+
+    def _follow_jsonl(self, step: int) -> None:
+        """Reopen ``metrics.jsonl`` (appending) when the file at its path is no longer the one open here:
+        rows written to a deleted or replaced file would be lost without a word. Says so once."""
+        try:
+            moved = not os.path.samestat(os.stat(self._jsonl_path), os.fstat(self._jsonl.fileno()))
+            what = "replaced"
+        except FileNotFoundError:
+            moved, what = True, "deleted"
+        if not moved:
+            return
+        self._jsonl.close()
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        if not self._reopened:
+            self._reopened = True
+            self.print(f"torchrig: '{self._jsonl_path}' was {what} during the run; its rows from step {step} on "
+                       f"are appended to the file now at that path")
 
     def _drop_jsonl(self) -> None:
         """Close a file that failed to write; what it still buffers cannot be written either."""
