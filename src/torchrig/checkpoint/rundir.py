@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import runtime
+from ..config.files import file_kind, open_regular
 from .io import CheckpointError, write_bytes_atomic
 
 try:
@@ -148,24 +149,16 @@ def _open_lock(path: Path, create: bool) -> int:
         if stat.S_ISLNK(mode):  # O_NOFOLLOW's ELOOP: a symbolic link stands where the lock file goes
             raise _not_a_lock(path, f"a symbolic link (to '{os.readlink(path)}')") from None
         if not stat.S_ISREG(mode):  # a directory (EISDIR), a socket (ENXIO) ...
-            raise _not_a_lock(path, _file_kind(mode)) from None
+            raise _not_a_lock(path, file_kind(mode)) from None
         raise
     st = os.fstat(fd)
-    what = None if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode)
+    what = None if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
     if what is None and st.st_nlink != 1:
         what = f"a file with {st.st_nlink} hard links (another name of it lies elsewhere)"
     if what is not None:
         os.close(fd)
         raise _not_a_lock(path, what)
     return fd
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _not_a_lock(path: Path, what: str) -> RunDirError:
@@ -282,7 +275,8 @@ def trim_metrics(path: str | Path, step: int) -> None:
     if step <= 0:
         path.unlink()
         return
-    lines = path.read_text(errors="replace").splitlines()
+    with open_regular(path, "metrics file", "move it away, or choose another run_dir", RunDirError) as fh:
+        lines = fh.read().decode(errors="replace").splitlines()
     keep = [line for line, at in zip(lines, map(_row_step, lines)) if at is not None and at <= step]
     if len(keep) != len(lines):
         write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import TorchrigError, suggest
+from . import files
 
 
 class ConfigError(TorchrigError, ValueError):
@@ -381,19 +382,6 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
             setattr(obj, key, check_value(full, typed, shown=value))
 
 
-def _yaml_loader():
-    """PyYAML's SafeLoader, plus YAML 1.2 floats: ``1e-4`` is a number, not the string '1e-4'."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-    return Loader
-
-
 def _parse_scalar(text: str) -> Any:
     """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists); empty text stays
     empty text (a key that accepts null says so: ``KEY=null``)."""
@@ -402,7 +390,7 @@ def _parse_scalar(text: str) -> Any:
     if not text.strip():
         return text
     try:
-        return yaml.load(text, Loader=_yaml_loader())
+        return files.parse_yaml(text, text if len(text) <= 60 else text[:57] + "...", "the value", ConfigError)
     except yaml.YAMLError:
         return text
 
@@ -678,6 +666,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 
 def read_yaml(path: str | Path) -> dict:
+    """The mapping of a YAML config file: a regular file of at most 1 MiB whose aliases expand little
+    (see ``files``), or a ConfigError naming the file."""
     import yaml
 
     p = Path(path)
@@ -686,7 +676,8 @@ def read_yaml(path: str | Path) -> dict:
     if p.is_dir():
         raise ConfigError(f"config file '{p}' is a directory; pass a YAML file")
     try:
-        data = yaml.load(p.read_text(), Loader=_yaml_loader())
+        raw = files.read_regular(p, files.YAML_LIMIT, "config file", "pass a YAML config file", ConfigError)
+        data = files.parse_yaml(raw.decode("utf-8"), str(p), "config file", ConfigError)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

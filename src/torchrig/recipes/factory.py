@@ -176,14 +176,12 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
     the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt."""
     if cfg.resume is None or cfg.model.factory or cfg.data.factory:
         return [], None
-    import yaml
+    from ..checkpoint import CheckpointError, read_config, resolve
 
-    from ..checkpoint import CheckpointError, resolve
-
-    try:  # config.yaml alone (yaml.safe_load), not the optimizer state beside it
+    try:  # config.yaml alone, not the optimizer state beside it
         path = resolve(cfg.resume, cfg.run_dir)
-        saved = yaml.safe_load((path / "config.yaml").read_text()) if path is not None else None
-    except (CheckpointError, OSError, yaml.YAMLError, UnicodeDecodeError):
+        saved = read_config(path) if path is not None else None
+    except (CheckpointError, OSError):
         return [], None  # the resume itself reports what is wrong with the checkpoint
     if not isinstance(saved, dict):
         return [], None
