@@ -345,8 +345,8 @@ def test_key_mismatch_lists_missing_and_unexpected(make_trainer, data, run_dir):
     with pytest.raises(CheckpointError, match=r"shape mismatch for head.bias \(4,\) vs model \(3,\); head.weight "
                                               r"\(4, 16\) vs model \(3, 16\)"):
         load_weights(TinyNet(classes=3), run_dir)
-    with pytest.raises(CheckpointError, match="missing keys: classifier.bias"):
-        make_trainer(Other(), resume="latest").fit(data)
+    with pytest.raises(CheckpointError, match="missing keys: classifier.bias"):  # (another class: allowed on purpose)
+        make_trainer(Other(), resume="latest", resume_changes="allow").fit(data)
 
 
 def test_many_missing_keys_are_summarised(make_trainer, data, run_dir):
@@ -405,7 +405,7 @@ def test_truncated_state_and_corrupt_meta(make_trainer, data, run_dir, checksums
 def test_optimizer_state_that_does_not_fit(make_trainer, data, run_dir):
     make_trainer(epochs=1).fit(data)
     with pytest.raises(CheckpointError) as err:
-        make_trainer(resume="latest", epochs=2, group_lr={"backbone": 1e-3}).fit(data)
+        make_trainer(resume="latest", epochs=2, group_lr={"backbone": 1e-3}, resume_changes="allow").fit(data)
     assert str(err.value) == (f"checkpoint '{run_dir / 'checkpoints' / 'step-00000005'}' optimizer/scheduler state "
                               f"does not fit this run (loaded state dict has a different number of parameter groups); "
                               f"was it made with a different optimizer or model?")

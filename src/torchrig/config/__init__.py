@@ -154,6 +154,7 @@ class Config:
     run_dir: Optional[str] = None  # None: a new numbered directory, runs/<recipe>/N (Python API: runs/default/N)
     resume: Optional[str] = None  # "latest", "best", a checkpoint directory, or None
     resume_weights_only: bool = False  # load only the weights of `resume`; fresh optimizer and schedule
+    resume_changes: str = "refuse"  # "allow": resume although settings that make it inexact changed (it says which)
     overwrite: bool = False  # a new run may replace the run already in run_dir (its checkpoints and logs)
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     precision: str = "fp32"  # fp32, bf16, fp16
@@ -538,7 +539,7 @@ _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 RULES: dict[str, _Rule] = {
     "recipe": _TEXT, "seed": _int(0, 2**32 - 1), "epochs": _int(1), "max_steps": _optional(_int(1)),
     "run_dir": _optional(_Rule("a directory path", _run_dir)), "resume": _optional(_TEXT), "overwrite": _BOOL,
-    "resume_weights_only": _BOOL,
+    "resume_weights_only": _BOOL, "resume_changes": _choice("refuse", "allow"),
     "device": _pattern("auto, cpu, cuda, cuda:N, xpu, xpu:N or mps", r"auto|cpu|mps|(?:cuda|xpu)(?::\d+)?"),
     "precision": _choice("fp32", "bf16", "fp16"), "threads": _optional(_int(1)),
     "interop_threads": _optional(_int(1)), "deterministic": _BOOL,
