@@ -330,6 +330,9 @@ def safe_torch_load(path: Path) -> Any:
         raise
     except pickle.UnpicklingError as exc:
         raise weights_only_refusal(path, exc) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({str(exc).splitlines()[0][:200]}); "
+    except MemoryError:
+        raise
+    except Exception as exc:  # a damaged zip or pickle stream fails in many ways (KeyError, IndexError, ...)
+        first = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({first}); "
                               f"use another checkpoint") from None
