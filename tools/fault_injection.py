@@ -1,17 +1,24 @@
 """Fault injection outside the test suite: many trials, a table of tried / survived / lost.
 
     python tools/fault_injection.py signals --trials 40      # random signals at random points, then resume
+    python tools/fault_injection.py bitflips --trials 400    # one flipped bit in a checkpoint file, then load
 
 A *signals* trial starts a small training run (``tests/helpers/signal_child.py``), sends SIGTERM, SIGINT or
 SIGUSR1 (to the process, or to its whole process group as Ctrl-C does) at a random moment, with or
 without DataLoader workers, checks the exit code and the resume line, resumes the run to its end and
 compares the final weights with an uninterrupted run, bit for bit. A trial *survives* when all of that
 holds; it is *lost* otherwise (and the reason is printed).
+
+A *bitflips* trial flips one random bit of ``model.safetensors`` or ``state.pt`` (half each) of a real
+checkpoint and reads the file as a resume or ``evaluate`` does. It *survives* when the file is refused as
+corrupt, naming it; it is *lost* when it loads. The same flip is also read from a copy whose meta.json
+records no checksums (a checkpoint saved before they existed), to show what the checksums add.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -75,15 +82,66 @@ def signal_trial(root: Path, rng: random.Random, reference: dict) -> str:
     return ""
 
 
+def bitflip_trial(ckpt: Path, rng: random.Random, work: Path) -> tuple[str, str]:
+    """(with checksums, without): "refused as corrupt", "refused (format)" or "loaded" for one flipped bit."""
+    import shutil
+
+    from torchrig.checkpoint import CheckpointError, CorruptCheckpointError, load_weights_file, read_checkpoint
+
+    name = rng.choice(["model.safetensors", "state.pt"])
+    size = (ckpt / name).stat().st_size
+    bit = rng.randrange(size * 8)
+    outcomes = []
+    for checksums in (True, False):
+        copy = work / ("with" if checksums else "without")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        if not checksums:
+            meta = json.loads((copy / "meta.json").read_text())
+            meta.pop("checksums")
+            (copy / "meta.json").write_text(json.dumps(meta))
+        data = bytearray((copy / name).read_bytes())
+        data[bit // 8] ^= 1 << (bit % 8)
+        (copy / name).write_bytes(bytes(data))
+        try:
+            load_weights_file(copy) if name == "model.safetensors" else read_checkpoint(copy)
+            outcomes.append("loaded")
+        except CorruptCheckpointError as exc:
+            assert str(copy / name) in str(exc)
+            outcomes.append("refused as corrupt")
+        except CheckpointError:
+            outcomes.append("refused (format)")
+    return outcomes[0], outcomes[1]
+
+
+def bitflips(root: Path, trials: int, rng: random.Random) -> None:
+    from collections import Counter
+
+    ref = _run(root / "reference")
+    if ref.returncode != 0:
+        raise SystemExit(f"the reference run failed:\n{ref.stderr[-2000:]}")
+    ckpt = (root / "reference" / "checkpoints" / "latest").resolve()
+    with_, without = Counter(), Counter()
+    for _ in range(trials):
+        a, b = bitflip_trial(ckpt, rng, root)
+        with_[a] += 1
+        without[b] += 1
+    print(f"bitflips: tried {trials}, survived {with_['refused as corrupt']} (refused as corrupt), lost "
+          f"{trials - with_['refused as corrupt']} ({dict(with_)}); without checksums: {dict(without)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["signals"])
+    parser.add_argument("kind", choices=["signals", "bitflips"])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.kind == "bitflips":
+            sys.path.insert(0, str(REPO / "src"))
+            return bitflips(root, args.trials, rng)
         ref = _run(root / "reference")
         if ref.returncode != 0:
             raise SystemExit(f"the reference run failed:\n{ref.stderr[-2000:]}")

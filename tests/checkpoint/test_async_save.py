@@ -6,6 +6,7 @@ write leaves the previous checkpoint whole."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -55,6 +56,11 @@ def _files(folder: Path) -> dict:
         out[name] = load_file(folder / name)
     state, meta, config = read_checkpoint(folder)
     meta.pop("saved_at")
+    # torch.save's and safetensors' bytes differ from one save to the next, so the checksums do too; but
+    # each is that of the bytes on disk (hashed by the writer thread as it wrote them)
+    sums = meta.pop("checksums")
+    assert sums == {f.name: "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+                    for f in folder.iterdir() if f.name != "meta.json"}
     with safe_open(str(folder / "model.safetensors"), "pt") as f:  # (its header's key order varies run to run)
         header = f.metadata()
     return {**out, "state": state, "meta": meta, "config": config, "header": header}

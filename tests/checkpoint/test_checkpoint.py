@@ -6,11 +6,12 @@ import contextlib
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
 import yaml
-from helpers import TinyNet
+from helpers import TinyNet, drop_checksums, record_checksums
 from safetensors.torch import load_file
 from torch import nn
 
@@ -285,6 +286,7 @@ def test_state_with_a_pickled_custom_class_is_refused(make_trainer, data, run_di
     state = torch.load(latest / "state.pt", weights_only=True)
     state["extra"] = Custom()
     torch.save(state, latest / "state.pt")
+    record_checksums(latest)  # crafted with care: its checksum matches
     with pytest.raises(CheckpointError) as err:
         make_trainer(epochs=2, resume="latest").fit(data)
     msg = str(err.value)
@@ -342,8 +344,8 @@ def test_key_mismatch_lists_missing_and_unexpected(make_trainer, data, run_dir):
     with pytest.raises(CheckpointError, match=r"shape mismatch for head.bias \(4,\) vs model \(3,\); head.weight "
                                               r"\(4, 16\) vs model \(3, 16\)"):
         load_weights(TinyNet(classes=3), run_dir)
-    with pytest.raises(CheckpointError, match="missing keys: classifier.bias"):
-        make_trainer(Other(), resume="latest").fit(data)
+    with pytest.raises(CheckpointError, match="missing keys: classifier.bias"):  # (another class: allowed on purpose)
+        make_trainer(Other(), resume="latest", resume_changes="allow").fit(data)
 
 
 def test_many_missing_keys_are_summarised(make_trainer, data, run_dir):
@@ -353,28 +355,46 @@ def test_many_missing_keys_are_summarised(make_trainer, data, run_dir):
         load_weights(big, run_dir)
 
 
+CORRUPT = "' is corrupt: its bytes do not match the sha256 checksum recorded in meta.json when it was saved; " \
+          "use another checkpoint (RUN_DIR/checkpoints/), or retrain"
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "saved-without-checksums"])
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_model_safetensors(make_trainer, data, run_dir, damage):
+def test_corrupt_model_safetensors(make_trainer, data, run_dir, damage, checksums):
     make_trainer(epochs=1).fit(data)
     path = resolve("latest", run_dir) / "model.safetensors"
+    if not checksums:
+        drop_checksums(path.parent)
     blob = path.read_bytes()
     path.write_bytes({"truncate": blob[: len(blob) - 100], "garbage": b"not a safetensors file" * 10,
                       "empty": b""}[damage])
     with pytest.raises(CheckpointError) as err:
         load_weights(TinyNet(), run_dir)
-    assert f"weights file '{path}' is corrupt or not a safetensors file" in str(err.value)
-    assert "use another checkpoint" in str(err.value)
-    with pytest.raises(CheckpointError, match="is corrupt or not a safetensors file"):
+    if checksums:
+        assert str(err.value) == f"checkpoint file '{path}{CORRUPT}"
+    else:  # safetensors itself finds it out
+        assert f"weights file '{path}' is corrupt or not a safetensors file" in str(err.value)
+        assert "use another checkpoint" in str(err.value)
+    with pytest.raises(CheckpointError, match="is corrupt: its bytes" if checksums else "is corrupt or not a safet"):
         make_trainer(resume="latest").fit(data)
 
 
-def test_truncated_state_and_corrupt_meta(make_trainer, data, run_dir):
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "saved-without-checksums"])
+def test_truncated_state_and_corrupt_meta(make_trainer, data, run_dir, checksums):
     make_trainer(epochs=1).fit(data)
     latest = resolve("latest", run_dir)
+    if not checksums:
+        drop_checksums(latest)
     blob = (latest / "state.pt").read_bytes()
     (latest / "state.pt").write_bytes(blob[: len(blob) // 2])
-    with pytest.raises(CheckpointError, match=r"checkpoint file '.*state.pt' is corrupt or truncated .*use another"):
+    with pytest.raises(CheckpointError) as err:
         make_trainer(resume="latest").fit(data)
+    if checksums:
+        assert str(err.value) == f"checkpoint file '{latest / 'state.pt'}{CORRUPT}"
+    else:
+        assert re.fullmatch(r"checkpoint file '.*state.pt' is corrupt or truncated .*use another checkpoint",
+                            str(err.value)), str(err.value)
     (latest / "state.pt").write_bytes(blob)
     (latest / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"meta.json' is corrupt \(not JSON\)"):
@@ -384,7 +404,7 @@ def test_truncated_state_and_corrupt_meta(make_trainer, data, run_dir):
 def test_optimizer_state_that_does_not_fit(make_trainer, data, run_dir):
     make_trainer(epochs=1).fit(data)
     with pytest.raises(CheckpointError) as err:
-        make_trainer(resume="latest", epochs=2, group_lr={"backbone": 1e-3}).fit(data)
+        make_trainer(resume="latest", epochs=2, group_lr={"backbone": 1e-3}, resume_changes="allow").fit(data)
     assert str(err.value) == (f"checkpoint '{run_dir / 'checkpoints' / 'step-00000005'}' optimizer/scheduler state "
                               f"does not fit this run (loaded state dict has a different number of parameter groups); "
                               f"was it made with a different optimizer or model?")
@@ -422,6 +442,7 @@ def test_cuda_saved_state_loads_on_cpu(make_trainer, data, run_dir):
     state["rng"]["cuda"] = [torch.get_rng_state()]  # a GPU run also saves the CUDA generators
     with saved_as_cuda():
         torch.save(state, latest / "state.pt")
+    record_checksums(latest)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(latest / "state.pt", weights_only=True)  # what a naive loader would hit

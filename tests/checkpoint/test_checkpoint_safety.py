@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import record_checksums
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from torchrig import Trainer
@@ -218,6 +219,7 @@ def test_planted_payload_never_runs(run_copy, tmp_path, capsys, monkeypatch, kin
     ckpt = run / "checkpoints" / STEP
     marker = tmp_path / "pwned"
     path = PLANTS[plant](ckpt, marker)
+    record_checksums(ckpt)  # a crafted checkpoint records its own checksums: they stop no one on purpose
     code, line = WAYS[way](run, ckpt, tmp_path, capsys, monkeypatch)
     assert not marker.exists()
     if plant.startswith(("sharded", "distcp")) and way in INFERENCE:
@@ -238,6 +240,7 @@ def test_shard_file_named_outside_its_folder_is_refused(run_copy, capsys):
     index, info = next(iter(meta.storage_data.items()))
     meta.storage_data[index] = dataclasses.replace(info, relative_path="../../../../secret")
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    record_checksums(folder.parent)
     code, line = _resume_latest(run, None, run, capsys, None)
     assert code == 1 and line.startswith(f"torchrig: error: checkpoint file '{folder / '.metadata'}' was refused as "
                                          f"unsafe: it names the shard file '../../../../secret' outside its folder")
@@ -252,7 +255,8 @@ def test_json_files_hold_no_code(run_copy, tmp_path, capsys, name):
     code, line = _resume_latest(run, None, tmp_path, capsys, None)
     assert not marker.exists()
     if name == "meta.json":
-        assert (code, line) == (1, f"torchrig: error: '{path}' is corrupt (not JSON)")
+        assert (code, line) == (1, f"torchrig: error: '{path}' is corrupt (not JSON); use another checkpoint "
+                                   f"(RUN_DIR/checkpoints/)")
     else:  # the index is a cache: the checkpoints are found by their names instead
         assert code == 0 and CheckpointManager(run).index["checkpoints"] == [STEP, "step-00000003"]
 

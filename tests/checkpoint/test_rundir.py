@@ -107,6 +107,139 @@ def test_two_trainers_in_one_process(make_trainer, data, run_dir):
     make_trainer(resume="latest").fit(data)
 
 
+def test_second_process_fit_is_refused_naming_the_holder(tmp_path, holder, make_trainer, data):
+    """Trainer.fit itself (not the command line's early check) refuses a run directory another process holds."""
+    run = tmp_path / "run"
+    first = holder(run)
+    with pytest.raises(RunDirError) as err:
+        make_trainer(run_dir=str(run)).fit(data)
+    assert re.fullmatch(rf"run_dir '{re.escape(str(run))}' is in use by PID {first.pid} on host "
+                        rf"{re.escape(socket.gethostname())} {STARTED}; wait for it, or choose another run_dir",
+                        str(err.value)), str(err.value)
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # nothing written into the holder's run
+    assert first.poll() is None
+
+
+# Started twice at once on one run directory: each waits for the go file, then trains 5 slow steps (long
+# enough that the other's start falls inside them) and prints what happened.
+RACER = """
+import os, sys, time, torch, torchrig
+from torch.utils.data import TensorDataset
+from torchrig.checkpoint.rundir import RunDirError
+
+class Slow:
+    def on_step_end(self, trainer, outputs):
+        time.sleep(0.4)
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(40, 8), torch.randint(0, 4, (40,)))
+trainer = torchrig.Trainer(torch.nn.Linear(8, 4), run_dir=sys.argv[1], epochs=1, batch_size=8, num_workers=0,
+                           callbacks=[Slow()], tensorboard=False, plot=False, progress="none")
+open(sys.argv[2], "w").close()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.005)
+try:
+    trainer.fit(data)
+    print(f"TRAINED {trainer.global_step}")
+except RunDirError as exc:
+    print(f"REFUSED {exc}")
+"""
+
+
+def test_simultaneous_starts_exactly_one_trains(tmp_path):
+    run, go = tmp_path / "run", tmp_path / "go"
+    procs = []
+    for i in range(2):
+        ready = tmp_path / f"ready-{i}"
+        procs.append((subprocess.Popen([PYTHON, "-c", RACER, str(run), str(ready), str(go)], env=subprocess_env(),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), ready))
+    try:
+        deadline = time.time() + 120
+        while not all(ready.exists() for _, ready in procs):
+            assert all(p.poll() is None for p, _ in procs), [p.communicate()[1][-2000:] for p, _ in procs]
+            assert time.time() < deadline, "the racers did not get ready"
+            time.sleep(0.02)
+        go.touch()
+        outs = [p.communicate(timeout=120) for p, _ in procs]
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = [out.strip() for out, _ in outs]
+    assert all(p.returncode == 0 for p, _ in procs), [err[-2000:] for _, err in outs]
+    assert sorted(line.split()[0] for line in lines) == ["REFUSED", "TRAINED"], lines
+    winner = next(p for (p, _), line in zip(procs, lines) if line.startswith("TRAINED"))
+    assert lines[[p for p, _ in procs].index(winner)] == "TRAINED 5"
+    refusal = next(line for line in lines if line.startswith("REFUSED"))
+    assert f"is in use by PID {winner.pid} on host" in refusal, refusal
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "epoch"] == [5]
+
+
+@pytest.fixture
+def precious(tmp_path):
+    """A file of the user's whose content must survive."""
+    path = tmp_path / "important"
+    path.write_text("the user's own words\n")
+    return path
+
+
+def _plant_lock(run: Path, kind: str, precious: Path) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    lock = run / LOCK_NAME
+    if lock.exists() or lock.is_symlink():
+        lock.unlink()
+    if kind == "symlink":
+        lock.symlink_to(precious)
+    elif kind == "dangling symlink":
+        lock.symlink_to(precious.with_name("not-yet"))
+    elif kind == "hard link":
+        os.link(precious, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "directory":
+        lock.mkdir()
+
+
+NOT_A_LOCK = {"symlink": "a symbolic link (to '{target}')", "dangling symlink": "a symbolic link (to '{target}')",
+              "hard link": "a file with 2 hard links (another name of it lies elsewhere)", "fifo": "a FIFO",
+              "directory": "a directory"}
+
+
+@pytest.mark.parametrize("kind", list(NOT_A_LOCK))
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_untouched(tmp_path, kind, precious, make_trainer, data):
+    run = tmp_path / "run"
+    _plant_lock(run, kind, precious)
+    target = os.readlink(run / LOCK_NAME) if (run / LOCK_NAME).is_symlink() else ""
+    with pytest.raises(RunDirError) as err:
+        make_trainer(run_dir=str(run)).fit(data)
+    assert str(err.value) == (f"the lock file '{run / LOCK_NAME}' is {NOT_A_LOCK[kind].format(target=target)}, not "
+                              f"torchrig's regular lock file; it was left as it is. Remove it (or choose another "
+                              f"run_dir) and start again")
+    assert precious.read_text() == "the user's own words\n"
+    assert not precious.with_name("not-yet").exists()
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_symlinked_lock_file_is_refused_by_the_cli_untouched(tmp_path, precious, capsys, resume):
+    from torchrig.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", *QUIET, "--set", f"run_dir={run}"]
+    if resume:  # a run that exists, whose lock file is then replaced by a link to the user's file
+        assert main(args) == 0
+        args += ["--set", "max_steps=4", "--set", "resume=latest"]
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_NAME} if resume else {}
+    _plant_lock(run, "symlink", precious)
+    capsys.readouterr()
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"torchrig: error: the lock file '{run / LOCK_NAME}' is a symbolic link (to '{precious}'), not torchrig's "
+        f"regular lock file; it was left as it is. Remove it (or choose another run_dir) and start again"]
+    assert precious.read_text() == "the user's own words\n"
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before
+
+
 # ----------------------------------------------------------------------------- a directory that holds a run
 
 
@@ -270,6 +403,9 @@ class _FullDisk:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return self.fh.write(text)
 
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
     def close(self) -> None:
         self.fh.close()
 
@@ -289,6 +425,37 @@ def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data
     resumed.fit(data)
     assert resumed.global_step == 5
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "samples_per_s" in r] == [1, 2, 3, 4, 5]
+
+
+class _TakeAway:
+    """Deletes (or replaces) metrics.jsonl after the rows of the given steps, as a user's cleanup might."""
+
+    def __init__(self, path: Path, steps: tuple, how: str):
+        self.path, self.steps, self.how = path, steps, how
+
+    def on_log(self, trainer, values, kind):
+        if kind == "interval" and trainer.global_step in self.steps:
+            if self.how == "delete":
+                self.path.unlink()
+            else:
+                other = self.path.with_name("other.jsonl")
+                other.write_text('{"note": "a file put in its place"}\n')
+                os.replace(other, self.path)
+
+
+@pytest.mark.parametrize("how, steps, kept", [("delete", (2,), [3, 4, 5]), ("delete", (2, 4), [5]),
+                                             ("replace", (2,), [3, 4, 5])])
+def test_metrics_jsonl_deleted_or_replaced_mid_run_is_reopened_and_said_once(make_trainer, data, run_dir, capsys,
+                                                                             how, steps, kept):
+    path = run_dir / "metrics.jsonl"
+    make_trainer(log_every=1, callbacks=[_TakeAway(path, steps, how)]).fit(data)
+    rows = read_jsonl(path)
+    assert (rows[0] == {"note": "a file put in its place"}) == (how == "replace")
+    assert [r["step"] for r in rows if r.get("kind") == "interval"] == kept  # no row written into the void
+    assert [r["step"] for r in rows if r.get("kind") == "epoch"] == [5]
+    said = [line for line in capsys.readouterr().err.splitlines() if "metrics.jsonl" in line]
+    assert said == [f"torchrig: '{path}' was {how}d during the run; its rows from step {steps[0] + 1} on are "
+                    f"appended to the file now at that path"]
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path, make_trainer, data):

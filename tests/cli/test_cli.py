@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 import yaml
-from helpers import one_line_error, subprocess_env
+from helpers import drop_checksums, one_line_error, record_checksums, subprocess_env
 
 from torchrig.cli import build_parser, main
 from torchrig.cli.doctor import problems, report
@@ -170,6 +170,7 @@ def test_evaluate_checkpoint_from_another_setup(trained, tmp_path, capsys):
     cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg["dist"]["strategy"], cfg["device"], cfg["precision"] = "ddp", "cuda", "fp16"
     (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    record_checksums(ckpt)
     assert main(["evaluate", "--checkpoint", str(ckpt), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["accuracy"] > 0.8
 
@@ -178,6 +179,9 @@ def test_evaluate_corrupt_checkpoint(trained, tmp_path, capsys):
     ckpt = tmp_path / "corrupt"
     shutil.copytree(trained / "checkpoints" / "latest", ckpt)
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "model.safetensors' is corrupt: its bytes do "
+                   "not match the sha256 checksum recorded in meta.json")
+    drop_checksums(ckpt)  # as saved before checksums: safetensors itself finds it out
     one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "is corrupt or not a safetensors file")
     (ckpt / "config.yaml").unlink()
     one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)],

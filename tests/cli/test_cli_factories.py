@@ -19,7 +19,7 @@ from torch import nn
 from torchrig import Trainer
 from torchrig.cli import main
 
-from helpers import one_line_error
+from helpers import one_line_error, record_checksums
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "rigfactories"  # a package name no other test uses
@@ -159,6 +159,7 @@ def test_a_checkpoint_cannot_name_a_standard_library_function(run, tmp_path, cap
     shutil.copytree(run, copy, symlinks=True)
     config = copy / "checkpoints" / "latest" / "config.yaml"
     config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: os:system"))
+    record_checksums(config.parent)  # crafted whole: the checksums match
     one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
                     "model.factory 'os:system': 'os' is a standard-library module")
 
@@ -170,6 +171,7 @@ def test_a_checkpoint_runs_code_only_from_the_current_directory(run, tmp_path, c
     shutil.copytree(run, copy, symlinks=True)
     config = copy / "checkpoints" / "latest" / "config.yaml"
     config.write_text(config.read_text().replace(f"factory: {PKG}.task:build_model", "factory: pytest:main"))
+    record_checksums(config.parent)  # crafted whole: the checksums match
     one_line_error(capsys, ["evaluate", "--checkpoint", str(copy)],
                     "names model.factory 'pytest:main', a module outside the current directory",
                     "--set model.factory=pytest:main")

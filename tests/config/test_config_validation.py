@@ -55,6 +55,7 @@ BAD_VALUES = [
     ("resume=''", "a non-empty string or null, got ''"),
     ('overwrite=maybe', "true or false, got 'maybe'"),
     ('resume_weights_only=2', "true or false, got 2"),
+    ('resume_changes=maybe', "one of refuse, allow, got 'maybe'"),
     ('device=gpu', "auto, cpu, cuda, cuda:N, xpu, xpu:N or mps, got 'gpu'"),
     ('precision=fp8', "one of fp32, bf16, fp16, got 'fp8'"),
     ('threads=0', 'an integer >= 1 or null, got 0'),

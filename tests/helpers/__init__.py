@@ -115,6 +115,26 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def record_checksums(checkpoint) -> None:
+    """Re-record in a checkpoint's meta.json the checksums of its files as they are now: what someone who
+    edits a checkpoint by hand (or crafts one) and fixes meta.json too leaves behind."""
+    import hashlib
+
+    folder = Path(checkpoint)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["checksums"] = {f.relative_to(folder).as_posix(): "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+                         for f in sorted(folder.rglob("*")) if f.is_file() and f.name != "meta.json"}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def drop_checksums(checkpoint) -> None:
+    """Remove the checksums from a checkpoint's meta.json, as in a checkpoint saved before they were recorded."""
+    path = Path(checkpoint) / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.pop("checksums", None)
+    path.write_text(json.dumps(meta))
+
+
 def subprocess_env(**extra) -> dict:
     """Environment for child Python processes: the package importable, one thread, no stray config."""
     env = dict(os.environ)

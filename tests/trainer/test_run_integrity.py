@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchrig
-from helpers import QUIET, TinyNet, make_classification
+from helpers import QUIET, TinyNet, make_classification, record_checksums
 from torchrig.checkpoint import CheckpointError, read_checkpoint, resolve
 from torchrig.trainer import NonFiniteLossError, default_step
 
@@ -162,6 +162,7 @@ def test_state_without_counters_refuses(tmp_path):
     state, _, _ = read_checkpoint(latest)
     del state["rng"]
     torch.save(state, latest / "state.pt")
+    record_checksums(latest)  # a whole checkpoint, only without RNG states
     with pytest.raises(CheckpointError, match=r"state.pt lacks rng, so it cannot resume exactly; set "
                                               r"resume_weights_only=true to load its weights only"):
         _trainer(run, resume="latest", max_steps=5).fit(_data())

@@ -1,9 +1,9 @@
 """Atomic save / load / resume, keep-last-k and best-k, safe loading."""
 
 from .background import finish_saves
-from .io import (CheckpointError, CheckpointWriteError, UnsafeCheckpointError, load_into, load_weights_file,
-                 safe_torch_load, save_weights)
-from .manager import CheckpointManager, read_checkpoint, resolve
+from .io import (CheckpointError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError, load_into,
+                 load_weights_file, read_meta, safe_torch_load, save_weights)
+from .manager import CheckpointManager, read_checkpoint, read_config, resolve
 from .resume import find_checkpoint, load_weights_only
 
 
@@ -17,6 +17,7 @@ def load_weights(model, path) -> None:
     load_into(model, load_weights_file(p), source=f"checkpoint '{path}'")
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriteError", "UnsafeCheckpointError",
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriteError", "CorruptCheckpointError",
+           "UnsafeCheckpointError",
            "find_checkpoint", "finish_saves", "load_weights_only", "load_into", "load_weights", "load_weights_file",
-           "read_checkpoint", "resolve", "safe_torch_load", "save_weights"]
+           "read_checkpoint", "read_config", "read_meta", "resolve", "safe_torch_load", "save_weights"]

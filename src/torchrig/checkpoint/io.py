@@ -5,7 +5,9 @@ counters, RNG states) is saved with ``torch.save`` and read back with ``weights_
 refuses any pickled object that is not a tensor or a plain container. Every file is written to a
 temporary name, flushed with fsync and renamed, so a process killed mid-save leaves the previous
 checkpoint whole. A write that fails (a full disk, a file size limit, an I/O error) raises the
-``OSError`` itself, also from inside ``torch.save``, and leaves no temporary file behind.
+``OSError`` itself, also from inside ``torch.save``, and leaves no temporary file behind. The sha256 of
+the bytes written is returned, for ``meta.json``; reading a file back checks it (``open_checked``), and
+reads only regular files (a FIFO would block, ``/dev/zero`` never ends).
 
 Testing hook: ``TORCHRIG_TEST_PAUSE_AT=NAME[@K]`` in the environment, read once when this module is
 imported, makes the process stop the K-th time (default: the first) a save reaches the point NAME:
@@ -19,6 +21,7 @@ aside). It is meant for tests only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -26,11 +29,12 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import torch
 from torch import nn
 
+from ..config import files
 from ..errors import TorchrigError
 
 
@@ -44,6 +48,10 @@ class UnsafeCheckpointError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed (full disk, I/O error, ...); the previous checkpoint is untouched."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file whose bytes are not the ones written: its checksum does not match meta.json's."""
 
 
 def refused(path: str | Path, what: str) -> UnsafeCheckpointError:
@@ -148,11 +156,42 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write) -> None:
+class _Writer:
+    """What checkpoint files are written through: it hashes the bytes on their way to the file (so the
+    checksum is that of the bytes written, computed once, on the thread that writes), and keeps the
+    ``OSError`` a write raised: ``torch.save`` turns it into a RuntimeError ("unexpected pos") that no
+    longer says the disk is full."""
+
+    def __init__(self, fh) -> None:
+        self.fh = fh
+        self.hash = hashlib.sha256()
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            n = self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.hash.update(data)
+        return n
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _write_atomic(path: Path, write) -> str:
+    """Write ``path`` through ``write(file)`` under a temporary name, fsync, rename; returns its checksum."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            write(fh)
+            out = _Writer(fh)
+            try:
+                write(out)
+            except RuntimeError:
+                if out.error is not None:
+                    raise out.error from None
+                raise
             fh.flush()
             pause_point(path.name, tmp)
             os.fsync(fh.fileno())
@@ -160,14 +199,96 @@ def _write_atomic(path: Path, write) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not keep the half file
         raise
+    return f"{CHECKSUM}:{out.hash.hexdigest()}"
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    _write_atomic(Path(path), lambda fh: fh.write(data))
+def write_bytes_atomic(path: Path, data: bytes) -> str:
+    return _write_atomic(Path(path), lambda out: out.write(data))
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+def write_json_atomic(path: Path, obj: Any) -> str:
+    return write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------- reading, checked
+
+# Every file of a checkpoint but meta.json has its checksum in meta.json ("checksums": {"state.pt":
+# "sha256:...", "sharded/__0_0.distcp": ...}), recorded from the bytes as they were written. A file is
+# checked when it is opened for reading, whichever way it is loaded (resume, evaluate, predict,
+# load_weights, model.weights); a checkpoint saved before checksums were recorded loads unchecked.
+CHECKSUM = "sha256"  # hashlib's, with the CPU's SHA instructions where it has them
+_OTHER_CHECKPOINT = "use another checkpoint (RUN_DIR/checkpoints/)"  # what to do about a bad checkpoint file
+_CHUNK = 1 << 20
+LINK_LIMIT = 4096  # a `latest` / `best` link in its text-file form
+
+
+def file_checksum(fh: BinaryIO) -> str:
+    """``sha256:HEX`` of what is left to read in ``fh``."""
+    h, buf = hashlib.sha256(), bytearray(_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = fh.readinto(buf)
+        if not n:
+            return f"{CHECKSUM}:{h.hexdigest()}"
+        h.update(view[:n])
+
+
+def read_meta(checkpoint: Path) -> dict:
+    """A checkpoint's ``meta.json`` ({} when it has none): a regular file of at most 16 MiB of JSON."""
+    path = Path(checkpoint) / "meta.json"
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(files.read_regular(path, files.JSON_LIMIT, "checkpoint file", _OTHER_CHECKPOINT,
+                                             CheckpointError))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"'{path}' is corrupt (not JSON); {_OTHER_CHECKPOINT}")
+    return meta
+
+
+def recorded_checksum(path: Path) -> Optional[str]:
+    """The checksum ``meta.json`` of ``path``'s checkpoint recorded for it, or None (none recorded)."""
+    path = Path(path)
+    folder, name = path.parent, path.name
+    if not (folder / "meta.json").exists() and folder.name == "sharded":  # DCP's files, one folder down
+        folder, name = folder.parent, f"{folder.name}/{path.name}"
+    sums = read_meta(folder).get("checksums")
+    return sums.get(name) if isinstance(sums, dict) else None
+
+
+def _corrupt(path: Path) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint file '{path}' is corrupt: its bytes do not match the {CHECKSUM} checksum recorded in "
+        f"meta.json when it was saved; {_OTHER_CHECKPOINT}, or retrain")
+
+
+def open_checked(path: Path) -> BinaryIO:
+    """``path`` opened for reading, at its start: a regular file whose bytes match the checksum its
+    checkpoint recorded (one pass over the file; the caller's read then comes from the page cache)."""
+    path = Path(path)
+    expected = recorded_checksum(path)
+    fh = files.open_regular(path, "checkpoint file", _OTHER_CHECKPOINT, CheckpointError)
+    try:
+        if expected is not None:
+            if file_checksum(fh) != expected:
+                raise _corrupt(path)
+            fh.seek(0)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
+
+
+def read_checked(path: Path, limit: int) -> bytes:
+    """The bytes of a small checkpoint file (at most ``limit``), checked against its recorded checksum."""
+    path = Path(path)
+    expected = recorded_checksum(path)
+    data = files.read_regular(path, limit, "checkpoint file", _OTHER_CHECKPOINT, CheckpointError)
+    if expected is not None and f"{CHECKSUM}:{hashlib.sha256(data).hexdigest()}" != expected:
+        raise _corrupt(path)
+    return data
 
 
 def _plain_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -192,11 +313,11 @@ def _plain_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> str:
     from safetensors.torch import save
 
     data = save(_plain_tensors(state), metadata={"format": "pt", "writer": "torchrig"})
-    write_bytes_atomic(Path(path), data)
+    return write_bytes_atomic(Path(path), data)
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -214,6 +335,7 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
         return obj
     from safetensors.torch import load_file
 
+    open_checked(path).close()  # a regular file with the bytes that were saved (safetensors reads by name)
     try:
         return load_file(str(path), device="cpu")
     except Exception as exc:  # safetensors raises its own error types
@@ -243,37 +365,8 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "c
     model.load_state_dict(state)
 
 
-class _WriteRecorder:
-    """A file wrapper that keeps the ``OSError`` a write raised: ``torch.save`` turns it into a
-    RuntimeError ("unexpected pos") that no longer says the disk is full."""
-
-    def __init__(self, fh) -> None:
-        self.fh = fh
-        self.error: Optional[OSError] = None
-
-    def write(self, data) -> int:
-        try:
-            return self.fh.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
-def _torch_save(obj: Any, fh) -> None:
-    recorder = _WriteRecorder(fh)
-    try:
-        torch.save(obj, recorder)
-    except RuntimeError:
-        if recorder.error is not None:
-            raise recorder.error from None
-        raise
-
-
-def safe_torch_save(obj: Any, path: Path) -> None:
-    _write_atomic(Path(path), lambda fh: _torch_save(obj, fh))
+def safe_torch_save(obj: Any, path: Path) -> str:
+    return _write_atomic(Path(path), lambda out: torch.save(obj, out))
 
 
 def safe_torch_load(path: Path) -> Any:
@@ -283,9 +376,14 @@ def safe_torch_load(path: Path) -> Any:
     if path.stat().st_size == 0:
         raise corrupt(path, "it is empty, 0 bytes")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open_checked(path) as fh:
+            return torch.load(fh, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         raise weights_only_refusal(path, exc, _pickle_of(path)) from None
+    except MemoryError:
+        raise
     except Exception as exc:  # a damaged file makes the loader fail in any way: a zip error, a bad tensor record …
         text = str(exc).strip()
         raise corrupt(path, f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__) \

@@ -1,7 +1,8 @@
 """Checkpoint directories in ``RUN_DIR/checkpoints``: atomic save, keep-last-k, best-k, ``latest``.
 
 A checkpoint is a directory ``step-00000123`` holding ``model.safetensors``, ``state.pt``
-(optimizers, schedulers, scaler, counters, RNG states), ``config.yaml`` and ``meta.json``. It is
+(optimizers, schedulers, scaler, counters, RNG states), ``config.yaml`` and ``meta.json`` (written
+last: step, epoch, ... and the sha256 of every other file, checked whenever one is read). It is
 written under a temporary name and renamed into place, then ``latest`` (a symbolic link) is
 swapped atomically; so ``latest`` always names a complete checkpoint. A save that fails (a full
 disk, an I/O error) removes what it wrote and leaves ``latest`` on the previous checkpoint; what a
@@ -22,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..config.files import JSON_LIMIT, YAML_LIMIT, parse_yaml, read_regular
 from .background import BackgroundWriter, host_copy
-from .io import (CheckpointError, CheckpointWriteError, fsync_dir, load_into, load_weights_file, pause_point,
-                 refused, safe_torch_load, safe_torch_save, save_weights, write_bytes_atomic, write_json_atomic)
+from .io import (LINK_LIMIT, CheckpointError, CheckpointWriteError, file_checksum, fsync_dir, load_into,
+                 load_weights_file, pause_point, read_checked, read_meta, refused, safe_torch_load, safe_torch_save,
+                 save_weights, write_bytes_atomic, write_json_atomic)
 
 PREFIX = "step-"
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -121,8 +124,10 @@ def follow_link(link: Path) -> Path:
     another run, or a run write into a folder it does not own."""
     if link.is_symlink():
         target = link.resolve()
-    elif link.is_file():
-        target = (link.parent / link.read_text().strip()).resolve()
+    elif link.exists() and not link.is_dir():  # the text-file form (a file system without symbolic links)
+        text = read_regular(link, LINK_LIMIT, "checkpoint link",
+                            "remove it, or give the checkpoint directory itself", CheckpointError)
+        target = (link.parent / text.decode(errors="replace").strip()).resolve()
     else:
         return link
     if target.parent != link.parent.resolve():
@@ -166,7 +171,9 @@ class CheckpointManager:
         self._yaml: tuple[Optional[str], bytes] = (None, b"")  # the last config (as JSON) and its YAML
         if self.index_path.exists():
             try:
-                self.index = _plain_index(json.loads(self.index_path.read_text()))
+                self.index = _plain_index(json.loads(read_regular(
+                    self.index_path, JSON_LIMIT, "checkpoint index",
+                    "remove it (it is rebuilt from the checkpoints beside it)", CheckpointError)))
             except (OSError, ValueError):
                 self.index = {"checkpoints": self._scan(), "best": []}
 
@@ -349,16 +356,22 @@ class CheckpointManager:
                extra_writer: Optional[Callable[[Path], None]], files: dict[str, dict]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        sums = {}  # file -> checksum of the bytes written, kept in meta.json (written last)
         if weights is not None:
-            save_weights(weights, tmp / "model.safetensors")
+            sums["model.safetensors"] = save_weights(weights, tmp / "model.safetensors")
         for name, tensors in files.items():
-            save_weights(tensors, tmp / name)
-        safe_torch_save(state, tmp / "state.pt")
+            sums[name] = save_weights(tensors, tmp / name)
+        sums["state.pt"] = safe_torch_save(state, tmp / "state.pt")
         if config is not None:
-            write_bytes_atomic(tmp / "config.yaml", self._config_yaml(config))
-        write_json_atomic(tmp / "meta.json", meta)
+            sums["config.yaml"] = write_bytes_atomic(tmp / "config.yaml", self._config_yaml(config))
         if extra_writer is not None:
             extra_writer(tmp)
+            for f in sorted(tmp.rglob("*")):  # what it wrote (DCP's shards): read back once to hash them
+                name = f.relative_to(tmp).as_posix()
+                if name not in sums and f.is_file() and not f.is_symlink():
+                    with open(f, "rb") as fh:
+                        sums[name] = file_checksum(fh)
+        write_json_atomic(tmp / "meta.json", dict(meta, checksums=sums))
         fsync_dir(tmp)
 
     def _config_yaml(self, config: dict) -> bytes:
@@ -454,21 +467,22 @@ def weight_files(states: dict[str, Any]) -> dict[str, dict]:
 def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:
     """(state, meta, config) of a checkpoint directory; weights are read separately."""
     state = safe_torch_load(path / "state.pt") if (path / "state.pt").exists() else {}
-    meta: dict = {}
-    if (path / "meta.json").exists():
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except ValueError:
-            raise CheckpointError(f"'{path / 'meta.json'}' is corrupt (not JSON)") from None
-    config = None
-    if (path / "config.yaml").exists():
-        import yaml
+    return state, read_meta(path), read_config(path)
 
-        try:
-            config = yaml.safe_load((path / "config.yaml").read_text())
-        except yaml.constructor.ConstructorError as exc:  # a tag safe_load does not build, e.g. !!python/object
-            tag = re.search(r"tag '([^']+)'", str(exc.problem))
-            raise refused(path / "config.yaml", f"uses the YAML tag '{tag.group(1) if tag else exc.problem}'") from None
-        except yaml.YAMLError:
-            raise CheckpointError(f"'{path / 'config.yaml'}' is corrupt (not YAML)") from None
-    return state, meta, config
+
+def read_config(path: Path) -> Optional[dict]:
+    """The ``config.yaml`` of checkpoint ``path`` (None when it has none): YAML with safe tags only,
+    aliases bounded (see ``config.files``), checked against its recorded checksum."""
+    import yaml
+
+    file = Path(path) / "config.yaml"
+    if not file.exists():
+        return None
+    try:
+        text = read_checked(file, YAML_LIMIT).decode("utf-8")
+        return parse_yaml(text, str(file), "checkpoint file", CheckpointError, yaml12_floats=False)
+    except yaml.constructor.ConstructorError as exc:  # a tag safe_load does not build, e.g. !!python/object
+        tag = re.search(r"tag '([^']+)'", str(exc.problem))
+        raise refused(file, f"uses the YAML tag '{tag.group(1) if tag else exc.problem}'") from None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise CheckpointError(f"'{file}' is corrupt (not YAML)") from None

@@ -16,11 +16,13 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from .. import runtime
+from ..config.files import file_kind, open_regular
 from .io import CheckpointError, write_bytes_atomic
 from .manager import follow_link
 
@@ -69,7 +71,7 @@ class RunLock:
             self._refuse(_HELD[key].owner)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(self.path, create=True)
         except OSError as exc:
             raise RunDirError(f"cannot create the lock file '{self.path}': {describe_os_error(exc)}; "
                               f"choose a run_dir this process can write") from None
@@ -84,7 +86,7 @@ class RunLock:
             return
         self.owner = (f"PID {os.getpid()} on host {socket.gethostname()} "
                       f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})")
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # our own regular file (checked by _open_lock), locked: nobody else's bytes
         os.pwrite(fd, (self.owner + "\n").encode(), 0)
         self._fd = fd
         _HELD[key] = self
@@ -112,10 +114,10 @@ def check_not_in_use(run_dir: str | Path) -> None:
     is taken when training starts, as with the Python API.
     """
     path = Path(run_dir) / LOCK_NAME
-    if fcntl is None or not path.exists() or os.path.realpath(path) in _HELD:
+    if fcntl is None or not os.path.lexists(path) or os.path.realpath(path) in _HELD:
         return
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = _open_lock(path, create=False)  # a lock file that is not one is refused here already
     except OSError:
         return  # unreadable here: the real lock attempt says why
     try:
@@ -128,12 +130,55 @@ def check_not_in_use(run_dir: str | Path) -> None:
         os.close(fd)  # also drops the probe's lock
 
 
-def _owner(fd: int) -> str:
-    """The holder's line in the lock file ("" when it has not written it yet)."""
+def _open_lock(path: Path, create: bool) -> int:
+    """A descriptor of the lock file, which must be a regular file of its own in the run directory.
+
+    The lock file is truncated and rewritten, so it must be torchrig's: a symbolic link (to a file of
+    the user's, say) is never followed (``O_NOFOLLOW``), and a hard link, a FIFO, a device or a
+    directory in its place is refused before a byte of it is touched. ``O_CREAT`` without
+    ``O_EXCL`` / ``O_TRUNC`` opens an existing file as it is; ``O_NONBLOCK`` keeps a FIFO from
+    blocking the open. The open's own OSError (no permission ...) is raised as it is.
+    """
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | (os.O_CREAT if create else 0)
     try:
-        return os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        fd = os.open(path, flags, 0o644)
     except OSError:
-        return ""
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG  # nothing there, or no access: the open's own error says more
+        if stat.S_ISLNK(mode):  # O_NOFOLLOW's ELOOP: a symbolic link stands where the lock file goes
+            raise _not_a_lock(path, f"a symbolic link (to '{os.readlink(path)}')") from None
+        if not stat.S_ISREG(mode):  # a directory (EISDIR), a socket (ENXIO) ...
+            raise _not_a_lock(path, file_kind(mode)) from None
+        raise
+    st = os.fstat(fd)
+    what = None if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
+    if what is None and st.st_nlink != 1:
+        what = f"a file with {st.st_nlink} hard links (another name of it lies elsewhere)"
+    if what is not None:
+        os.close(fd)
+        raise _not_a_lock(path, what)
+    return fd
+
+
+def _not_a_lock(path: Path, what: str) -> RunDirError:
+    return RunDirError(f"the lock file '{path}' is {what}, not torchrig's regular lock file; it was left as it "
+                       f"is. Remove it (or choose another run_dir) and start again")
+
+
+def _owner(fd: int, patience: float = 1.0) -> str:
+    """The holder's line in the lock file; "" when it has not written it within ``patience`` seconds
+    (a holder that took the lock a moment ago writes it right after)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        except OSError:
+            return ""
+        if text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------- what a directory holds
@@ -239,7 +284,8 @@ def trim_metrics(path: str | Path, step: int) -> None:
     if step <= 0:
         path.unlink()
         return
-    lines = path.read_text(errors="replace").splitlines()
+    with open_regular(path, "metrics file", "move it away, or choose another run_dir", RunDirError) as fh:
+        lines = fh.read().decode(errors="replace").splitlines()
     keep = [line for line, at in zip(lines, map(_row_step, lines)) if at is not None and at <= step]
     if len(keep) != len(lines):
         write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .io import UnsafeCheckpointError, refused, weights_only_refusal
+from .io import CheckpointError, UnsafeCheckpointError, open_checked, refused, weights_only_refusal
 
 _DCP = "torch.distributed.checkpoint"
 # What DCP pickles into .metadata (torch 2.4 - 2.14): its dataclasses, torch.Size, dtypes and layouts by
@@ -49,8 +49,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_file(path: Path) -> Metadata:
-    """A DCP ``.metadata`` file, unpickled with only DCP's metadata classes allowed."""
-    with open(path, "rb") as fh:
+    """A DCP ``.metadata`` file (checked against its recorded checksum), unpickled with only DCP's
+    metadata classes allowed."""
+    with open_checked(path) as fh:
         try:
             metadata = _MetadataUnpickler(fh, path).load()
         except UnsafeCheckpointError:
@@ -67,19 +68,20 @@ def read_metadata_file(path: Path) -> Metadata:
 
 
 class _Reader(FileSystemReader):
-    """DCP's reader with a safe ``read_metadata``; remembers a refusal, which DCP would otherwise wrap."""
+    """DCP's reader with a safe ``read_metadata``, and shard files checked (regular files, recorded
+    checksums) before DCP opens them; remembers a refusal, which DCP would otherwise wrap."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(str(folder))
         self.folder = Path(folder)
         self.reading = ""
-        self.refusal: Optional[UnsafeCheckpointError] = None
+        self.refusal: Optional[CheckpointError] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
             rank = kwargs.get("rank")  # DCP asks for a rank's own index when the global one is missing
             metadata = read_metadata_file(self.folder / (".metadata" if rank is None else f"__{rank}.metadata"))
-        except UnsafeCheckpointError as exc:
+        except CheckpointError as exc:  # unsafe or corrupt
             self.refusal = exc
             raise
         if getattr(metadata, "storage_meta", None) is None:
@@ -92,6 +94,12 @@ class _Reader(FileSystemReader):
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                open_checked(self.folder / name).close()  # the whole file once, before DCP reads slices of it
+        except CheckpointError as exc:
+            self.refusal = exc
+            raise
         try:
             return super().read_data(plan, planner)
         except pickle.UnpicklingError as exc:  # from torch.load(weights_only=True), tensors and other values
@@ -115,7 +123,8 @@ class _Planner(DefaultLoadPlanner):
 def load(state: dict, folder: Path, no_dist: bool) -> None:
     """``dcp.load(state, folder)`` in place, through the safe reader and planner.
 
-    A refused file raises its UnsafeCheckpointError (on every rank, when any rank refused one); any
+    A refused file raises its UnsafeCheckpointError or CorruptCheckpointError (on every rank, when any
+    rank refused one); any
     other failure raises the first rank's own exception instead of DCP's multi-rank wrapper.
     """
     import torch.distributed.checkpoint as dcp
@@ -129,7 +138,7 @@ def load(state: dict, folder: Path, no_dist: bool) -> None:
             raise reader.refusal from None
         failures = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
         for failure in failures:
-            if isinstance(failure, UnsafeCheckpointError):
+            if isinstance(failure, CheckpointError):  # refused as unsafe or corrupt, by another rank
                 raise failure from None
         if failures and isinstance(failures[0], Exception):
             raise failures[0] from None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import TorchrigError, suggest
+from . import files
 
 
 class ConfigError(TorchrigError, ValueError):
@@ -153,6 +154,7 @@ class Config:
     run_dir: Optional[str] = None  # None: a new numbered directory, runs/<recipe>/N (Python API: runs/default/N)
     resume: Optional[str] = None  # "latest", "best", a checkpoint directory, or None
     resume_weights_only: bool = False  # load only the weights of `resume`; fresh optimizer and schedule
+    resume_changes: str = "refuse"  # "allow": resume although settings that make it inexact changed (it says which)
     overwrite: bool = False  # a new run may replace the run already in run_dir (its checkpoints and logs)
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     precision: str = "fp32"  # fp32, bf16, fp16
@@ -381,37 +383,6 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
             setattr(obj, key, check_value(full, typed, shown=value))
 
 
-def _yaml_loader():
-    """PyYAML's SafeLoader, plus YAML 1.2 floats: ``1e-4`` is a number, not the string '1e-4'."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-            seen: dict = {}
-            for key_node, _ in node.value:  # PyYAML keeps the last of repeated keys without a word
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=deep)
-                if isinstance(key, typing.Hashable) and key in seen:
-                    raise DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
-                if isinstance(key, typing.Hashable):
-                    seen[key] = key_node.start_mark.line + 1
-            return super().construct_mapping(node, deep)
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-    return Loader
-
-
-class DuplicateKey(ConfigError):
-    """A key written twice in one YAML mapping (raised by the loader of :func:`_yaml_loader`)."""
-
-    def __init__(self, key: Any, first: int, again: int):
-        super().__init__(f"the key {key!r} appears twice (lines {first} and {again})")
-        self.key, self.first, self.again = key, first, again
-
-
 def _parse_scalar(text: str) -> Any:
     """Parse a ``--set`` value the way YAML would (numbers, booleans, null, lists); empty text stays
     empty text (a key that accepts null says so: ``KEY=null``)."""
@@ -420,8 +391,8 @@ def _parse_scalar(text: str) -> Any:
     if not text.strip():
         return text
     try:
-        return yaml.load(text, Loader=_yaml_loader())
-    except (yaml.YAMLError, DuplicateKey, RecursionError):
+        return files.parse_yaml(text, text if len(text) <= 60 else text[:57] + "...", "the value", ConfigError)
+    except yaml.YAMLError:
         return text
 
 
@@ -568,7 +539,7 @@ _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 RULES: dict[str, _Rule] = {
     "recipe": _TEXT, "seed": _int(0, 2**32 - 1), "epochs": _int(1), "max_steps": _optional(_int(1)),
     "run_dir": _optional(_Rule("a directory path", _run_dir)), "resume": _optional(_TEXT), "overwrite": _BOOL,
-    "resume_weights_only": _BOOL,
+    "resume_weights_only": _BOOL, "resume_changes": _choice("refuse", "allow"),
     "device": _pattern("auto, cpu, cuda, cuda:N, xpu, xpu:N or mps", r"auto|cpu|mps|(?:cuda|xpu)(?::\d+)?"),
     "precision": _choice("fp32", "bf16", "fp16"), "threads": _optional(_int(1)),
     "interop_threads": _optional(_int(1)), "deterministic": _BOOL,
@@ -703,6 +674,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 
 def read_yaml(path: str | Path) -> dict:
+    """The mapping of a YAML config file: a regular file of at most 1 MiB whose aliases expand little
+    (see ``files``), or a ConfigError naming the file."""
     import yaml
 
     p = Path(path)
@@ -711,17 +684,12 @@ def read_yaml(path: str | Path) -> dict:
     if p.is_dir():
         raise ConfigError(f"config file '{p}' is a directory; pass a YAML file")
     try:
-        data = yaml.load(p.read_text(), Loader=_yaml_loader())
+        raw = files.read_regular(p, files.YAML_LIMIT, "config file", "pass a YAML config file", ConfigError)
+        data = files.parse_yaml(raw.decode("utf-8"), str(p), "config file", ConfigError)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"config file '{p}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    except DuplicateKey as exc:
-        raise ConfigError(f"config file '{p}' sets the key {exc.key!r} twice (lines {exc.first} and {exc.again}); "
-                          f"YAML would keep the last silently: keep one of them") from None
-    except RecursionError:
-        raise ConfigError(f"config file '{p}' nests lists or mappings deeper than a config can (Python's recursion "
-                          f"limit); a config is a few levels of keys: check the file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file '{p}' is not a text file (UTF-8 YAML); pass a YAML config file") from None
     if data is None:

@@ -274,15 +274,13 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
     the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt."""
     if cfg.resume is None or cfg.model.factory or cfg.data.factory:
         return [], None
-    import yaml
+    from ..checkpoint import CheckpointError, read_config, read_meta, resolve
 
-    from ..checkpoint import CheckpointError, resolve
-
-    try:  # config.yaml and meta.json alone (yaml.safe_load, json), not the optimizer state beside them
+    try:  # config.yaml and meta.json alone (regular files, capped, safe YAML), not the optimizer state beside them
         path = resolve(cfg.resume, cfg.run_dir)
-        saved = yaml.safe_load((path / "config.yaml").read_text()) if path is not None else None
-        meta = json.loads((path / "meta.json").read_text()) if path is not None else None
-    except (CheckpointError, OSError, ValueError, yaml.YAMLError):
+        saved = read_config(path) if path is not None else None
+        meta = read_meta(path) if path is not None else None
+    except (CheckpointError, OSError, ValueError):
         return [], None  # the resume itself reports what is wrong with the checkpoint
     if not isinstance(saved, dict):
         return [], None

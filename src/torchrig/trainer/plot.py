@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..config.files import open_regular
 from ..errors import TorchrigError
 
 PLOT_FILE = "curves.png"
@@ -34,7 +35,9 @@ def read_rows(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise PlotError(f"'{path}' does not exist; is '{run_dir}' a torchrig run directory?")
     rows = []
-    for line in path.read_text().splitlines():
+    with open_regular(path, "metrics file", "point at a run directory torchrig wrote", PlotError) as fh:
+        text = fh.read().decode(errors="replace")
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:

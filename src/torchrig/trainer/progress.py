@@ -7,6 +7,8 @@ keeps a tensor, let alone a graph, alive.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any, Optional
 
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 from ..config import to_dict
+from ..config.files import file_kind
 from . import terminal
 from .trackers import TrackerSet, check_installed, tracker_names
 
@@ -40,6 +43,7 @@ class RunLogger:
             progress = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
         self.mode = progress if enabled else "none"
         self._jsonl = None
+        self._reopened = False  # metrics.jsonl was deleted or replaced during the run, and reopened
         self._bar = None
         self.started = time.perf_counter()  # for the end-of-run summary
         self.start_step = start_step or 0
@@ -56,7 +60,7 @@ class RunLogger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if start_step is not None:
                 trim_metrics(self._jsonl_path, start_step)
-            self._jsonl = open(self._jsonl_path, "a", buffering=1)
+            self._jsonl = self._open_jsonl()
         except OSError as exc:
             raise _write_error(exc, self._jsonl_path, "opening") from None
         plain = to_dict(config) if config is not None else {}
@@ -75,11 +79,40 @@ class RunLogger:
         row.update({k: v for k, v in values.items() if v is not None})
         if self._jsonl is not None:
             try:
+                self._follow_jsonl(step)
                 self._jsonl.write(json.dumps(row, default=float) + "\n")
             except OSError as exc:
                 self._drop_jsonl()
                 raise _write_error(exc, self._jsonl_path, f"writing step {step} to") from None
         self.trackers.log(values, step)
+
+    def _open_jsonl(self) -> Any:
+        """``metrics.jsonl`` opened for appending, one row a line; a FIFO or a device in its place is refused
+        (``O_NONBLOCK``: the open does not wait for a FIFO's reader)."""
+        fd = os.open(self._jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise RunDirError(f"'{self._jsonl_path}' is {file_kind(mode)}, not a regular file; move it away, or "
+                              f"choose another run_dir")
+        return open(fd, "a", buffering=1)
+
+    def _follow_jsonl(self, step: int) -> None:
+        """Reopen ``metrics.jsonl`` (appending) when the file at its path is no longer the one open here:
+        rows written to a deleted or replaced file would be lost without a word. Says so once."""
+        try:
+            moved = not os.path.samestat(os.stat(self._jsonl_path), os.fstat(self._jsonl.fileno()))
+            what = "replaced"
+        except FileNotFoundError:
+            moved, what = True, "deleted"
+        if not moved:
+            return
+        self._jsonl.close()
+        self._jsonl = self._open_jsonl()
+        if not self._reopened:
+            self._reopened = True
+            self.print(f"torchrig: '{self._jsonl_path}' was {what} during the run; its rows from step {step} on "
+                       f"are appended to the file now at that path")
 
     def _drop_jsonl(self) -> None:
         """Close a file that failed to write; what it still buffers cannot be written either."""

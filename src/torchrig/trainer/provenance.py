@@ -27,6 +27,8 @@ from .. import runtime
 def class_path(model: nn.Module) -> str:
     """``module:qualname`` of the user's model class (under any DDP / FSDP wrapper)."""
     cls = type(runtime.unwrap(model))
+    # FSDP2's fully_shard swaps in a subclass of its own (FSDPNet of Net): name the user's class
+    cls = next(c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.fsdp"))
     return f"{cls.__module__}:{cls.__qualname__}"
 
 

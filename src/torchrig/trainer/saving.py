@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import runtime
-from ..checkpoint import find_checkpoint, load_weights_only
-from . import provenance
+from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_meta
+from . import changes, provenance
 from .state import Group, MetricStates, RNGState, ScalerState
 from .step import NonFiniteLossError, finite_parameters
 
@@ -73,6 +73,10 @@ def resume(t: "Trainer", spec: str) -> tuple[int, int]:
         t.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
                    f"(resume_weights_only=true)")
         return 0, 0
+    saved_world = read_meta(path).get("world_size")
+    changes.check(read_config(path), provenance.saved_config(t.cfg, t.model, t.config_builds_model), path,
+                  allow=t.cfg.resume_changes == "allow", say=t.print,
+                  worlds=(saved_world if isinstance(saved_world, int) else t.world_size, t.world_size))
     t.checkpoints.load(path, states(t), print_fn=t.print)
     for opt in t.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"

@@ -1,0 +1,125 @@
+"""Which settings may change when a run resumes: exact, or it refuses.
+
+A checkpoint holds a position (step, epoch, micro-batch in the epoch) and the state of a computation;
+both mean something only under the settings they were made with. Another ``seed`` draws another data
+order, another ``data.batch_size`` puts the saved micro-batch count somewhere else in the epoch, another
+``optim.lr`` is another computation. So a resume compares the checkpoint's ``config.yaml`` with the
+run's settings, key by key, and refuses any change outside ``HARMLESS`` with one line that names the
+keys (old → new). ``resume_changes=allow`` resumes anyway and says what is no longer exact.
+
+``HARMLESS`` is the one table: keys (or prefixes ending in ".") that change where and how the run
+goes, what it logs and when it saves or stops, but not what it computes. Every other key, a recipe's
+own included, is refused: a key added later is refused until someone decides it is harmless.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import config as C
+
+HARMLESS = frozenset({
+    # how long (see RUN_LENGTH_SCHEDULES), where, with how many threads and processes (the world size is
+    # handled by the resume itself)
+    "epochs", "max_steps", "early_stop_patience", "run_dir", "device", "threads", "interop_threads",
+    "deterministic", "cudnn_benchmark", "on_nonfinite",
+    "dist.strategy", "dist.backend", "dist.init_method", "dist.rank", "dist.world_size", "dist.timeout",
+    "dist.find_unused_parameters", "dist.static_graph", "dist.bucket_cap_mb", "dist.gradient_as_bucket_view",
+    "dist.fsdp_wrap", "dist.fsdp_min_params", "dist.fsdp_cpu_offload", "dist.fsdp_reshard_after_forward",
+    "dist.requeue", "dist.stop_timeout",
+    # how batches are delivered (the same samples in the same order), and what is evaluated when
+    "data.num_workers", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor", "data.fast_path",
+    "data.eval_batch_size", "data.val_path", "data.test_path", "eval_every_epochs",
+    # when checkpoints are written and how many are kept (not what the best one is measured by)
+    "checkpoint.every_steps", "checkpoint.every_epochs", "checkpoint.keep_last", "checkpoint.keep_best",
+    "checkpoint.save_final", "checkpoint.async_save",
+    # what is logged and shown
+    "log.", "profile.",
+})
+# Keys that say how to start, not what to compute: never compared.
+NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite"})
+# Schedules whose length is the run's length (epochs, max_steps): a new length passes (a longer run is how a
+# finished run is continued), but it is said, since the learning rates from there on are not exact.
+RUN_LENGTH_SCHEDULES = frozenset({"cosine", "onecycle", "warmup_cosine"})
+
+
+def _harmless(key: str) -> bool:
+    return key in HARMLESS or any(key.startswith(p) for p in HARMLESS if p.endswith("."))
+
+
+def _flat(mapping: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(not set)"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+_MISSING = object()
+
+
+def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[list[tuple], list[tuple]]:
+    """``(refused, length)``: ``(key, old, new, note)`` for each setting that differs and is not harmless,
+    and for each change of the run's length (``epochs``, ``max_steps``). ``worlds`` are the saved and the
+    current number of processes: ``data.batch_size`` is per process, so what must stay is the global batch
+    (2 processes of 4 resume exactly as 1 of 8). A key that this torchrig declares and the checkpoint lacks
+    (saved by an older version) is not compared."""
+    old, new = _flat(saved), _flat(now)
+    declared = set(_flat(C.to_dict(C.Config())))
+    refused, length = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if a == b or key in NOT_COMPARED or (key in declared and _MISSING in (a, b)):
+            continue
+        if key == "model.python_class" and (a is None or b is None or str(a).startswith("torch.distributed.fsdp")):
+            continue  # one side built from the config (a recipe, --model), the other in Python: maybe the same;
+            # or saved under FSDP2 before its own subclass was seen through: not known
+        note = ""
+        if key == "data.batch_size" and worlds[0] != worlds[1] and isinstance(a, int) and isinstance(b, int):
+            if a * worlds[0] == b * worlds[1]:
+                continue
+            note = f" (global batch {a * worlds[0]} → {b * worlds[1]} over {worlds[0]} → {worlds[1]} processes)"
+        if key in ("epochs", "max_steps"):
+            length.append((key, a, b, note))
+        elif not _harmless(key):
+            refused.append((key, a, b, note))
+    return refused, length
+
+
+def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Callable[[str], None],
+          worlds: tuple[int, int] = (1, 1)) -> None:
+    """Refuse to resume from ``checkpoint`` (whose config is ``saved``; ``worlds``: the saved and the
+    current number of processes) with changed settings, or, with ``allow``, say in one line what is no
+    longer exact. A new run length passes; when the schedule follows it, one line says that the learning
+    rates from here on are not those of a run this long."""
+    if not isinstance(saved, dict):
+        return
+    refused, length = changed(saved, now, worlds)
+    schedule = str((now.get("scheduler") or {}).get("name") or "").lower().replace("-", "_")
+    if length and schedule in RUN_LENGTH_SCHEDULES:
+        say(f"torchrig: the {schedule} schedule follows the run's length, which changed ({_list(length)}): its "
+            f"learning rates from here on are not those of a run that had this length from the start")
+    if not refused:
+        return
+    if allow:
+        say(f"torchrig: resume_changes=allow: resuming from '{checkpoint}' with changed settings, so the run is no "
+            f"longer exact: {_list(refused)}")
+        return
+    raise C.ConfigError(f"resuming from '{checkpoint}' with changed settings would not be exact: {_list(refused)}; "
+                        f"set them back, start a new run (another run_dir, or overwrite=true), or resume anyway "
+                        f"with resume_changes=allow")
+
+
+def _list(diffs: list[tuple]) -> str:
+    return ", ".join(f"{k} {_show(a)} → {_show(b)}{note}" for k, a, b, note in diffs)

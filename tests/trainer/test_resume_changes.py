@@ -1,0 +1,192 @@
+"""Resuming with changed settings: exact, or it refuses (``resume_changes=allow`` forces it and says so).
+
+A change that alters the data order, the position or the mathematics is refused in one line naming the
+keys with their old and new values, before anything is loaded or written; a harmless one (logging,
+checkpoint frequency, workers, a longer run) passes without a word.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from helpers import TinyNet
+
+from torchrig.cli import main
+from torchrig.config import ConfigError
+
+# Trainer keyword, value of the first run, value on resume, the key and values the message shows.
+REFUSED = [
+    ("seed", 0, 1, "seed 0 → 1"),
+    ("batch_size", 8, 16, "data.batch_size 8 → 16"),
+    ("lr", 0.05, 0.1, "optim.lr 0.05 → 0.1"),
+    ("accumulate", 1, 2, "accumulate 1 → 2"),
+    ("shuffle", True, False, "data.shuffle true → false"),
+    ("drop_last", False, True, "data.drop_last false → true"),
+    ("optimizer", "sgd", "adam", "optim.name sgd → adam"),
+    ("clip_grad_norm", None, 1.0, "clip_grad_norm null → 1.0"),
+    ("label_smoothing", 0.0, 0.1, "label_smoothing 0.0 → 0.1"),
+    ("ema_decay", None, 0.9, "ema_decay null → 0.9"),
+]
+HARMLESS = [
+    ("log_every", 50, 1), ("keep_last", 2, 5), ("checkpoint_every", 0, 2), ("num_workers", 0, "auto"),
+    ("eval_every_epochs", 1, 2), ("threads", None, 1), ("progress", "none", "lines"), ("max_steps", None, 8),
+]
+
+
+def _message(checkpoint, shown: str) -> str:
+    return (f"resuming from '{checkpoint}' with changed settings would not be exact: {shown}; set them back, start "
+            f"a new run (another run_dir, or overwrite=true), or resume anyway with resume_changes=allow")
+
+
+def _snapshot(run_dir) -> dict:
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".torchrig.lock"}
+
+
+@pytest.mark.parametrize("key, first, then, shown", REFUSED, ids=[r[0] for r in REFUSED])
+def test_a_change_that_is_not_exact_is_refused_naming_it(make_trainer, data, run_dir, key, first, then, shown,
+                                                         restore_threads):
+    make_trainer(**{key: first}).fit(data)
+    before = _snapshot(run_dir)
+    trainer = make_trainer(epochs=2, resume="latest", **{key: then})
+    with pytest.raises(ConfigError) as err:
+        trainer.fit(data)
+    assert str(err.value) == _message(run_dir / "checkpoints" / "step-00000005", shown)
+    assert _snapshot(run_dir) == before  # nothing loaded into the run, nothing written
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("key, first, then, shown", REFUSED[:3], ids=[r[0] for r in REFUSED[:3]])
+def test_resume_changes_allow_resumes_and_says_what_is_no_longer_exact(make_trainer, data, run_dir, capsys, key,
+                                                                      first, then, shown):
+    make_trainer(**{key: first}).fit(data)
+    capsys.readouterr()
+    trainer = make_trainer(epochs=2, resume="latest", resume_changes="allow", **{key: then})
+    trainer.fit(data)
+    assert trainer.global_step > 5
+    out, err = capsys.readouterr()
+    said = [line for line in (out + err).splitlines() if "resume_changes" in line]
+    assert said == [f"torchrig: resume_changes=allow: resuming from '{run_dir / 'checkpoints' / 'step-00000005'}' "
+                    f"with changed settings, so the run is no longer exact: {shown}"]
+
+
+@pytest.mark.parametrize("key, first, then", HARMLESS, ids=[h[0] for h in HARMLESS])
+def test_a_harmless_change_resumes_without_a_word(make_trainer, data, run_dir, capsys, key, first, then,
+                                                  restore_threads):
+    make_trainer(**{key: first}).fit(data)
+    capsys.readouterr()
+    trainer = make_trainer(epochs=2, resume="latest", **{key: then})
+    trainer.fit(data)
+    assert trainer.global_step == (8 if key == "max_steps" else 10)
+    out, err = capsys.readouterr()
+    assert "changed settings" not in out + err
+
+
+def test_a_new_run_length_passes_and_is_said_when_the_schedule_follows_it(make_trainer, data, run_dir, capsys):
+    make_trainer(scheduler="cosine").fit(data)
+    capsys.readouterr()
+    resumed = make_trainer(scheduler="cosine", epochs=2, resume="latest")
+    resumed.fit(data)  # a longer run is how a finished run is continued
+    assert resumed.global_step == 10
+    out, err = capsys.readouterr()
+    assert [line for line in (out + err).splitlines() if "schedule" in line] == [
+        "torchrig: the cosine schedule follows the run's length, which changed (epochs 1 → 2): its learning rates "
+        "from here on are not those of a run that had this length from the start"]
+    other = str(run_dir.with_name("steps"))  # a schedule of a length of its own: nothing to say
+    make_trainer(scheduler="step", run_dir=other).fit(data)
+    capsys.readouterr()
+    make_trainer(scheduler="step", epochs=2, resume="latest", run_dir=other).fit(data)
+    out, err = capsys.readouterr()
+    assert "schedule" not in out + err
+
+
+class Swish(TinyNet):
+    """The same parameters as TinyNet, another computation."""
+
+    def forward(self, x):
+        h = self.backbone[0](x)
+        return self.head(h * torch.sigmoid(h))
+
+
+def test_another_model_class_with_the_same_keys_is_refused(make_trainer, data, run_dir):
+    make_trainer().fit(data)
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError) as err:
+        make_trainer(Swish(), epochs=2, resume="latest").fit(data)
+    assert str(err.value) == _message(run_dir / "checkpoints" / "step-00000005",
+                                      "model.python_class helpers:TinyNet → test_resume_changes:Swish")
+
+
+@pytest.mark.parametrize("worlds, before, after, refused", [
+    ((2, 1), 4, 8, ""), ((1, 2), 8, 4, ""), ((2, 2), 4, 8, "data.batch_size 4 → 8"),
+    ((2, 1), 4, 6, "data.batch_size 4 → 6 (global batch 8 → 6 over 2 → 1 processes)"), ((2, 1), 4, 4, "")])
+def test_the_batch_size_that_must_stay_is_the_global_one(worlds, before, after, refused):
+    """data.batch_size is per process: a checkpoint of 2 ranks of 4 resumes exactly in 1 process of 8. A new
+    number of processes alone (an elastic restart) is the resume's own business, as before."""
+    from torchrig.trainer import changes
+
+    saved, now = {"data": {"batch_size": before}}, {"data": {"batch_size": after}}
+    found, _ = changes.changed(saved, now, worlds)
+    assert ", ".join(f"{k} {a} → {b}{note}" for k, a, b, note in found) == refused
+
+
+def test_weights_only_resume_compares_nothing(make_trainer, data, run_dir):
+    make_trainer().fit(data)
+    trainer = make_trainer(lr=0.5, seed=3, resume=str(run_dir / "checkpoints" / "step-00000005"),
+                           resume_weights_only=True, run_dir=str(run_dir.with_name("finetune")))
+    trainer.fit(data)  # fine-tuning from weights with new settings is what resume_weights_only is for
+    assert trainer.global_step == 5
+
+
+CLI = ["--set", "epochs=1", "--set", "max_steps=2", "--set", "log.plot=false", "--set", "log.tensorboard=false",
+       "--set", "log.progress=none"]
+
+
+@pytest.mark.parametrize("change, shown", [("seed=7", "seed 0 → 7"), ("data.batch_size=16", "data.batch_size 32 → 16"),
+                                           ("optim.lr=0.5", None), ("scheduler.name=step", "scheduler.name cosine → step")])
+def test_the_cli_refuses_in_one_line_and_allows_on_request(tmp_path, capsys, change, shown):
+    run = tmp_path / "run"
+    assert main(["train", *CLI, "--set", f"run_dir={run}"]) == 0
+    latest = os.readlink(run / "checkpoints" / "latest")
+    before = _snapshot(run)
+    resume = ["train", *CLI, "--set", f"run_dir={run}", "--set", "resume=latest", "--set", change]
+    capsys.readouterr()
+    assert main(resume) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    if shown is None:  # the recipe's own default lr, whatever it is
+        assert re.search(r": optim\.lr \S+ → 0\.5; ", lines[0]), lines[0]
+    else:
+        assert lines[0] == f"torchrig: error: {_message(run / 'checkpoints' / latest, shown)}"
+    assert _snapshot(run) == before
+    capsys.readouterr()
+    assert main([*resume, "--set", "resume_changes=allow"]) == 0
+    out, err = capsys.readouterr()
+    assert "torchrig: resume_changes=allow: resuming from " in out + err
+
+
+def test_the_cli_resumes_with_harmless_changes(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *CLI, "--set", f"run_dir={run}"]) == 0
+    capsys.readouterr()
+    assert main(["train", *CLI, "--set", f"run_dir={run}", "--set", "resume=latest", "--set", "max_steps=4",
+                 "--set", "log.every_steps=1", "--set", "checkpoint.keep_last=3", "--set", "data.num_workers=0",
+                 "--set", "log.progress=lines", "--set", "threads=1"]) == 0
+    out, err = capsys.readouterr()
+    assert "changed settings" not in out + err
+    assert ("torchrig: the cosine schedule follows the run's length, which changed (max_steps 2 → 4)" in out + err)
+    assert os.readlink(run / "checkpoints" / "latest") == "step-00000004"
+
+
+def test_the_saved_position_would_otherwise_be_reinterpreted(make_trainer, data, run_dir):
+    """Why batch size is refused: the checkpoint's micro-batch count means another place in the epoch."""
+    trainer = make_trainer(max_steps=3)
+    trainer.fit(data)
+    assert trainer.state.batch_in_epoch == 3  # 24 of 40 samples seen at batch 8; at batch 16 it would be 48
+    with pytest.raises(ConfigError, match=r"data.batch_size 8 → 16"):
+        make_trainer(batch_size=16, resume="latest").fit(data)
+    assert torch.load(run_dir / "checkpoints" / "step-00000003" / "state.pt",
+                      weights_only=True)["counters"]["global_step"] == 3
