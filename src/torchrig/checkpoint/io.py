@@ -373,10 +373,11 @@ def safe_torch_load(path: Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint file '{path}' does not exist")
-    if path.stat().st_size == 0:
-        raise corrupt(path, "it is empty, 0 bytes")
+    with files.open_regular(path, "checkpoint file", _OTHER_CHECKPOINT, CheckpointError) as fh:  # no FIFO, no device
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise corrupt(path, "it is empty, 0 bytes")
     try:
-        with open_checked(path) as fh:
+        with open_checked(path) as fh:  # its checksum checked in the same pass
             return torch.load(fh, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise

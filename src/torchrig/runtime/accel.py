@@ -77,10 +77,8 @@ def channels_last_breaks(model: nn.Module, forward: Any, device: Any) -> Optiona
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             forward()
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0] if _STRIDE_ERROR in str(exc) else None
-    except Exception:  # noqa: BLE001 - not ours to report here
-        return None
+    except Exception as exc:  # noqa: BLE001 - any other error is the training step's to report
+        return _STRIDE_ERROR if _STRIDE_ERROR in str(exc) else None
     finally:
         for m, training in modes:
             m.training = training

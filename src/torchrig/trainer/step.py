@@ -258,11 +258,8 @@ class Step:
         # read waits for the GPU, so the decision stays there (see optimizer_step) and is read at settle().
         self.host_checks = device.type == "cpu"
         self.world_size = runtime.get_world_size()
-        # Windows decided on the device (a fused optimizer's found_inf, GradScaler's check): this window's flags
-        # (skipped: its update was not applied; bad: it held a non-finite loss or gradient, which
-        # on_nonfinite=error reports) and their sums since the last settle(), read there in one go.
-        self._window_found: Optional[torch.Tensor] = None
-        self._window_bad: Optional[torch.Tensor] = None
+        # decided on the device (found_inf): this window skipped / non-finite, their sums until settle() reads them
+        self._window_found: Optional[torch.Tensor] = self._window_bad = None
         self._unsettled: Optional[torch.Tensor] = None     # [skipped windows, bad windows] on the device
         self._settled_step = 0
         self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
