@@ -3,14 +3,19 @@
     python tests/helpers/signal_child.py RUN_DIR [KEY=VALUE ...]
 
 Each optimizer step sleeps ``STEP_SLEEP`` seconds (env, default 0.02) so that a signal lands mid-run
-(``STUCK_SLEEP`` from the second step on, to play a stuck step);
-in the second step each rank touches ``RUN_DIR/ready-RANK``. Distributed pairs get ``TEST_INIT``,
-``TEST_RANK`` and ``TEST_WORLD`` (a ``file://`` rendezvous). ``KEY=VALUE`` arguments are Trainer keywords.
+(``STUCK_SLEEP`` from the second step on, to play a stuck step). In optimizer step ``READY_AT_STEP``
++ 1 (env, default 1: the second step) each rank writes its pid to ``RUN_DIR/ready-RANK``; the first
+step function call that sees a stop signal received writes the optimizer steps completed by then to
+``RUN_DIR/landed-RANK``; a finished fit saves the weights to ``RUN_DIR/final-RANK.pt``.
+``SAMPLES`` (default 256) sets the data size and ``DROPOUT`` (default none) adds a dropout layer.
+Distributed pairs get ``TEST_INIT``, ``TEST_RANK`` and ``TEST_WORLD`` (a ``file://`` rendezvous); under
+``torchrig launch`` torchrun's ``RANK`` names the rank. ``KEY=VALUE`` arguments are Trainer keywords.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +43,12 @@ class Samples(Dataset):
         return self.x[i], self.y[i]
 
 
+def signal_received() -> int:
+    """The stop signal torchrig's handler has recorded in this process (0: none yet)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return getattr(getattr(handler, "__self__", None), "received", 0)
+
+
 def main() -> None:
     run_dir = Path(sys.argv[1])
     extra = {}
@@ -46,18 +57,23 @@ def main() -> None:
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     pause = float(os.environ.get("STEP_SLEEP", "0.02"))
     stuck = float(os.environ.get("STUCK_SLEEP", "0"))  # from the second step on: a step that never ends
-    rank = int(os.environ.get("TEST_RANK", "0"))
+    ready_at = int(os.environ.get("READY_AT_STEP", "1"))
+    rank = int(os.environ.get("TEST_RANK", os.environ.get("RANK", "0")))
+    landed = run_dir / f"landed-{rank}"
 
     def slow_step(step, batch):
+        if signal_received() and not landed.exists():
+            landed.write_text(str(step.global_step))
         out = default_step(step, batch)
         if step.sync_gradients:
-            if step.global_step == 1:  # in the second step: one checkpointable step is done
-                (run_dir / f"ready-{rank}").touch()
+            if step.global_step == ready_at:  # one checkpointable step is done
+                (run_dir / f"ready-{rank}").write_text(str(os.getpid()))
             time.sleep(stuck if stuck and step.global_step >= 1 else pause)
         return out
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    dropout = [nn.Dropout(float(os.environ["DROPOUT"]))] if os.environ.get("DROPOUT") else []
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *dropout, nn.Linear(16, 2))
     dist = {}
     if "TEST_INIT" in os.environ:
         dist = dict(init_method=os.environ["TEST_INIT"], rank=rank, world_size=int(os.environ["TEST_WORLD"]))
@@ -66,7 +82,9 @@ def main() -> None:
     opts.update(dist)
     opts.update(extra)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torchrig.Trainer(model, step_fn=slow_step, **opts).fit(Samples())
+    trainer = torchrig.Trainer(model, step_fn=slow_step, **opts)
+    trainer.fit(Samples(int(os.environ.get("SAMPLES", "256"))))
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run_dir / f"final-{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -141,28 +141,57 @@ def test_slurm_requeue_after_the_save(tmp_path):
     assert resolve("latest", run) is not None  # saved before the requeue
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
-    run = tmp_path / "run"
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [_start(run, f"strategy={strategy}", env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2})
-             for r in (0, 1)]
+def _pair(run: Path, *args: str, env=None) -> list[subprocess.Popen]:
+    """Two ranks of signal_child.py joined through a ``file://`` rendezvous of their own."""
+    init = f"file://{run.parent / f'{run.name}-{time.monotonic_ns()}-rendezvous'}"
+    return [_start(run, *args, env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2, **(env or {})})
+            for r in (0, 1)]
+
+
+def _finish_pair(procs: list[subprocess.Popen], timeout: float = 90) -> list[tuple[int, str, str]]:
     try:
-        for r, proc in enumerate(procs):
-            _wait_for(run / f"ready-{r}", proc)
-        procs[1].send_signal(signal.SIGTERM)  # only rank 1 hears it
-        results = [_finish(p) for p in procs]
+        return [_finish(p, timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def _signal_one_rank(run: Path, procs: list[subprocess.Popen], signum: int) -> list[tuple[int, str, str]]:
+    """Send ``signum`` to rank 1 only, once it is ready; both ranks' (code, stdout, stderr)."""
+    try:
+        for r, proc in enumerate(procs):
+            _wait_for(run / f"ready-{r}", proc)
+        procs[1].send_signal(signum)  # only rank 1 hears it
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return _finish_pair(procs)
+
+
+# 93 samples over 2 ranks × batch 4: 12 steps per epoch, the last global batch short (3 + 2 samples)
+IN_EPOCH_2 = {"SAMPLES": 93, "READY_AT_STEP": 14}
+PAIR_ARGS = ("batch_size=4", "epochs=3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
+    """The ranks agree within two steps of the signal, mid-epoch (not at the epoch's end, where they
+    would meet anyway)."""
+    run = tmp_path / "run"
+    results = _signal_one_rank(run, _pair(run, *PAIR_ARGS, f"strategy={strategy}", env=IN_EPOCH_2), signal.SIGTERM)
     assert [code for code, _, _ in results] == [143, 143], results[0][2][-2000:] + results[1][2][-2000:]
     latest = resolve("latest", run)
     step = int(latest.name.split("-")[1])
     assert f"stopped by SIGTERM at step {step};" in results[0][2]  # rank 0 prints
+    landed = int((run / "landed-1").read_text())  # optimizer steps done when rank 1 saw the signal
+    assert not (run / "landed-0").exists()
+    assert 1 <= step - landed <= 2, (landed, step)
     state, meta, _ = read_checkpoint(latest)
     assert state["counters"]["global_step"] == meta["step"] == step
+    assert state["counters"]["epoch"] == 1 and 0 < state["counters"]["batch_in_epoch"] < 12  # mid-epoch 2
     assert (latest / "sharded" / ".metadata").exists() == (strategy == "fsdp")  # every rank's shard written
 
 
