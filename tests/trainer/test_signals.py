@@ -195,6 +195,28 @@ def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strate
     assert (latest / "sharded" / ".metadata").exists() == (strategy == "fsdp")  # every rank's shard written
 
 
+@pytest.mark.slow
+def test_ddp_resume_from_a_stop_in_epoch_2_is_bitwise_with_dropout(tmp_path):
+    """Each rank's random generators are its own (the ranks' last batches differ in size, so their dropout
+    streams part in epoch 1): a checkpoint keeps every rank's, and each rank restores its own."""
+    env = dict(IN_EPOCH_2, DROPOUT=0.3)
+    full = tmp_path / "full"
+    done = _finish_pair(_pair(full, *PAIR_ARGS, "strategy=ddp", env=env))
+    assert [code for code, _, _ in done] == [0, 0], done[0][2][-2000:] + done[1][2][-2000:]
+
+    cut = tmp_path / "cut"
+    stopped = _signal_one_rank(cut, _pair(cut, *PAIR_ARGS, "strategy=ddp", env=env), signal.SIGUSR1)
+    assert [code for code, _, _ in stopped] == [138, 138], stopped[0][2][-2000:] + stopped[1][2][-2000:]
+    state, _, _ = read_checkpoint(resolve("latest", cut))
+    assert state["counters"]["epoch"] == 1 and state["counters"]["batch_in_epoch"] > 0  # mid-epoch 2
+
+    resumed = _finish_pair(_pair(cut, *PAIR_ARGS, "strategy=ddp", "resume=latest", env=env))
+    assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-2000:] + resumed[1][2][-2000:]
+    for rank in (0, 1):
+        a, b = torch.load(full / f"final-{rank}.pt"), torch.load(cut / f"final-{rank}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank}'s weights differ after the resume"
+
+
 def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
     """A DataLoader worker forked under fit inherits the handler; it must not stop or kill the worker."""
     handler = torchrig.runtime.StopSignal().install()

@@ -34,7 +34,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         "train_metrics": MetricStates(t.train_metrics, t.rank, t.world_size),
         "window": t.metrics_log,
         "callbacks": t.callbacks,
-        "rng": RNGState(),
+        "rng": RNGState(t.rank, t.world_size),
         "data": t._data,  # the training data's position where it can report one
         **({"ema": t.ema} if t.ema is not None else {}),
         "micro_batch": t.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
@@ -70,11 +70,13 @@ def resume(t: "Trainer", spec: str) -> tuple[int, int]:
         t.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
                    f"(resume_weights_only=true)")
         return 0, 0
-    t.checkpoints.load(path, states(t), print_fn=t.print)
+    restored = states(t)
+    t.checkpoints.load(path, restored, print_fn=t.print)
     for opt in t.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     t.resumed_from = path
     epoch, batch, note = t.state.resume_at(t.world_size)
-    if note:
-        t.print(note)
+    for line in (note, restored["rng"].note):
+        if line:
+            t.print(line)
     return epoch, batch
