@@ -8,6 +8,7 @@ Each optimizer step sleeps ``STEP_SLEEP`` seconds (env, default 0.02) so that a 
 step function call that sees a stop signal received writes the optimizer steps completed by then to
 ``RUN_DIR/landed-RANK``; a finished fit saves the weights to ``RUN_DIR/final-RANK.pt``.
 ``SAMPLES`` (default 256) sets the data size and ``DROPOUT`` (default none) adds a dropout layer.
+``SLOW_SAVE`` (seconds) makes every checkpoint write first write ``RUN_DIR/saving-RANK`` and sleep.
 Distributed pairs get ``TEST_INIT``, ``TEST_RANK`` and ``TEST_WORLD`` (a ``file://`` rendezvous); under
 ``torchrig launch`` torchrun's ``RANK`` names the rank. ``KEY=VALUE`` arguments are Trainer keywords.
 """
@@ -70,6 +71,19 @@ def main() -> None:
                 (run_dir / f"ready-{rank}").write_text(str(os.getpid()))
             time.sleep(stuck if stuck and step.global_step >= 1 else pause)
         return out
+
+    slow_save = float(os.environ.get("SLOW_SAVE", "0"))
+    if slow_save:  # a checkpoint that takes long to write (a large model, a slow file system)
+        from torchrig.checkpoint.manager import CheckpointManager
+
+        write = CheckpointManager.write
+
+        def slow_write(self, step, *args, **kwargs):
+            (run_dir / f"saving-{rank}").write_text(str(step))
+            time.sleep(slow_save)
+            return write(self, step, *args, **kwargs)
+
+        CheckpointManager.write = slow_write
 
     torch.manual_seed(0)
     dropout = [nn.Dropout(float(os.environ["DROPOUT"]))] if os.environ.get("DROPOUT") else []

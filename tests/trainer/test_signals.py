@@ -217,6 +217,27 @@ def test_ddp_resume_from_a_stop_in_epoch_2_is_bitwise_with_dropout(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank}'s weights differ after the resume"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_signal_during_a_long_save_lets_it_finish(tmp_path, async_save):
+    """A checkpoint write (or the wait for the one before) that outlasts dist.stop_timeout is progress: the
+    watchdog does not end the process, the stop checkpoint is written and the exit code is 143."""
+    run = tmp_path / "run"
+    # every step saves; each write takes 2 s; steps take 0.3 s, so with asynchronous saves the signal lands
+    # in step 2, whose save waits for step 1's write before the loop can notice it
+    proc = _start(run, "checkpoint.every_steps=1", f"checkpoint.async_save={async_save}", "dist.stop_timeout=0.5",
+                  env={"SLOW_SAVE": 2, "STEP_SLEEP": 0.3})
+    _wait_for(run / "saving-0", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert "no progress" not in err, err[-2000:]
+    assert code == 143, err[-2000:]
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert step == (1 if async_save == "false" else 2)
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
+           f"continue with --set resume=latest" in err
+
+
 def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
     """A DataLoader worker forked under fit inherits the handler; it must not stop or kill the worker."""
     handler = torchrig.runtime.StopSignal().install()

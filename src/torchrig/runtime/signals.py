@@ -11,10 +11,10 @@ asynchronously at step k and read at step k+1: it never touches the accelerator,
 device-to-host synchronisation, and it has a whole step to complete in the background.
 
 A second signal while the first is being handled exits at once (no checkpoint), and so does a process
-that makes no progress (no micro-batch, no evaluation batch) for ``stop_timeout`` seconds after the
-signal: a step stuck on a dead peer, which is how torchrun's SIGTERM finds the survivors when another
-worker failed, must not hold the launcher until its SIGKILL. DataLoader workers
-forked after :meth:`install` inherit the handler, which does nothing in a process other than the one
+that makes no progress (no micro-batch, no evaluation batch; a checkpoint being written counts as
+progress, however long it takes) for ``stop_timeout`` seconds after the signal: a step stuck on a dead
+peer, which is how torchrun's SIGTERM finds the survivors when another worker failed, must not hold
+the launcher until its SIGKILL. DataLoader workers forked after :meth:`install` inherit the handler, which does nothing in a process other than the one
 that installed it, so a Ctrl-C sent to the whole process group cannot kill a worker under the loop.
 """
 
@@ -25,7 +25,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,7 @@ class StopSignal:
         self.world_size = world_size
         self.stop_timeout = stop_timeout
         self.beat = time.perf_counter()  # the loop's last sign of progress (set per micro-batch)
+        self._saving = 0             # checkpoints being written (nested)
         self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
         self._group: Any = None
@@ -111,13 +113,23 @@ class StopSignal:
         """Exit at once if the loop stops making progress before the ranks agree to stop."""
         self.beat = max(self.beat, time.perf_counter())
         while not self._agreed and self._previous:
-            idle = time.perf_counter() - self.beat
+            idle = 0.0 if self._saving else time.perf_counter() - self.beat
             if idle > self.stop_timeout:
                 sys.stderr.write(f"torchrig: no progress for {idle:.0f}s after {signal_name(signum)} (a step, or a "
                                  f"peer, is stuck); exiting without a checkpoint (dist.stop_timeout)\n")
                 sys.stderr.flush()
                 os._exit(128 + signum)
             time.sleep(0.2)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """A checkpoint being written (or the one before it waited for): progress for the watchdog."""
+        self._saving += 1
+        try:
+            yield
+        finally:
+            self._saving -= 1
+            self.beat = time.perf_counter()
 
     # -- agreement ---------------------------------------------------------------------------
     def check(self) -> int:

@@ -53,8 +53,9 @@ def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> O
     meta = {"step": t.global_step, "epoch": t.state.epoch, "batch_in_epoch": t.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": t.world_size, "precision": t.precision.name}
     config = provenance.saved_config(t.cfg, t.model, t.config_builds_model)
-    t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
-    path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
+    with t._signals.saving():  # however long they take, a stop signal's watchdog lets them finish
+        t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
+        path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
     t._run_callbacks.call("on_save", t, path, metrics)
     return path
 
