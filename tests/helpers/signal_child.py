@@ -3,12 +3,14 @@
     python tests/helpers/signal_child.py RUN_DIR [KEY=VALUE ...]
 
 Each optimizer step sleeps ``STEP_SLEEP`` seconds (env, default 0.02) so that a signal lands mid-run
-(``STUCK_SLEEP`` from the second step on, to play a stuck step). In optimizer step ``READY_AT_STEP``
+(``STUCK_SLEEP`` from the second step on, to play a stuck step; on rank ``STUCK_RANK`` only, if set). In optimizer step ``READY_AT_STEP``
 + 1 (env, default 1: the second step) each rank writes its pid to ``RUN_DIR/ready-RANK``; the first
 step function call that sees a stop signal received writes the optimizer steps completed by then to
 ``RUN_DIR/landed-RANK``; a finished fit saves the weights to ``RUN_DIR/final-RANK.pt``.
 ``SAMPLES`` (default 256) sets the data size and ``DROPOUT`` (default none) adds a dropout layer.
-``SLOW_SAVE`` (seconds) makes every checkpoint write first write ``RUN_DIR/saving-RANK`` and sleep.
+``SLOW_SAVE`` (seconds) makes every checkpoint write first write ``RUN_DIR/saving-RANK`` and sleep;
+``HOOK_SLEEP`` names a callback hook (``on_fit_start``, ``on_fit_end``) that writes ``RUN_DIR/HOOK-RANK``
+and sleeps 60 s.
 Distributed pairs get ``TEST_INIT``, ``TEST_RANK`` and ``TEST_WORLD`` (a ``file://`` rendezvous); under
 ``torchrig launch`` torchrun's ``RANK`` names the rank. ``KEY=VALUE`` arguments are Trainer keywords.
 """
@@ -57,9 +59,11 @@ def main() -> None:
         key, value = item.split("=", 1)
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     pause = float(os.environ.get("STEP_SLEEP", "0.02"))
-    stuck = float(os.environ.get("STUCK_SLEEP", "0"))  # from the second step on: a step that never ends
     ready_at = int(os.environ.get("READY_AT_STEP", "1"))
     rank = int(os.environ.get("TEST_RANK", os.environ.get("RANK", "0")))
+    stuck = float(os.environ.get("STUCK_SLEEP", "0"))  # from the second step on: a step that never ends
+    if os.environ.get("STUCK_RANK", str(rank)) != str(rank):
+        stuck = 0.0  # only that rank is stuck; its peers wait for it in a collective
     landed = run_dir / f"landed-{rank}"
 
     def slow_step(step, batch):
@@ -96,7 +100,19 @@ def main() -> None:
     opts.update(dist)
     opts.update(extra)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = torchrig.Trainer(model, step_fn=slow_step, **opts)
+    callbacks = []
+    hook = os.environ.get("HOOK_SLEEP")
+    if hook:  # a callback that takes its time before or after the loop
+        class Dawdle:
+            pass
+
+        def dawdle(*args):
+            (run_dir / f"{hook}-{rank}").write_text(str(os.getpid()))
+            time.sleep(60)
+
+        setattr(Dawdle, hook, staticmethod(dawdle))
+        callbacks.append(Dawdle())
+    trainer = torchrig.Trainer(model, step_fn=slow_step, callbacks=callbacks, **opts)
     trainer.fit(Samples(int(os.environ.get("SAMPLES", "256"))))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, run_dir / f"final-{rank}.pt")
 

@@ -238,6 +238,51 @@ def test_a_signal_during_a_long_save_lets_it_finish(tmp_path, async_save):
            f"continue with --set resume=latest" in err
 
 
+@pytest.mark.slow
+def test_a_rank_stuck_in_a_collective_exits_after_stop_timeout(tmp_path):
+    """Rank 1 stops taking part; rank 0 waits inside the gradient all-reduce (C++, where no Python signal
+    handler runs) when torchrun's SIGTERM comes: it still says why and exits after dist.stop_timeout."""
+    run = tmp_path / "run"
+    procs = _pair(run, "dist.stop_timeout=1.5", env={"STUCK_SLEEP": 120, "STUCK_RANK": 1})
+    try:
+        for r, proc in enumerate(procs):
+            _wait_for(run / f"ready-{r}", proc)
+        time.sleep(0.5)  # rank 0 is in step 3's all-reduce, waiting for rank 1
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        code, out, err = _finish(procs[0], timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert code == 143 and time.monotonic() - t0 < 10, err[-2000:]
+    assert "(a step, or a peer, is stuck); exiting without a checkpoint (dist.stop_timeout)" in err
+
+
+STUCK_IN_START_UP = """
+import datetime, sys
+import torch.distributed as dist
+from torchrig.runtime import StopSignal
+
+StopSignal(stop_timeout=1.5).install()
+print("joining", flush=True)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))  # the other rank never comes
+"""
+
+
+def test_a_signal_during_a_rendezvous_that_does_not_return_gives_its_line(tmp_path):
+    proc = subprocess.Popen([PYTHON, "-c", STUCK_IN_START_UP, str(tmp_path / "store")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    assert proc.stdout.readline() == "joining\n"
+    time.sleep(1.0)  # inside init_process_group, waiting for rank 1
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = _finish(proc, timeout=60)
+    assert code == 138 and time.monotonic() - t0 < 10, err[-2000:]
+    assert "stopped by SIGUSR1 during start-up; no step was trained and nothing was written: run the same command " \
+           "again" in err.splitlines()
+
+
 def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
     """A DataLoader worker forked under fit inherits the handler; it must not stop or kill the worker."""
     handler = torchrig.runtime.StopSignal().install()
@@ -288,3 +333,126 @@ def test_a_stuck_step_exits_after_stop_timeout(tmp_path):
     assert code == 143 and time.monotonic() - t0 < 10
     assert "torchrig: no progress for 2s after SIGTERM (a step, or a peer, is stuck); exiting without a " \
            "checkpoint (dist.stop_timeout)" in err
+
+
+# ----------------------------------------------------------------------------- every window gets its line
+
+WINDOWS = '''
+import atexit, os, time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+MARK, WINDOW = Path(os.environ["WINDOW_MARK"]), os.environ["WINDOW"]
+
+
+def model(cfg):
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+class Marked(Dataset):
+    """The test split: each sample marks the final evaluation and takes a while."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        MARK.touch()
+        time.sleep(0.2)
+        return self.x[i], self.y[i]
+
+
+def _exit_slowly():
+    MARK.touch()
+    time.sleep(60)
+
+
+def data(cfg):
+    if WINDOW == "start-up":
+        MARK.touch()
+        time.sleep(60)
+    if WINDOW == "exit":
+        atexit.register(_exit_slowly)  # runs at the interpreter's exit, after the command returned
+    x = torch.randn(93, 4, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    test = Marked(x[:40], y[:40]) if WINDOW == "final-eval" else (x[:40], y[:40])
+    return (x, y), None, test
+'''
+
+
+def _train_cli(tmp_path: Path, window: str) -> tuple[subprocess.Popen, Path, Path]:
+    """``torchrig train`` of a small model from factories in tmp_path; WINDOW says where they dawdle."""
+    (tmp_path / "windows.py").write_text(WINDOWS)
+    run, mark = tmp_path / "run", tmp_path / "mark"
+    args = ["-m", "torchrig", "train", "--model", "windows:model", "--data", "windows:data",
+            "--set", f"run_dir={run}", "--set", "epochs=2", "--set", "data.batch_size=8", "--set", "log.plot=false",
+            "--set", "log.tensorboard=false", "--set", "log.progress=none", "--set", "data.num_workers=0"]
+    proc = subprocess.Popen([PYTHON, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=subprocess_env(WINDOW=window, WINDOW_MARK=mark))
+    return proc, run, mark
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_says_nothing_was_written(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "start-up")
+    _wait_for(mark, proc)
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = _finish(proc)
+    assert code == 138, err[-2000:]
+    assert "stopped by SIGUSR1 during start-up; no step was trained and nothing was written: run the same " \
+           "command again" in err.splitlines()
+    assert "Traceback" not in err and not (run / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_final_evaluation_says_training_finished(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "final-eval")
+    _wait_for(mark, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 143, err[-2000:]
+    assert f"stopped by SIGTERM during the final evaluation on the test split, after training finished; torchrig " \
+           f"evaluate --checkpoint {run} gives the test metrics" in err.splitlines()
+    assert "Traceback" not in err
+    state, meta, _ = read_checkpoint(resolve("latest", run))
+    assert state["counters"]["epoch"] == 2  # training was complete and saved
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_interpreter_exits_gives_its_line_and_code(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "exit")
+    _wait_for(mark, proc, timeout=120)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = _finish(proc)
+    assert code == 130, err[-2000:]
+    assert "stopped by SIGINT while exiting; the run had ended" in err.splitlines()
+    assert "Traceback" not in err and "test:" in out  # the run itself had finished and said so
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook, signum", [("on_fit_start", signal.SIGTERM), ("on_fit_end", signal.SIGINT)])
+def test_a_signal_before_or_after_the_loop_of_fit_gives_its_line(tmp_path, hook, signum):
+    """The Trainer's own windows (a script, not the command): before the loop nothing is written; after it,
+    the final checkpoint is named."""
+    run = tmp_path / "run"
+    proc = _start(run, "epochs=2", env={"HOOK_SLEEP": hook})
+    _wait_for(run / f"{hook}-0", proc)
+    proc.send_signal(signum)
+    code, out, err = _finish(proc)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, err[-2000:]
+    if hook == "on_fit_start":
+        line = f"stopped by {name} during start-up; no step was trained and nothing was written: run the same " \
+               f"command again"
+        assert not (run / "checkpoints" / "latest").exists()
+    else:
+        line = f"stopped by {name} after training finished at step 64; checkpoint {run}/checkpoints/step-00000064 " \
+               f"holds it"
+        assert resolve("latest", run).name == "step-00000064"
+    assert line in err.splitlines(), err[-2000:]
+    assert "Traceback" not in err

@@ -8,7 +8,7 @@ from .dist import (DistInfo, DistributedError, all_reduce_max, all_reduce_mean, 
                    get_world_size, init_process_group, is_initialized, is_main_process, restart_count)
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
-from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name
+from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
 from .wrap import no_sync, no_sync_all, resolve_strategy, unwrap, wrap_model
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "all_reduce_mean", "all_reduce_sum", "barrier", "broadcast", "destroy_process_group", "detect",
     "gather", "get_rank", "get_world_size", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state", "no_sync", "resolve_strategy",
-    "unwrap", "wrap_model", "no_sync_all", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job", "signal_name",
+    "unwrap", "wrap_model", "no_sync_all", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job", "signal_name", "stop_phase",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last",
 ]
