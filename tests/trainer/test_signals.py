@@ -456,3 +456,80 @@ def test_a_signal_before_or_after_the_loop_of_fit_gives_its_line(tmp_path, hook,
         assert resolve("latest", run).name == "step-00000064"
     assert line in err.splitlines(), err[-2000:]
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- under torchrig launch
+
+
+def _launch(run: Path, *args: str, env=None) -> tuple[subprocess.Popen, Path]:
+    """``torchrig launch --nproc-per-node 2 -- signal_child.py RUN ARGS``; its output goes to a file (the
+    workers keep it open after a killed launcher)."""
+    run.mkdir(parents=True)
+    log = run.parent / f"{run.name}-launch.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([PYTHON, "-m", "torchrig", "launch", "--nproc-per-node", "2", "--", str(CHILD),
+                                 str(run), *args], stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env=subprocess_env(**(env or {})), start_new_session=True)
+    return proc, log
+
+
+def _pid(path: Path, proc: subprocess.Popen) -> int:
+    _wait_for(path, proc)
+    while not path.read_text():  # written a moment after it appears
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
+    for pid in [proc.pid, *pids]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
+    """torchrun sends its own SIGTERM to the ranks left after the signalled one exits; that is no failure."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        os.kill(pids[1], signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        _kill_all(proc, pids)
+    out = log.read_text()
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out
+    assert "torchrig launch: the run stopped cleanly on SIGTERM (exit 143); rank 0's line above says where; to " \
+           "continue, run the same command with resume='latest'" in out.splitlines(), out[-3000:]
+    assert "error" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_workers_end_with_a_launcher_killed_by_sigkill(tmp_path):
+    """They stop as torchrun would have stopped them: SIGTERM, the step under way, a checkpoint."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, "epochs=50")
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        _kill_all(proc, pids)
+    assert took < 5, f"the orphaned workers ran on for {took:.0f}s:\n{log.read_text()[-3000:]}"
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in log.read_text()

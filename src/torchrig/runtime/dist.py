@@ -15,6 +15,8 @@ import functools
 import gc
 import os
 import re
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -115,9 +117,27 @@ def default_backend(device: torch.device) -> str:
     return "gloo"
 
 
+def end_with_launcher() -> None:
+    """Under torchrun (``torchrig launch``), have Linux send this worker SIGTERM when its launcher dies.
+
+    A launcher killed with SIGKILL cannot stop its workers; left alone they train on until a collective
+    or the lost rendezvous store fails them, tens of seconds later. With the signal they stop as torchrun
+    would have stopped them: after the step under way, with a checkpoint.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the workers end as before, when the group fails
+        pass
+
+
 def init_process_group(info: DistInfo, device: torch.device, backend: Optional[str] = None,
                        init_method: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Join the process group described by ``info``; returns True when this call created it."""
+    end_with_launcher()
     if not info.is_distributed or dist.is_initialized():
         return False
     if not dist.is_available():
