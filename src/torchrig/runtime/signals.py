@@ -150,7 +150,7 @@ class StopSignal:
         if self._agreed:  # already stopping (with the other ranks): let it finish
             return
         if self.exiting:
-            _say(f"\nstopped by {name} while exiting; the run had ended")
+            _say(f"\nstopped by {name} {self.where}")
             os._exit(128 + signum)
         if self.at_steps:
             _say(f"\ntorchrig: {name} received; stopping after the current optimizer step with a checkpoint "
@@ -194,7 +194,7 @@ class StopSignal:
     def at_exit(self) -> None:
         """The program has finished (the ``torchrig`` command returns): a signal now ends it at once, with its
         line and exit code, instead of a traceback from the interpreter's clean-up."""
-        self.exiting = True
+        self.exiting, self.where = True, "while exiting; the run had ended"
 
     # -- agreement ---------------------------------------------------------------------------
     def check(self) -> int:
@@ -319,7 +319,7 @@ class _Watcher:
             _say(f"\ntorchrig: second {name}: exiting now")
             os._exit(128 + signum)
         loop = owner.at_steps or owner._saving
-        if unhandled == 0 and not loop:  # the handler ran: an immediate stop is under way
+        if unhandled <= 0 and not loop:  # the handler ran: an immediate stop is under way
             return False
         idle = 0.0 if owner._saving else now - max(owner.beat, since)
         if idle > owner.stop_timeout:
