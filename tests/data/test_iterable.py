@@ -182,9 +182,23 @@ def _interrupted_then_resumed(run_dir, data, stop_at, **kw):
         trainer.fit(data)
 
 
+def _cpu_lookahead(monkeypatch):
+    """The CUDA prefetcher's reading order on the CPU: each batch is taken from the loader one batch ahead of
+    the step that trains it (the copy of the next batch overlaps the current step), with no streams."""
+    from torchrig.data import loaders
+    import torchrig.trainer.trainer as T
+
+    monkeypatch.setattr(T, "prefetch_to_device", lambda batches, device: loaders.lookahead(
+        iter(batches), lambda b: b, lambda b: None))
+
+
+@pytest.mark.parametrize("prefetch", ["none", "lookahead"])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_resume_is_exact_without_replay(tmp_path, workers, capsys):
+def test_stateful_dataloader_resume_is_exact_without_replay(tmp_path, workers, prefetch, capsys, monkeypatch):
     from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if prefetch == "lookahead":
+        _cpu_lookahead(monkeypatch)
 
     streams = []
 

@@ -39,6 +39,15 @@ class TinyNet(nn.Module):
         return self.head(self.drop(self.backbone(x)))
 
 
+def fp16_precision(init_scale: float = 2.0 ** 16):
+    """precision=fp16 as on CUDA (a GradScaler, float16 autocast), built for the CPU, where torch has both too:
+    ``monkeypatch.setattr(torchrig.runtime, "make_precision", lambda name, device: fp16_precision())``."""
+    from torchrig.runtime.precision import Precision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+    return Precision("fp16", torch.device("cpu"), torch.float16, scaler)
+
+
 def make_classification(n: int = 40, features: int = 8, classes: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)

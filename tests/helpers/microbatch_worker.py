@@ -83,6 +83,15 @@ def ddp(out: Path) -> None:
         report[name] = {"size": t.micro.size, "oom": model.oom, "history": t.history}
         if rank == 0:
             torch.save(params(model), out / f"{name}.pt")
+    # SyncBatchNorm (all-gathers in its forward, so an OOM on one rank would leave the other waiting): refused
+    from torchrig.config import ConfigError
+
+    sync = nn.Sequential(nn.Linear(FEATURES, 16), nn.SyncBatchNorm(16), nn.Linear(16, CLASSES))
+    try:
+        Trainer(sync, strategy="ddp", **settings(out / "syncbn", **{"data.micro_batch_size": "auto"}), **group)
+        report["syncbn"] = "accepted"
+    except ConfigError as e:
+        report["syncbn"] = str(e)
     (out / f"report-{rank}.json").write_text(json.dumps(report))
     first.close()
 

@@ -86,12 +86,13 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def build(name: str, run_dir: Any, device: str, **extra: Any):
-    """``(trainer keywords, model, data)`` of configuration ``name`` on ``device``."""
+def build(name: str, run_dir: Any, device: str, ranks: int = 1, **extra: Any):
+    """``(trainer keywords, model, data)`` of configuration ``name`` on ``device``, sized for ``ranks`` processes
+    (each takes ``STEPS`` optimizer steps)."""
     kw = dict(BASE, **CONFIGS[name])
     kind = kw.pop("data", "classes")
     accumulate = kw["accumulate"]
-    n = STEPS * accumulate * BATCH
+    n = STEPS * accumulate * BATCH * ranks
     torch.manual_seed(0)
     if kind == "tokens":
         model, data = TokenNet(), TensorDataset(*token_data(n))

@@ -196,3 +196,25 @@ def test_evaluate_metrics_match_sklearn(make_trainer, data):
     assert res["f1_weighted"] == pytest.approx(skm.f1_score(y, pred, average="weighted", zero_division=0))
     assert res["recall"] == pytest.approx(skm.recall_score(y, pred, average="macro", zero_division=0))
     assert res["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(out, y)), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["accuracy", "top3", "precision", "recall", "f1", "f1_weighted", "mse", "mae"])
+def test_every_built_in_update_runs_on_the_meta_device(name):
+    """An update that read a value back (bincount's size, a mask's count) would fail on ``meta``, as it would
+    wait for a GPU on CUDA: every built-in metric updates there without one."""
+    m = get_metric(name)
+    m.device = torch.device("meta")
+    regression = name in ("mse", "mae")
+    out = torch.empty(6, 1 if regression else 5, device="meta")
+    target = torch.empty(6, 1, device="meta") if regression else torch.zeros(6, dtype=torch.long, device="meta")
+    for _ in range(2):
+        m.update(out, target)
+    assert all(v.device.type == "meta" for v in m.states.values())
+
+
+@pytest.mark.parametrize("name", ["precision", "recall", "f1"])
+def test_a_label_outside_the_classes_is_reported_when_read(name):
+    m = get_metric(name)
+    m.update(torch.eye(4)[[0, 1, 2]], torch.tensor([0, 1, 7]))
+    with pytest.raises(MetricError, match=rf"metric '{name}': 1 target label\(s\) outside the 4 classes"):
+        m.compute()

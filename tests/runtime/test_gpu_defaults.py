@@ -17,7 +17,7 @@ from torchrig.config import DistConfig
 from torchrig.data import ResumableSampler, TensorBatches, prefetch_to_device
 from torchrig.data import workers
 from torchrig.metrics import Metric, get_metrics
-from torchrig.runtime import configure_backends, wants_channels_last
+from torchrig.runtime import configure_backends, tf32_in_force, wants_channels_last
 from torchrig.runtime.wrap import broadcast_buffers
 from torchrig.trainer.optim import build_optimizer
 
@@ -27,13 +27,14 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 @pytest.fixture
 def backend_flags():
     """Restore every global switch configure_backends may touch."""
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.get_float32_matmul_precision(),
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, matmul.fp32_precision,
              torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.backends.cudnn.benchmark = False
-    torch.set_float32_matmul_precision("highest")
+    matmul.fp32_precision = "none"  # untouched: PyTorch's default (full fp32), no choice made
     yield
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[0], saved[1]
-    torch.set_float32_matmul_precision(saved[2])
+    matmul.fp32_precision = saved[2]
     torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
 
 
@@ -55,6 +56,18 @@ def test_user_choices_are_kept(backend_flags):
     torch.set_float32_matmul_precision("medium")  # the user's script chose before the Trainer
     configure_backends(False, "auto", CUDA)
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("choose", ["new", "legacy"])
+def test_a_user_who_asked_for_full_fp32_keeps_it(backend_flags, choose):
+    """``torch.backends.cuda.matmul.fp32_precision = "ieee"`` (PyTorch's newer switch) or an explicit
+    ``set_float32_matmul_precision("highest")`` before the Trainer: TF32 stays off, and is reported so."""
+    if choose == "new":
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        torch.set_float32_matmul_precision("highest")
+    configure_backends(False, "auto", CUDA)
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee" and not tf32_in_force()
 
 
 def test_cpu_run_changes_nothing_by_default(backend_flags):

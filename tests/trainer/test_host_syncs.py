@@ -10,13 +10,13 @@ same run is checked with ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUIET, TinyNet, make_classification
+from helpers import QUIET, TinyNet, fp16_precision, make_classification
+from helpers import step_configs as C
+from helpers.host_reads import SRC, count_host_reads
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -27,37 +27,6 @@ from torchrig.trainer.logger import MetricsLogger
 from torchrig.trainer.progress import RunLogger
 from torchrig.trainer.state import MetricStates
 from torchrig.trainer.step import Step, default_step
-
-SRC = str(Path(torchrig.__file__).resolve().parent)
-DATA_LAYER = str(Path(SRC) / "data")
-READS = ("item", "__bool__", "tolist", "cpu", "__float__", "__int__", "numpy")
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Count tensor reads whose caller is torchrig (outside the data layer); yields the counter list."""
-    calls: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def spy(name):
-        original = originals[name]
-
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(SRC) and not caller.startswith(DATA_LAYER):
-                calls.append(f"{name} at {Path(caller).name}:{sys._getframe(1).f_lineno}")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, spy(name))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
 
 class DeviceLikeSteps:
     """Turns the host checks off (as on a GPU) and records the reads made in each optimizer step."""
@@ -103,6 +72,48 @@ def test_no_host_reads_between_log_steps(run_dir):
     assert all(reads == [] for reads in watch.quiet_steps), watch.quiet_steps
     # the counter sees reads where they are allowed: a log step reads the gradient norm
     assert any(reads for reads in watch.log_steps)
+
+
+@pytest.mark.parametrize("name", list(C.CONFIGS))
+def test_no_host_reads_between_log_steps_in_every_configuration(name, tmp_path, monkeypatch):
+    """The configurations the CUDA sync census runs (precision, fused optimizers, metrics, accumulation, token
+    normalisation, clipping, EMA, a skipped window, micro-batches), here with the host checks off: no step
+    strictly between two log steps reads anything back. fp16 runs with ``GradScaler("cpu")``."""
+    real = torchrig.runtime.make_precision
+    monkeypatch.setattr(torchrig.runtime, "make_precision",
+                        lambda p, device: fp16_precision() if p == "fp16" else real(p, device))
+    with count_host_reads() as calls:
+        watch = DeviceLikeSteps(calls, every=C.EVERY)
+        opts, model, data = C.build(name, tmp_path / "run", "cpu", callbacks=[watch])
+        trainer = torchrig.Trainer(model, **opts)
+        trainer.fit(data)
+    assert trainer.global_step == C.STEPS
+    assert len(watch.quiet_steps) == C.STEPS - C.STEPS // C.EVERY
+    assert all(reads == [] for reads in watch.quiet_steps), watch.quiet_steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_counter_sees_what_it_must():
+    """Each kind of thing the counter looks for is counted when torchrig code does it, at any depth of the stack,
+    and not otherwise (code compiled with a file name inside the package stands in for torchrig's)."""
+    def as_torchrig(code: str, name: str = "trainer/x.py", **env):
+        exec(compile(code, str(Path(SRC) / name), "exec"), {"torch": torch, **env})
+
+    scaler = torch.amp.GradScaler("cpu")
+    with count_host_reads() as calls:
+        as_torchrig("float(torch.ones(()))")
+        as_torchrig("torch.ones(3).tolist()")
+        as_torchrig("torch.tensor(3, device='cpu'); torch.as_tensor([1.0, 2.0], device='cpu')")
+        as_torchrig("scaler.get_scale()", scaler=scaler)
+        as_torchrig("f()", f=lambda: torch.ones(()).item())  # a read inside a callee: torchrig is further up
+    assert [c.split(" at ")[0] for c in calls] == ["__float__", "tolist", "torch.tensor(number, device=…)",
+                                                  "torch.as_tensor(number, device=…)", "GradScaler.get_scale", "item"]
+    with count_host_reads() as calls:
+        torch.ones(()).item()                                    # not torchrig
+        as_torchrig("torch.tensor(3)")                           # no device: a CPU tensor
+        as_torchrig("torch.ones(3).tolist()", name="data/x.py")  # the data layer reading its own CPU tensor
+        as_torchrig("t = torch.tensor([1], device='cpu'); t.tolist()", name="data/x.py")  # …but not one for the device
+    assert [c.split(" at ")[0] for c in calls] == ["torch.tensor(number, device=…)", "tolist"]
 
 
 def test_counter_sees_the_cpu_reads(run_dir):
@@ -211,3 +222,26 @@ def test_no_sync_in_steady_state_on_cuda(run_dir):
         torch.cuda.set_sync_debug_mode(0)
     assert trainer.global_step == 8 and checked == [2, 3, 5, 6, 7]
     assert trainer.optimizers["default"].defaults["fused"]
+
+
+@pytest.mark.slow
+def test_no_host_reads_between_log_steps_under_ddp(tmp_path):
+    """The same census in both ranks of a DDP run: the loss count, the micro-batch agreement and the stream
+    flags travel without a read of device memory (flags the ranks agree on go through gloo, in host memory)."""
+    import json
+
+    from helpers import dist_procs
+    from helpers.host_reads_worker import DDP_CONFIGS
+
+    out = tmp_path / "out"
+    results = dist_procs.pair("ddp", out, tmp_path / "store", timeout=240,
+                              worker=dist_procs.HELPERS / "host_reads_worker.py")
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    for rank in (0, 1):
+        report = json.loads((out / f"reads-{rank}.json").read_text())
+        assert sorted(report) == sorted(DDP_CONFIGS)
+        for name, r in report.items():
+            assert r["steps"] == C.STEPS and r["finite"], name
+            assert len(r["quiet"]) == C.STEPS - C.STEPS // C.EVERY
+            assert all(reads == [] for reads in r["quiet"]), (rank, name, r["quiet"])

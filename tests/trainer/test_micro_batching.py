@@ -139,28 +139,41 @@ def test_two_ranks_agree_when_only_one_runs_out_of_memory(tmp_path):
     assert _history_diff(reports[0]["auto"]["history"], reports[0]["fixed"]["history"]) < ATOL
     assert [r["auto_bn"]["size"] for r in reports] == [2, 2] and reports[1]["auto_bn"]["oom"] == 2
     assert _max_diff(torch.load(out / "auto_bn.pt"), torch.load(out / "fixed_bn.pt")) < ATOL
+    for r in reports:  # refused on every rank before any forward: no rank is left waiting
+        assert r["syncbn"].startswith("config key 'data.micro_batch_size': 'auto' cannot be used with SyncBatchNorm")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_real_cuda_oom_is_recovered(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_real_cuda_oom_is_recovered(tmp_path, capsys, precision):
+    """A real out-of-memory error from CUDA's allocator: the size halves until the window fits, and the run
+    equals one configured with that size from the start (the failed attempts left nothing behind)."""
     free, _ = torch.cuda.mem_get_info()
     width = int(free // (6 * 4))  # one row's activations: a sixth of the free memory (float32, kept for backward)
 
     class Wide(torch.nn.Module):
         def __init__(self):
             super().__init__()
+            torch.manual_seed(0)
             self.scale = torch.nn.Parameter(torch.full((1, 1), 1e-3))
             self.head = torch.nn.Linear(W.FEATURES, W.CLASSES)
 
         def forward(self, x):
-            big = torch.exp(x[:, :1] * self.scale.expand(1, width))  # (rows, width): rows / 6 of the free memory
+            big = torch.exp(x[:, :1].float() * self.scale.expand(1, width))  # (rows, width): rows / 6 of the memory
             return self.head(x) + big.mean(dim=1, keepdim=True)
 
-    model = Wide()
-    t = Trainer(model, device="cuda", **W.settings(tmp_path / "gpu", epochs=1, metrics=[],
-                                                    **{"data.micro_batch_size": "auto"}))
-    t.fit(W.classification(16))
-    t.close()
+    def fit(name, size):
+        model = Wide()
+        t = Trainer(model, device="cuda", precision=precision,
+                    **W.settings(tmp_path / name, epochs=1, metrics=[], **{"data.micro_batch_size": size}))
+        t.fit(W.classification(16))
+        t.close()
+        torch.cuda.empty_cache()
+        return t, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    t, got = fit("auto", "auto")
     assert t.micro.size < 8 and "torchrig: out of memory at micro-batch 8" in capsys.readouterr().err
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for v in got.values())
+    _, want = fit("fixed", t.micro.size)
+    assert _max_diff(got, want) < ATOL

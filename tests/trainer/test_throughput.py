@@ -102,3 +102,97 @@ def test_mfu_on_a_known_gpu(tmp_path):
     rows = [r for r in read_rows(tmp_path) if r["kind"] == "interval"]
     peak = peak_flops(device, "bf16")
     assert all(r["mfu"] == pytest.approx(r["flops_per_s"] / peak) for r in rows)
+
+
+@pytest.mark.parametrize("name,precision,tf32,expected", [
+    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4), ("NVIDIA H100 NVL", "bf16", False, 835.5),
+    ("NVIDIA H100 PCIe", "fp16", False, 756.0), ("NVIDIA H800", "bf16", False, 989.4),
+    ("NVIDIA GH200 480GB", "bf16", False, 989.4), ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
+    ("NVIDIA A100-SXM4-80GB", "fp32", True, 156.0), ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),
+    ("Tesla V100-SXM2-16GB", "fp32", True, 15.7), ("NVIDIA Mystery 9000", "bf16", False, None)])
+def test_peak_by_device_name_and_tf32(monkeypatch, name, precision, tf32, expected):
+    """The peak a GPU's MFU divides by: the NVL and H800 entries, and fp32 at TF32's peak when TF32 is on."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr("torchrig.trainer.throughput.tf32_in_force", lambda: tf32)  # see the test below
+    peak = peak_flops(torch.device("cuda"), precision)
+    assert (peak is None and expected is None) or peak == pytest.approx(expected * 1e12)
+
+
+def test_tf32_in_force_follows_the_new_and_the_legacy_switches():
+    from torchrig.runtime.accel import tf32_in_force
+
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.fp32_precision, torch.get_float32_matmul_precision())
+    try:
+        matmul.fp32_precision = "ieee"
+        assert not tf32_in_force()
+        matmul.fp32_precision = "tf32"
+        assert tf32_in_force()
+        torch.set_float32_matmul_precision("highest")
+        assert not tf32_in_force()
+        torch.set_float32_matmul_precision("high")
+        assert tf32_in_force()
+    finally:
+        torch.set_float32_matmul_precision(before[1])
+        matmul.fp32_precision = before[0]
+
+
+def test_the_first_row_of_an_epoch_counts_only_its_own_samples(tmp_path, monkeypatch):
+    """The interval clock restarts at an epoch's start, and so do the counts measured against it: the last
+    epoch's tail (after its last row) must not inflate the next row's samples/s, nor its data wait."""
+    from torchrig.trainer import logger as L
+
+    clock = [0.0]
+    monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
+
+    class Tick:  # every micro-batch takes 1 s of the fake clock
+        def on_step_end(self, trainer, values):
+            clock[0] += 1.0
+
+    x, y = make_classification(40)  # 5 steps of 8 per epoch; rows every 3 steps: at 3, 6 (epoch 2), 9
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=8, epochs=2, log_every=3,
+                               num_workers=0, shuffle=False, callbacks=[Tick()], **QUIET)
+    trainer.fit(TensorDataset(x, y))
+    rows = {r["step"]: r for r in read_rows(tmp_path) if r["kind"] == "interval"}
+    assert sorted(rows) == [3, 6, 9]
+    # step 6 is the first step of epoch 2: one step (8 samples) in the 1 s since the epoch started
+    assert rows[6]["samples_per_s"] == pytest.approx(8.0)
+    assert all(r["samples_per_s"] == pytest.approx(8.0) for r in rows.values())
+    assert all(0 <= r["data_wait"] <= 1 for r in rows.values())
+
+
+def test_meta_count_equals_the_count_of_a_real_step():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(2, 3, 6, 6)
+    from torchrig.trainer.throughput import meta_flops
+
+    _, real = count_flops(fwd_bwd(model, x))
+    assert meta_flops(model, x) == real > 0
+    assert all(p.grad is not None for p in model.parameters())  # only the real step's: meta left none behind
+
+
+def test_data_parallel_flops_are_counted_although_its_replicas_run_in_threads(tmp_path, monkeypatch):
+    """nn.DataParallel runs each replica's forward in a thread of its own, which FlopCounterMode (a per-thread
+    mode) does not see; torchrig counts such a model on the meta device instead."""
+    import threading
+
+    def threaded_forward(self, *inputs, **kwargs):  # what DataParallel's parallel_apply does with the replicas
+        out = []
+        worker = threading.Thread(target=lambda: out.append(self.module(*inputs, **kwargs)))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    monkeypatch.setattr(nn.DataParallel, "forward", threaded_forward)
+    x, y = make_classification(32)
+
+    def flops(dp: bool):
+        torch.manual_seed(0)
+        trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path / str(dp)), batch_size=8, epochs=1, log_every=1,
+                                   flops=True, num_workers=0, **QUIET)
+        if dp:
+            trainer.wrapped = nn.DataParallel(trainer.wrapped)  # on the CPU: no devices, the module itself
+        trainer.fit(TensorDataset(x, y))
+        return trainer.metrics_log.flops_per_sample
+
+    assert flops(True) == flops(False) == 4 * 8 * 16 + 6 * 16 * 4

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUIET, TinyNet, gan_models, gan_step, make_classification, read_jsonl
+from helpers import QUIET, TinyNet, fp16_precision, gan_models, gan_step, make_classification, read_jsonl
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -211,7 +211,7 @@ def test_non_finite_loss_skip_counts(make_trainer, run_dir):
     trainer = make_trainer(batch_size=4, shuffle=False, on_nonfinite="skip", epochs=2, log_every=1)
     trainer.fit(_nan_data())
     assert trainer.skipped_steps == 2  # once per epoch
-    assert trainer.global_step == 2 * 9
+    assert trainer.global_step == 2 * 10  # every window is a step; skipped_steps says which were not applied
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "skipped_steps" in r]
     assert rows and rows[-1]["skipped_steps"] == 2
@@ -431,24 +431,18 @@ def test_gan_skipped_window_counts_once(tmp_path):
     trainer = torchrig.Trainer(gan_models(), optimizer={"G": "adam", "D": "adam"}, step_fn=gan_step,
                                on_nonfinite="skip", epochs=2, batch_size=8, run_dir=str(tmp_path), **QUIET)
     trainer.fit(real)
-    assert trainer.skipped_steps == 2 and trainer.global_step == 10  # one window per epoch, two optimizers
+    assert trainer.skipped_steps == 2 and trainer.global_step == 12  # one window per epoch, two optimizers
 
 
 # ----------------------------------------------------------------------------- fp16: the GradScaler path, on CPU
 
 
-def _fp16_precision(init_scale: float):
-    """precision=fp16 as on CUDA (a GradScaler, float16 autocast), built for the CPU, where torch has both too."""
-    from torchrig.runtime.precision import Precision
-
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
-    return Precision("fp16", torch.device("cpu"), torch.float16, scaler)
 
 
 def test_fp16_overflow_skips_the_step_counts_it_and_halves_the_scale(make_trainer, data, run_dir, monkeypatch):
     from torchrig.checkpoint import read_checkpoint, resolve
 
-    monkeypatch.setattr(torchrig.runtime, "make_precision", lambda name, device: _fp16_precision(2.0 ** 12))
+    monkeypatch.setattr(torchrig.runtime, "make_precision", lambda name, device: fp16_precision(2.0 ** 12))
     calls = []
 
     class InfGradAtThirdBatch(TinyNet):
@@ -472,10 +466,10 @@ def test_fp16_overflow_skips_the_step_counts_it_and_halves_the_scale(make_traine
     assert len(calls) == 10 and len(params) == 9  # 10 windows, the third never reached optimizer.step
     assert 3 not in calls_at_step
     assert trainer.skipped_steps == 1
-    assert trainer.global_step == 9  # a skipped window is not an optimizer step (nor a scheduler step)
+    assert trainer.global_step == 10  # a skipped window is a step (and a scheduler step), not an update
     assert trainer.precision.scaler.get_scale() == 2.0 ** 11  # backed off once (growth needs 1000 good steps)
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "samples_per_s" in r]
-    assert [r.get("skipped_steps", 0) for r in rows] == [0, 0] + [1] * 7
+    assert [r.get("skipped_steps", 0) for r in rows] == [0, 0] + [1] * 8  # a row per window
     state, _, _ = read_checkpoint(resolve("latest", run_dir))
     assert state["scaler"]["scale"] == 2.0 ** 11  # the scale is checkpointed for an exact resume
 

@@ -172,9 +172,14 @@ class IterableBatches:
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
         self.batch_size = loader.batch_size or 1
         self.say: Callable[[str], None] = _rank0_print
+        # How many batches of the epoch the loop has trained, set by the loop: a prefetcher reads the stream
+        # ahead of it (CUDA copies the next batch while the current one trains), so ``consumed`` (read from
+        # the stream) can be ahead of what a checkpoint must record. None: nothing reads ahead.
+        self.position: Optional[Callable[[], int]] = None
         self.epoch, self.consumed = 0, 0
         self._skip, self._pending = 0, None
         self._said: set = set()
+        self._marks: dict[int, Any] = {}  # consumed -> the loader's state there, at the last window boundaries
 
     resumable = property(lambda self: self.stateful, doc="a mid-epoch resume needs no replay")
 
@@ -204,11 +209,17 @@ class IterableBatches:
         if exact:
             self.loader.load_state_dict(saved["loader"])
         it = iter(self.loader)
+        self._marks = {}
         if skip and not exact:
             source = self._source()
-            why = ("torchdata is not installed (pip install torchdata)" if is_stateful(source) else
-                   f"the training data {type(source).__name__} cannot report its position (give it "
-                   f"state_dict/load_state_dict to resume without this)")
+            if not is_stateful(source):
+                why = (f"the training data {type(source).__name__} cannot report its position (give it "
+                       f"state_dict/load_state_dict to resume without this)")
+            elif StatefulDataLoader is None:
+                why = "torchdata is not installed (pip install torchdata)"
+            else:
+                why = ("the checkpoint holds no stream position for this point (it was saved by another "
+                       "torchrig version, or on another number of processes)")
             self._note("replay", f"torchrig: resuming in epoch {self.epoch + 1} re-reads the {skip} batches already "
                                  f"used: {why}")
             for _ in range(skip):
@@ -226,12 +237,14 @@ class IterableBatches:
         A = self.accumulate
         while self.consumed < self.length:
             want = min(A - self.consumed % A, self.length - self.consumed)
+            if self.stateful:  # the stream's position before this window: what a checkpoint after it resumes
+                self._marks = {k: v for k, v in self._marks.items() if k >= self.consumed - 2 * A}
+                self._marks[self.consumed] = self.loader.state_dict()
             window = list(itertools.islice(it, want))
             full = float(len(window) == want)
             lacking, having = 1.0 - full, full
-            if self.world_size > 1:
-                flags = runtime.all_reduce_max(torch.tensor([lacking, having], device=self.device)).tolist()
-                lacking, having = flags
+            if self.world_size > 1:  # agreed in host memory when the group takes CPU tensors: no GPU round trip
+                lacking, having = runtime.agree_max([lacking, having], self.device)
             if lacking and having:
                 self._note("uneven", f"torchrig: epoch {self.epoch + 1} ended after {self.consumed} batches on "
                                      f"every process because one process's share of the training data ran out; "
@@ -254,8 +267,11 @@ class IterableBatches:
             self.say(text)
 
     def state_dict(self) -> dict:
-        mine = {"epoch": self.epoch, "batches": self.consumed,
-                "loader": self.loader.state_dict() if self.stateful else None}
+        trained = self.position() if self.position is not None else self.consumed
+        loader = None
+        if self.stateful:  # the stream where the loop stands, not where a prefetcher read ahead to
+            loader = self.loader.state_dict() if trained == self.consumed else self._marks.get(trained)
+        mine = {"epoch": self.epoch, "batches": trained, "loader": loader}
         return {"ranks": runtime.gather(mine)}
 
     def load_state_dict(self, state: dict) -> None:

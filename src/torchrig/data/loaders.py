@@ -7,6 +7,7 @@ the order so that a run resumes at the exact sample where it stopped, on any num
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
@@ -33,7 +34,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
         if type(batch) is list:
             return moved
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a Hugging Face BatchEncoding (a UserDict): a plain dict from here on
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     return batch
 
@@ -53,26 +54,38 @@ def _cuda_prefetch(it: Iterator, device: torch.device) -> Iterator:
         with torch.cuda.stream(copy_stream):
             return to_device(batch, device)
 
-    def tensors(batch: Any) -> list:
-        if isinstance(batch, torch.Tensor):
-            return [batch]
-        if isinstance(batch, (list, tuple)):
-            return [t for v in batch for t in tensors(v)]
-        if isinstance(batch, dict):
-            return [t for v in batch.values() for t in tensors(v)]
-        return []
+    def ready(batch: Any) -> None:
+        compute = torch.cuda.current_stream(device)
+        compute.wait_stream(copy_stream)  # the step's kernels start after its batch arrived
+        for t in _tensors(batch):
+            t.record_stream(compute)  # the caching allocator must not reuse it while the step runs
 
+    return lookahead(it, issue, ready)
+
+
+def lookahead(it: Iterator, issue: Any, ready: Any) -> Iterator:
+    """``it``'s batches, each ``issue``d one batch ahead (the next one's copy starts before the current one is
+    handed out: it overlaps the current step) and made ``ready`` just before it is handed out. The source is
+    therefore read one batch ahead of what the loop has trained, which its position must allow for (see
+    ``IterableBatches.position``)."""
     pending = next(it, _END)
     pending = pending if pending is _END else issue(pending)
     while pending is not _END:
         current = pending
-        compute = torch.cuda.current_stream(device)
-        compute.wait_stream(copy_stream)  # the step's kernels start after its batch arrived
-        for t in tensors(current):
-            t.record_stream(compute)  # the caching allocator must not reuse it while the step runs
+        ready(current)
         nxt = next(it, _END)
-        pending = nxt if nxt is _END else issue(nxt)  # overlaps the step about to run on `compute`
+        pending = nxt if nxt is _END else issue(nxt)  # overlaps the step about to run
         yield current
+
+
+def _tensors(batch: Any) -> list:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    return []
 
 
 _END = object()
@@ -103,13 +116,18 @@ class TensorBatches:
         idx = self.sampler.indices()
         b = self.batch_size
         stop = (len(idx) // b) * b if self.drop_last else len(idx)
+        # Tensors on an accelerator: the epoch's indices go there once, from page-locked memory (a copy from
+        # pageable memory would wait for the GPU, once per batch)
+        on_device = {t.device: (idx.pin_memory() if t.device.type == "cuda" else idx).to(t.device, non_blocking=True)
+                     for t in self.tensors if t.device.type != "cpu"}
         for start in range(0, stop, b):
             sel = idx[start:start + b]
-            yield [self._gather(t, sel) for t in self.tensors]  # a list, as default_collate gives
+            yield [self._gather(t, on_device[t.device][start:start + b] if t.device in on_device else sel)
+                   for t in self.tensors]  # a list, as default_collate gives
 
     def _gather(self, t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
-            return t.index_select(0, sel.to(t.device, non_blocking=True))
+            return t.index_select(0, sel)
         if not self.pin:
             return t.index_select(0, sel)
         out = torch.empty((len(sel), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
@@ -156,6 +174,13 @@ class Batches:
     def weight(self, index: int) -> int:
         """0 for batch ``index`` of the epoch when it is this rank's filler (see ResumableSampler), else 1."""
         return 0 if index == self._filler else 1
+
+    def global_samples(self, first: int, count: int) -> Optional[int]:
+        """Samples in batches ``first … first + count - 1`` of the epoch over all ranks together, known on every
+        rank from the sampler without any communication; None when torchrig does not sample (a user's loader)."""
+        if self.sampler is None or not self.sampler.pad:
+            return None
+        return sum(self.sampler.global_batch_samples(i) for i in range(first, first + count))
 
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)

@@ -51,6 +51,15 @@ class ResumableSampler(Sampler[int]):
         q, extra = divmod(rest, self.world_size)
         return full, full * per_step + self.rank * q + min(self.rank, extra), q + (self.rank < extra)
 
+    def global_batch_samples(self, index: int) -> int:
+        """Samples of training batch ``index`` of the epoch over all ranks together (the one-process batch):
+        ``world_size × batch_size``, or what is left for the last, short one (0 past the end)."""
+        per_step = self.world_size * self.batch_size
+        full, rest = divmod(self.n, per_step)
+        if index < full:
+            return per_step
+        return rest if index == full and not self.drop_last else 0
+
     @property
     def filler_batch(self) -> Optional[int]:
         """Index (in the epoch) of this rank's zero-weight filler batch, or None when it has none."""

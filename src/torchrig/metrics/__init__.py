@@ -63,8 +63,8 @@ class Metric:
             for key, n in self._pending.items():
                 if key in self._states:
                     self._states[key] += n
-                else:
-                    self._states[key] = torch.tensor(float(n), dtype=torch.float64, device=device)
+                else:  # a fill kernel: torch.tensor(n, device=cuda) would copy from pageable memory and wait
+                    self._states[key] = torch.full((), float(n), dtype=torch.float64, device=device)
             self._pending = {}
         return self._states
 
@@ -74,6 +74,17 @@ class Metric:
 
     def reset(self) -> None:
         self.states = {}
+
+    def snapshot(self) -> tuple:
+        """The states as they stand, to :meth:`restore` later, without folding in what waits (no tensor op for
+        the pending counts, no update of the queued batches): a copy per state tensor, nothing read back."""
+        return ({k: v.clone() for k, v in self._states.items()}, dict(self._pending), list(self._queue),
+                self._queued, getattr(self, "_queue_inference", False))
+
+    def restore(self, snap: tuple) -> None:
+        states, pending, queue, queued, inference = snap
+        self._states = {k: v.clone() for k, v in states.items()}
+        self._pending, self._queue, self._queued, self._queue_inference = dict(pending), list(queue), queued, inference
 
     def feed(self, output: Any, target: Any, owned: bool = False) -> None:
         """``update(output, target)``, now or together with the next batches.
@@ -224,16 +235,23 @@ class _Confusion(Metric):
         target = target.reshape(-1).long()
         c = self.num_classes or (output.shape[1] if output.ndim >= 2 and output.shape[1] > 1 else 2)
         self.num_classes = c
-        if valid is not None:  # unlabelled positions weigh 0 (no host read to drop them)
-            cells = torch.bincount((target * c + pred).clamp_min(0), weights=valid.reshape(-1).double(),
-                                   minlength=c * c)
-        else:
-            cells = torch.bincount(target * c + pred, minlength=c * c)
-        self._add("confusion", cells.reshape(c, c))
+        # A fixed table filled by index_add_: bincount sizes its output from the largest index, which a GPU must
+        # read back (twice a step). Cell c·c counts labels outside 0 … c-1 (reported by compute, on the host);
+        # unlabelled positions (-100) weigh 0.
+        in_range = (target >= 0) & (target < c)
+        index = torch.where(in_range, target * c + pred, c * c)
+        weights = valid.reshape(-1).double() if valid is not None else torch.ones_like(index, dtype=torch.float64)
+        cells = torch.zeros(c * c + 1, dtype=torch.float64, device=target.device).index_add_(0, index, weights)
+        self._add("confusion", cells[:-1].reshape(c, c))
+        self._add("bad_labels", cells[-1])
 
     def compute(self) -> float:
         if not self.states:
             return float("nan")
+        if "bad_labels" in self.states and float(self.states["bad_labels"]):
+            raise MetricError(f"metric '{self.name}': {int(self.states['bad_labels'])} target label(s) outside the "
+                              f"{self.num_classes} classes of the output (labels must be 0 … {self.num_classes - 1}, "
+                              f"or -100 to skip a position)")
         cm = self.states["confusion"]
         tp = cm.diag()
         support = cm.sum(dim=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ def configure_backends(deterministic: bool = False, cudnn_benchmark: Union[bool,
 
     ``cudnn_benchmark`` true / false is applied as given (off anyway when deterministic); ``auto`` turns it
     on for a CUDA run only. TF32 (``set_float32_matmul_precision("high")``) is set for a CUDA run unless the
-    run is deterministic or the process already chose a precision other than the default ``highest``.
+    run is deterministic or the process already chose: a precision other than the default ``highest``, or
+    ``torch.backends.cuda.matmul.fp32_precision`` set to ``ieee`` or ``tf32`` (PyTorch's newer switch).
     """
     cuda = device is not None and torch.device(device).type == "cuda"
     if cudnn_benchmark == "auto":
@@ -36,7 +37,7 @@ def configure_backends(deterministic: bool = False, cudnn_benchmark: Union[bool,
             torch.backends.cudnn.benchmark = not deterministic
     else:
         torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
-    if cuda and not deterministic and torch.get_float32_matmul_precision() == "highest":
+    if cuda and not deterministic and not user_chose_matmul_precision():
         torch.set_float32_matmul_precision("high")
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -44,6 +45,46 @@ def configure_backends(deterministic: bool = False, cudnn_benchmark: Union[bool,
         torch.backends.cudnn.deterministic = True
         if torch.get_float32_matmul_precision() == "high" and cuda:
             torch.set_float32_matmul_precision("highest")
+
+
+def user_chose_matmul_precision() -> bool:
+    """Whether this process already chose how float32 matrix products run (``torch.set_float32_matmul_precision``
+    or ``torch.backends.cuda.matmul.fp32_precision``), which torchrig then leaves as it is."""
+    chosen = getattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision", "none")
+    return chosen in ("ieee", "tf32") or torch.get_float32_matmul_precision() != "highest"
+
+
+def tf32_in_force() -> bool:
+    """Whether float32 matrix products run on TF32 tensor cores (what ``set_float32_matmul_precision("high")``
+    or ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` chose)."""
+    chosen = getattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision", None)
+    if chosen in ("tf32", "ieee"):
+        return chosen == "tf32"
+    return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+_STRIDE_ERROR = "view size is not compatible with input tensor's size and stride"
+
+
+def channels_last_breaks(model: nn.Module, forward: Any, device: Any) -> Optional[str]:
+    """Whether ``model`` cannot run with channels_last weights: one probe ``forward()`` (give it a one-row batch)
+    in eval mode, without gradients and with the random generators untouched. Returns the error's first line
+    when the forward fails on the memory format (a ``.view`` of a convolution's output), else None; any other
+    error is left for the training step to report in its own words."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            forward()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0] if _STRIDE_ERROR in str(exc) else None
+    except Exception:  # noqa: BLE001 - not ours to report here
+        return None
+    finally:
+        for m, training in modes:
+            m.training = training
+    return None
 
 
 def has_conv(model: nn.Module) -> bool:

@@ -112,9 +112,20 @@ def slurm_master(env: Optional[dict] = None) -> tuple[str, int]:
 
 
 def default_backend(device: torch.device) -> str:
+    """NCCL for GPU tensors with gloo beside it for CPU ones (FSDP2's offloaded shards, the flags ranks agree on
+    without touching the GPU), as ``init_process_group`` itself defaults to; gloo on CPU."""
     if device.type == "cuda" and dist.is_nccl_available():
-        return "nccl"
+        return "cpu:gloo,cuda:nccl" if dist.is_gloo_available() else "nccl"
     return "gloo"
+
+
+def host_collectives() -> bool:
+    """Whether the default group takes CPU tensors (gloo or MPI in its backend): then a flag the ranks agree on
+    is all-reduced from host memory, and nothing waits for a GPU."""
+    if not is_initialized():
+        return True
+    backend = str(dist.get_backend())
+    return "gloo" in backend or "mpi" in backend
 
 
 def end_with_launcher() -> None:
@@ -148,8 +159,8 @@ def init_process_group(info: DistInfo, device: torch.device, backend: Optional[s
     if backend in available and not available[backend]:
         ok = [b for b, v in available.items() if v]
         raise RuntimeSetupError(f"dist.backend {backend!r} is not built into this torch; available: {', '.join(ok)}")
-    if backend == "nccl" and device.type != "cuda":
-        raise RuntimeSetupError("dist.backend 'nccl' needs CUDA devices; use gloo on CPU")
+    if "nccl" in backend and device.type != "cuda":
+        raise RuntimeSetupError(f"dist.backend {backend!r} needs CUDA devices; use gloo on CPU")
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
@@ -172,7 +183,7 @@ def init_process_group(info: DistInfo, device: torch.device, backend: Optional[s
                           rank=info.rank, world_size=info.world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if backend == "nccl":
+        if "nccl" in backend:
             kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     atexit.register(destroy_process_group)  # scripts that never call Trainer.close still leave cleanly
@@ -285,7 +296,7 @@ def barrier() -> None:
     """Wait for every rank. Under NCCL the barrier runs on this rank's GPU (the current device, which
     ``select_device`` set), not on a guess that NCCL would otherwise make and warn about."""
     if is_initialized() and get_world_size() > 1:
-        if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
@@ -305,6 +316,17 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if is_initialized() and get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
+
+
+def agree_max(values: list, device: Optional[torch.device] = None) -> list:
+    """The element-wise maximum of a few Python numbers over the ranks (flags the ranks must agree on), as
+    Python floats. In host memory when the group takes CPU tensors (gloo, or gloo beside NCCL: the default), so
+    nothing waits for a GPU; else on ``device`` (an NCCL-only group), which then waits for it once."""
+    if not (is_initialized() and get_world_size() > 1):
+        return [float(v) for v in values]
+    flags = torch.tensor([float(v) for v in values], device=None if host_collectives() else device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

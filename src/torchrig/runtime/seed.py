@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .dist import host_collectives
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -55,9 +57,8 @@ def rng_states_of_ranks() -> list[dict[str, Any]]:
     mine = rng_state()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":  # an NCCL-only group moves device tensors
-        device = torch.device("cuda", torch.cuda.current_device())
+    # host memory over gloo (the default beside NCCL); an NCCL-only group moves device tensors
+    device = torch.device("cpu") if host_collectives() else torch.device("cuda", torch.cuda.current_device())
     data = _pack(mine).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([data.numel()], device=device))  # CUDA states may differ in number

@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .device import RuntimeSetupError
@@ -53,7 +54,10 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
                           f"without wrapping. {advice}")
             return model
         warnings.warn(f"strategy 'dp': {advice}")
-        return nn.DataParallel(model)
+        # the run's device first: DataParallel gathers outputs on (and keeps the model on) device_ids[0]
+        first = device.index if device.index is not None else torch.cuda.current_device()
+        ids = [first] + [i for i in range(torch.cuda.device_count()) if i != first]
+        return nn.DataParallel(model, device_ids=ids, output_device=first)
     if not dist.is_initialized():
         raise RuntimeSetupError(f"strategy {strategy!r} needs a process group; start with torchrig launch or torchrun")
     if strategy == "ddp":
@@ -107,6 +111,10 @@ def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Op
             warnings.warn("dist.fsdp_cpu_offload=true is ignored when training on CPU: the parameters already live "
                           "in CPU memory (the option moves GPU shards and optimizer state to the host)")
         else:
+            if dist.is_initialized() and not ("gloo" in str(dist.get_backend()) or "mpi" in str(dist.get_backend())):
+                raise RuntimeSetupError(
+                    f"dist.fsdp_cpu_offload=true keeps the gradients on the CPU, which the backend "
+                    f"{dist.get_backend()!r} cannot reduce; set dist.backend='cpu:gloo,cuda:nccl' (the default)")
             kwargs["offload_policy"] = CPUOffloadPolicy()
     reshard = True if dist_cfg is None else dist_cfg.fsdp_reshard_after_forward
     names = set(dist_cfg.fsdp_wrap) if dist_cfg is not None else set()

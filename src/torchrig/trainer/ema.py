@@ -1,7 +1,7 @@
 """Exponential moving average (EMA) of the model's weights, for evaluation and a second set of weights.
 
-After every optimizer step actually taken, each float parameter's float32 copy moves towards the
-parameter: ``ema = ema + (1 - d) * (param - ema)``, one ``torch._foreach_lerp_`` over all of them, with
+After every optimizer step whose update was applied, each float parameter's float32 copy moves towards
+the parameter: ``ema = ema + (1 - d) * (param - ema)``, one ``torch._foreach_lerp_`` over all of them, with
 ``d`` a Python float, so no value is read back from the device. With ``ema_warmup`` the decay grows
 with the number of updates ``n``: ``d = min(ema_decay, (1 + n) / (10 + n))``, so early averages are
 not dominated by the random initial weights.
@@ -61,24 +61,38 @@ class EMA:
             self.shadow = [_local(p).detach().to(torch.float32, copy=True) for p in self.params]
         return self.shadow
 
-    def current_decay(self) -> float:
+    def current_decay(self, updates: Optional[int] = None) -> float:
+        """The decay of the next update (after ``updates`` earlier ones, by default ``num_updates``)."""
         if not self.warmup:
             return self.decay
-        return min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
+        n = self.num_updates if updates is None else updates
+        return min(self.decay, (1 + n) / (10 + n))
 
     @torch.no_grad()
-    def update(self) -> None:
-        """One step of the average (after an optimizer step); no host synchronisation."""
+    def update(self, skipped: Any = False) -> None:
+        """One step of the average (after an optimizer step); no host synchronisation.
+
+        ``skipped`` says the step's update was not applied (a non-finite window, an fp16 overflow): True
+        leaves the average as it is; a 0-d tensor on the device (1.0: skipped, as a GPU step decides it
+        without a host read) scales the step's weight by ``1 - skipped`` there. Either way the update is
+        counted, so ``ema_warmup``'s decay follows the optimizer steps whatever their outcome.
+        """
+        self.num_updates += 1
         if self.shadow is None:
             self._start()
-        weight = 1.0 - self.current_decay()
+        if skipped is True:
+            return
+        weight = 1.0 - self.current_decay(self.num_updates - 1)
         current = [_local(p).detach() for p in self.params]
         current = [t if t.dtype == torch.float32 else t.float() for t in current]
-        torch._foreach_lerp_(self.shadow, current, weight)
-        self.num_updates += 1
+        if isinstance(skipped, torch.Tensor):  # per-tensor weights: a 0-d tensor would be read as a Python number
+            w = (1.0 - skipped.to(self.shadow[0].device, torch.float32)) * weight
+            torch._foreach_lerp_(self.shadow, current, [w] * len(current))
+        else:
+            torch._foreach_lerp_(self.shadow, current, weight)
 
     def on_step_end(self, trainer: Any, outputs: Any) -> None:
-        self.update()
+        self.update(trainer.step.window_skipped)
 
     # -- evaluation -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -74,6 +74,18 @@ def _slice(x: Any, start: int, size: int, n: int) -> Any:
     return x
 
 
+def check_auto(cfg: Any, model: torch.nn.Module, world_size: int) -> None:
+    """Before the model is wrapped: ``auto`` with SyncBatchNorm on several processes is refused. SyncBatchNorm
+    all-gathers inside the forward, so an out-of-memory error on one rank would leave the others waiting there
+    until the backend's timeout."""
+    if cfg.data.micro_batch_size != "auto" or world_size < 2:
+        return
+    if cfg.dist.sync_batchnorm or any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        raise ConfigError("config key 'data.micro_batch_size': 'auto' cannot be used with SyncBatchNorm on several "
+                          "processes (an out-of-memory error on one rank would leave the others waiting in its "
+                          "forward's all-gather); set data.micro_batch_size to an integer, or dist.sync_batchnorm=false")
+
+
 class MicroBatcher:
     """Runs the step function over the micro-batches of each loaded batch; Stateful (the current size)."""
 
@@ -170,8 +182,8 @@ class MicroBatcher:
     def _agree(self, failed: bool) -> bool:
         if not self.guard:
             return failed
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.t.device)
-        return bool(runtime.all_reduce_max(flag).item())
+        # in host memory when the group takes CPU tensors (gloo beside NCCL, the default): no GPU round trip
+        return bool(runtime.agree_max([1.0 if failed else 0.0], self.t.device)[0])
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers, as DDP copies them before a window's first forward. Here every rank does it at
@@ -179,8 +191,7 @@ class MicroBatcher:
         rank leaves DDP's flag for it set on that rank only, and the ranks' next forwards would disagree."""
         for m in self.synced:
             if getattr(m, "forward_sync_buffers", getattr(m, "broadcast_buffers", False)):
-                for b in m.module.buffers():
-                    torch.distributed.broadcast(b, 0)
+                _broadcast_flat(list(m.module.buffers()))
             m.require_forward_param_sync = False  # DDP sets it after a synced forward (never under auto)
 
     def _before_update(self, opt: torch.optim.Optimizer) -> None:
@@ -197,8 +208,16 @@ class MicroBatcher:
         """Drop the failed attempt (gradients, metric and logged sums, buffers, random state), free memory
         and halve the micro-batch; the window then runs again from its first loaded batch."""
         t, step = self.t, self.t.step
+        scaler = t.precision.scaler
         for opt in t.optimizers.values():
             opt.zero_grad(set_to_none=True)
+            # an out-of-memory error inside optimizer.step (Adam's first step allocates its state) leaves what
+            # GradScaler.step set for it: the fused kernel's inputs and the optimizer's stage ("unscaled"), which
+            # would refuse the retry's unscale_ or apply it twice
+            for attr in ("grad_scale", "found_inf"):
+                opt.__dict__.pop(attr, None)
+            if scaler is not None:
+                scaler._per_optimizer_states.pop(id(opt), None)
         self._restore(self._saved)
         gc.collect()
         if torch.cuda.is_available() and t.device.type == "cuda":
@@ -211,14 +230,14 @@ class MicroBatcher:
         old, self.size = self.size, self.size // 2
         per_step = math.ceil(t.cfg.data.batch_size / self.size) * t.cfg.accumulate
         t.print(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
-        step.begin_window(step.window_size)
+        step.begin_window(step.window_size, step.window_samples)
         self.failed, self.agreed = False, None
         for m in self.synced if self.guard else ():
             m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
 
     def _snapshot(self) -> tuple:
         t, log = self.t, self.t.metrics_log
-        metrics = [{k: v.clone() for k, v in m.states.items()} for m in t.train_metrics]
+        metrics = [m.snapshot() for m in t.train_metrics]
         logged = (dict(log.sums), log.count, log.samples)
         buffers = [b.detach().clone() for b in runtime.unwrap(t.model).buffers()]
         rng = (torch.get_rng_state(),
@@ -229,8 +248,8 @@ class MicroBatcher:
     def _restore(self, saved: tuple) -> None:
         t, log = self.t, self.t.metrics_log
         metrics, logged, buffers, rng = saved
-        for m, states in zip(t.train_metrics, metrics):
-            m.states = {k: v.clone() for k, v in states.items()}
+        for m, snap in zip(t.train_metrics, metrics):
+            m.restore(snap)
         log.sums, log.count, log.samples = dict(logged[0]), logged[1], logged[2]
         for b, value in zip(runtime.unwrap(t.model).buffers(), buffers):
             b.copy_(value)
@@ -239,13 +258,42 @@ class MicroBatcher:
             torch.cuda.set_rng_state(rng[1], t.device)
 
 
-def _average_gradients(params: list, world_size: int) -> None:
-    """The mean of the dense gradients over the ranks: one flat all-reduce per (device, dtype)."""
+BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket: the most extra memory averaging the gradients takes
+
+
+def _buckets(tensors: list, limit: int = BUCKET_BYTES) -> list:
+    """``tensors`` grouped by (device, dtype), each group cut into runs of at most ``limit`` bytes (a tensor
+    larger than that on its own)."""
     groups: dict = {}
-    for p in params:
-        if p.grad is not None and not p.grad.is_sparse:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in groups.values():
-        flat = runtime.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / world_size
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    out = []
+    for group in groups.values():
+        run, size = [], 0
+        for t in group:
+            if run and size + t.numel() * t.element_size() > limit:
+                out.append(run)
+                run, size = [], 0
+            run.append(t)
+            size += t.numel() * t.element_size()
+        out.append(run)
+    return out
+
+
+def _average_gradients(params: list, world_size: int) -> None:
+    """The mean of the dense gradients over the ranks: one flat all-reduce per bucket of at most
+    :data:`BUCKET_BYTES`, summed and divided in place, so the update never needs a gradient-sized buffer."""
+    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        torch.distributed.all_reduce(flat)
+        flat.div_(world_size)
+        torch._foreach_copy_(bucket, [part.view_as(g) for g, part in zip(bucket, flat.split([g.numel() for g in bucket]))])
+
+
+def _broadcast_flat(tensors: list) -> None:
+    """Rank 0's values of ``tensors``, one broadcast per bucket instead of one per tensor."""
+    for bucket in _buckets([t for t in tensors if t.numel()]):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        torch.distributed.broadcast(flat, 0)
+        torch._foreach_copy_(bucket, [part.view_as(t) for t, part in zip(bucket, flat.split([t.numel() for t in bucket]))])

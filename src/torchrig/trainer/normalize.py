@@ -83,16 +83,19 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -
 
     ``total`` is this rank's count for the window; with ``ranks > 1`` it is summed over the ranks (one
     all-reduce of one number). A window without any item (every label -100) divides by 1: its
-    gradients stay zero. On CPU the factor is a float; elsewhere it stays on the device (no sync).
+    gradients stay zero. A count that is a tensor (tokens), or one summed over ranks, gives a factor that stays
+    a tensor on the device, on the CPU as on a GPU (nothing is read back).
     """
     if ranks == 1 and not isinstance(total, torch.Tensor):
         return ranks * unit / max(total, 1)
     exact = torch.float32 if device.type == "mps" else torch.float64  # float32 counts exactly to 2**24 only
-    n = torch.as_tensor(total, dtype=exact, device=device).reshape(1)
+    if isinstance(total, torch.Tensor):
+        n = total.to(device, exact).reshape(1)
+    else:  # a fill kernel: as_tensor(int, device=cuda) would copy from pageable memory and wait for the GPU
+        n = torch.full((1,), float(total), dtype=exact, device=device)
     if ranks > 1:
         n = runtime.all_reduce_sum(n)
-    factor = (ranks * unit) / n.clamp_min(1)
-    return float(factor) if factor.device.type == "cpu" else factor.float().reshape(())
+    return ((ranks * unit) / n.clamp_min(1)).float().reshape(())
 
 
 def scale_gradients(grads: list, factor: Union[float, torch.Tensor]) -> None:

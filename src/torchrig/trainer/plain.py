@@ -114,12 +114,7 @@ class PlainStep:
         self.log.record({"loss": value} if self.log.host and loss.ndim == 0 else values, n,
                         1 if n == self.unit or self.unit is None else n / self.unit,
                         None if inputs.is_floating_point() else batch)
-        if not taken:
-            state.skipped_steps += 1
-            return None
-        state.global_step += 1
-        if self.schedulers:
-            for sch in self.schedulers:
-                sch.step()
+        step.stepped = taken
+        step.end_window()  # the step counter, the skip count and the per-step schedulers, by the general rule
         return values
 

@@ -11,6 +11,7 @@ log. Precision, accumulation, clipping, gradient sync, checkpoints and logging s
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -160,6 +161,18 @@ def prime_momentum(opt: torch.optim.Optimizer) -> bool:
 _PRIMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters primed
 
 
+def _scaler_found_inf(scaler: Any, opt: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+    """Whether GradScaler skipped ``opt``'s last update (a 0-d float tensor on the device; None when the scaler
+    is disabled). Read from the scaler's per-optimizer record, which its ``step`` fills and ``update`` clears:
+    ``get_scale()`` before and after ``update`` would wait for the GPU twice a step."""
+    record = scaler._per_optimizer_states.get(id(opt), {}).get("found_inf_per_device")
+    if not record:
+        return None
+    flags = list(record.values())
+    found = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+    return (found > 0).float().reshape(())
+
+
 def _total_norm_of(grads: list, norm_type: float) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -226,6 +239,7 @@ class Step:
         self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
         self._counted = False
         self._factor: Any = None
+        self.window_samples: Optional[int] = None  # the window's global sample count, when known (begin_window)
         self._whole = False             # the window is one whole micro-batch on one process (begin_window)
         self.cuts_batches = False       # set by MicroBatcher when data.micro_batch_size cuts loaded batches
         # where the loop is
@@ -244,8 +258,12 @@ class Step:
         # read waits for the GPU, so the decision stays there (see optimizer_step) and is read at settle().
         self.host_checks = device.type == "cpu"
         self.world_size = runtime.get_world_size()
-        self._window_found: Optional[torch.Tensor] = None  # this window skipped on the device (1.0) or not
-        self._skipped: Optional[torch.Tensor] = None       # device-skipped windows since the last settle()
+        # Windows decided on the device (a fused optimizer's found_inf, GradScaler's check): this window's flags
+        # (skipped: its update was not applied; bad: it held a non-finite loss or gradient, which
+        # on_nonfinite=error reports) and their sums since the last settle(), read there in one go.
+        self._window_found: Optional[torch.Tensor] = None
+        self._window_bad: Optional[torch.Tensor] = None
+        self._unsettled: Optional[torch.Tensor] = None     # [skipped windows, bad windows] on the device
         self._settled_step = 0
         self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
         self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
@@ -256,39 +274,60 @@ class Step:
         return self.state.global_step
 
     # -- the accumulation window -----------------------------------------------------------------
-    def begin_window(self, size: int) -> None:
-        """Before the first of the ``size`` micro-batches of one optimizer step."""
+    def begin_window(self, size: int, samples: Optional[int] = None) -> None:
+        """Before the first of the ``size`` micro-batches of one optimizer step. ``samples``: the window's
+        samples over all ranks when the sampler knows them and the step counts samples (``default_step``), so
+        that the global count needs no all-reduce and a full window no rescaling at all."""
         self.window_size = size
+        self.window_samples = samples
         self._window_count, self._factor = None, None
         # One whole micro-batch on one process: the window's count is its own, so its loss weighs exactly 1
         # and the gradients need no rescaling (no op; bitwise what a hand-written loop computes).
         self._whole = size == 1 and self.grad_ranks == 1 and not self.cuts_batches
         self._nonfinite = None
-        self._window_found = None
+        self._window_found = self._window_bad = None
         self.grad_norm = None
         self.stepped = False
         if self.on_nonfinite == "skip":  # a skipped window must not leave NaN in BatchNorm running stats
             self._buffers = [b.detach().clone() for b in self.model.buffers()]
 
     def end_window(self) -> bool:
-        """After the window's last micro-batch: count the optimizer step (or the skip); True if taken."""
+        """After the window's last micro-batch: count the optimizer step. True: the loop goes on to the step's end.
+
+        One rule wherever the decision is taken: every window is an optimizer step (``global_step`` counts
+        it, per-step schedulers step, ``on_step_end`` runs), and a window whose update was not applied
+        (non-finite values, an fp16 overflow) is also counted in ``skipped_steps`` and leaves the weights and
+        the EMA as they were. On a GPU the decision stays on the device (no wait for it): its count is read
+        at the next log step or checkpoint (:meth:`settle`); on the CPU it is known at once.
+        """
         scaler = self.precision.scaler
         if scaler is not None and self.stepped:
-            before = scaler.get_scale()
-            scaler.update()
-            if scaler.get_scale() < before:  # fp16 overflow: GradScaler skipped the optimizer step
-                self.stepped = False
-        if not self.stepped:  # a non-finite window skipped (one count, however many optimizers)
+            scaler.update()  # lowers the scale after an overflow, on the device (nothing read here)
+        if self._window_found is not None:  # decided on the device: summed there, read at settle()
+            bad = self._window_bad if self._window_bad is not None else torch.zeros_like(self._window_found)
+            pair = torch.stack([self._window_found, bad])
+            self._unsettled = pair if self._unsettled is None else self._unsettled + pair
+        elif not self.stepped:  # decided on the host: a non-finite window dropped (once, however many optimizers)
             self.state.skipped_steps += 1
-            return False
-        if self._window_found is not None:  # decided on the device: counted there, read at settle()
-            self._skipped = self._window_found if self._skipped is None else self._skipped + self._window_found
-            if self.want_grad_norm:  # a log step reads the device anyway
-                self.settle(self.state.global_step + 1)
         self.state.global_step += 1
-        for sch in self.per_step_schedulers:
-            sch.step()
+        if self.per_step_schedulers:
+            if self.stepped:
+                for sch in self.per_step_schedulers:
+                    sch.step()
+            else:
+                with warnings.catch_warnings():  # a first window skipped on the host never called optimizer.step
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+                    for sch in self.per_step_schedulers:
+                        sch.step()
+        if self._unsettled is not None and self.want_grad_norm:  # a log step reads the device anyway
+            self.settle(self.state.global_step)
         return True
+
+    @property
+    def window_skipped(self) -> Any:
+        """Whether the last window's update was not applied: a bool when the host decided, else a 0-d float
+        tensor on the device (1.0: skipped), so that what follows (the EMA) can depend on it without a read."""
+        return self._window_found if self._window_found is not None else not self.stepped
 
     def set_batch(self, batch: Any, weight: int = 1) -> None:
         """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing)."""
@@ -374,8 +413,13 @@ class Step:
         when the window is one whole micro-batch on one process (its count is the global one)."""
         if (self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None
                 and not self._whole):
-            self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
-                                                   self.device)
+            if self.window_samples is not None and not isinstance(self._window_count, torch.Tensor):
+                # sample counts whose global sum the sampler knows: the factor is a Python number (1.0, no op,
+                # for full batches), the same on every rank, with no all-reduce and no copy to the device
+                self._factor = self.grad_ranks * self.count_unit / max(self.window_samples, 1)
+            else:
+                self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
+                                                       self.device)
         return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:
@@ -403,13 +447,21 @@ class Step:
         if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
             normalize.scale_gradients([p.grad for p in params], factor)
         if scaler is not None:
-            if loss_flag is not None and bool(loss_flag):
-                return self._reject(opt, "loss is not finite")
+            # GradScaler decides from the gradients (a non-finite loss makes them non-finite too), on the device
+            # for a fused optimizer; the loss flag only says whether on_nonfinite=error reports the window
             if self.clip_grad_norm or self.clip_grad_value or self.want_grad_norm:
                 scaler.unscale_(opt)
                 self._clip(params)
             prime_momentum(opt)
-            scaler.step(opt)  # skips the step itself when gradients hold inf/NaN; the loop counts it
+            scaler.step(opt)  # skips the update itself when the gradients hold inf / NaN
+            found = _scaler_found_inf(scaler, opt)
+            if found is not None:
+                bad = None
+                if isinstance(loss_flag, torch.Tensor):
+                    bad = loss_flag.to(found.device, torch.float32).reshape(())
+                elif loss_flag:  # read on the host already (the CPU's check)
+                    bad = torch.ones_like(found)
+                self._note_window(found, bad)
         else:
             norm = self._clip(params)  # when a norm is measured anyway, it carries the check
             if not self.host_checks and skips_on_device(opt):
@@ -442,23 +494,31 @@ class Step:
                 bad = found.bool()
                 for b, saved in zip(self.model.buffers(), self._buffers):
                     b.copy_(torch.where(bad, saved, b))
-        self._window_found = found if self._window_found is None else torch.maximum(self._window_found, found)
+        self._note_window(found, found)
+
+    def _note_window(self, skipped: torch.Tensor, bad: Optional[torch.Tensor]) -> None:
+        """One optimizer's device-side decision in this window (several optimizers: any of them)."""
+        w = self._window_found
+        self._window_found = skipped if w is None else torch.maximum(w, skipped)
+        if bad is not None:
+            b = self._window_bad
+            self._window_bad = bad if b is None else torch.maximum(b, bad)
 
     def settle(self, upto: Optional[int] = None) -> None:
-        """Read the windows skipped on the device since the last call (one host read): count them, or raise
-        under ``on_nonfinite=error``. The loop calls it at log steps and before each checkpoint."""
-        if self._skipped is None:
+        """Read the windows decided on the device since the last call (one host read): count the skipped ones,
+        or raise under ``on_nonfinite=error`` if any held non-finite values. The loop calls it at log steps and
+        before each checkpoint."""
+        if self._unsettled is None:
             return
-        n, self._skipped = int(self._skipped.sum().item()), None
+        skipped, bad = (int(v) for v in self._unsettled.tolist())
+        self._unsettled = None
         first, self._settled_step = self._settled_step + 1, upto or self.state.global_step
-        if not n:
-            return
-        if self.on_nonfinite == "error":
+        if bad and self.on_nonfinite == "error":
             raise NonFiniteLossError(
-                f"gradients were not finite in {n} optimizer step(s) between step {first} and step "
-                f"{self._settled_step}; those updates were not applied and the last checkpoint is intact. "
+                f"the loss or the gradients were not finite in {bad} optimizer step(s) between step {first} and "
+                f"step {self._settled_step}; those updates were not applied and the last checkpoint is intact. "
                 f"Lower optim.lr, set clip_grad_norm, check the data, or set on_nonfinite=skip to skip such steps")
-        self.state.skipped_steps += n
+        self.state.skipped_steps += skipped
 
     def _reject(self, opt: torch.optim.Optimizer, what: str) -> bool:
         """A non-finite window: raise (``on_nonfinite=error``) or drop its gradients and skip it."""

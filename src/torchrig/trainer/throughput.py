@@ -15,25 +15,33 @@ from typing import Any, Callable, Optional
 
 import torch
 
-# Dense peak throughput in TFLOP/s of common GPUs: (bf16 / fp16 tensor cores, fp32 without TF32),
-# from the vendors' data sheets; matched against torch.cuda.get_device_name, first match wins.
-PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "B200": (2250.0, 80.0), "H200": (989.4, 66.9), "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9),
-    "GH200": (989.4, 66.9), "A100": (312.0, 19.5), "A800": (312.0, 19.5), "L40S": (362.1, 91.6),
-    "L40": (181.0, 90.5), "L4": (121.0, 30.3), "A10G": (70.0, 31.2), "A10": (125.0, 31.2),
-    "RTX 6000 Ada": (364.2, 91.1), "RTX 4090": (165.2, 82.6), "RTX 3090": (71.0, 35.6),
-    "V100": (125.0, 15.7), "T4": (65.0, 8.1),
+from ..runtime.accel import tf32_in_force
+
+# Dense peak throughput in TFLOP/s of common GPUs, from the vendors' data sheets (sparse figures halved):
+# (bf16 / fp16 tensor cores, fp32 without TF32, TF32 tensor cores or None where the GPU has none). Matched
+# against torch.cuda.get_device_name, first match wins, so a longer name comes before its prefix.
+PEAK_TFLOPS: dict[str, tuple[float, float, Optional[float]]] = {
+    "B200": (2250.0, 80.0, 1100.0), "GH200": (989.4, 66.9, 494.7), "H200": (989.4, 66.9, 494.7),
+    "H100 NVL": (835.5, 60.0, 417.5), "H100 PCIe": (756.0, 51.2, 378.0), "H100": (989.4, 66.9, 494.7),
+    "H800 PCIe": (756.0, 51.2, 378.0), "H800": (989.4, 66.9, 494.7),
+    "A100": (312.0, 19.5, 156.0), "A800": (312.0, 19.5, 156.0), "L40S": (362.1, 91.6, 183.0),
+    "L40": (181.0, 90.5, 90.5), "L4": (121.0, 30.3, 60.0), "A10G": (70.0, 31.2, 35.0), "A10": (125.0, 31.2, 62.5),
+    "RTX 6000 Ada": (364.2, 91.1, 182.1), "RTX 4090": (165.2, 82.6, 82.6), "RTX 3090": (71.0, 35.6, 35.6),
+    "V100": (125.0, 15.7, None), "T4": (65.0, 8.1, None),
 }
 
 
 def peak_flops(device: torch.device, precision: str) -> Optional[float]:
-    """Peak FLOP/s of one ``device`` at ``precision`` (fp32, bf16, fp16); None on CPU or an unknown GPU."""
+    """Peak FLOP/s of one ``device`` at ``precision`` (fp32, bf16, fp16); None on CPU or an unknown GPU. fp32
+    counts TF32 tensor cores when they are in force (the matrix products are then TF32's)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, (half, single) in PEAK_TFLOPS.items():
+    for key, (half, single, tf32) in PEAK_TFLOPS.items():
         if key in name:
-            return (single if precision == "fp32" else half) * 1e12
+            if precision != "fp32":
+                return half * 1e12
+            return (tf32 if tf32 is not None and tf32_in_force() else single) * 1e12
     return None
 
 
@@ -80,6 +88,32 @@ def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, counter.get_total_flops()
 
 
+def meta_flops(module: torch.nn.Module, inputs: Any, input_keys: Optional[tuple] = None) -> int:
+    """FLOPs of one forward and backward of ``module`` on ``inputs``, counted on the meta device: the module is
+    called with meta stand-ins of its weights (``torch.func.functional_call``), so nothing is computed, nothing
+    is allocated, and every operator runs in this thread. For ``nn.DataParallel``, whose replicas run in threads
+    that ``FlopCounterMode`` (a per-thread mode) does not see."""
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .outputs import forward_arguments
+
+    state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+    state.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
+    if isinstance(inputs, dict):
+        args, kwargs = forward_arguments(module, inputs, input_keys)
+    else:
+        args, kwargs = (tuple(inputs) if isinstance(inputs, tuple) else (inputs,)), {}
+    args, kwargs = tree_map(lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    with FlopCounterMode(display=False) as counter:
+        out = functional_call(module, state, tuple(args), kwargs)
+        grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:
+            torch.stack([t.float().sum() for t in grads]).sum().backward()
+    return counter.get_total_flops()
+
+
 class FlopCounter:
     """Counts the FLOPs of the fit's first training micro-batch, then gets out of the way.
 
@@ -97,7 +131,11 @@ class FlopCounter:
 
         def counted(step: Any, batch: Any) -> Any:
             trainer.step_fn = original
-            values, flops = count_flops(lambda: original(step, batch))
+            if isinstance(trainer.wrapped, torch.nn.DataParallel):  # its replicas' threads escape the counter
+                values = original(step, batch)
+                flops = meta_flops(trainer.wrapped.module, step.split(batch)[0], step.io.input_keys)
+            else:
+                values, flops = count_flops(lambda: original(step, batch))
             if not flops:  # e.g. a compiled model, whose operators the counter does not see
                 trainer.print("torchrig: log.flops: no FLOPs counted in the first step (a compiled model hides its "
                               "operators from FlopCounterMode); rows carry no flops_per_s. Set model.compile=false "

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from .. import config as C
@@ -27,7 +28,7 @@ from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .ema import build_ema
 from .finish import end_of_run, finished_where
 from .logger import MetricsLogger
-from .microbatch import MicroBatcher
+from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .plain import GENERAL, PlainStep
 from .progress import RunLogger
@@ -79,8 +80,11 @@ class Trainer:
         self._run = RunDir()
         try:
             self._setup_runtime()
+            check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
                                                           self.precision.dtype)
+            # channels_last weights: the first batch's forward is tried once with them (see _check_layout)
+            self._layout_probe = runtime.wants_channels_last(model, self.cfg.model.channels_last, self.device)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device)
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
@@ -202,6 +206,7 @@ class Trainer:
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
         self._data.say = self.print  # a stream's notes go through the progress display
+        self._data.position = lambda: self.state.batch_in_epoch  # what the loop trained (a prefetcher reads ahead)
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
@@ -260,6 +265,8 @@ class Trainer:
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
                    f"{A} accumulation = {cfg.data.batch_size * self.world_size * A} global · "
                    f"{plan.steps_per_epoch} steps/epoch"
+                   + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
+                      if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
         return False
 
@@ -326,6 +333,8 @@ class Trainer:
             now = time.perf_counter()
             log.wait += now - t0
             signals.beat = now  # progress, for a stop signal's watchdog
+            if self._layout_probe:
+                self._check_layout(batch)
             values = plain(batch, epoch, i) if plain is not None else GENERAL  # a batch on the device
             if values is GENERAL:
                 values = self._general_step(plan, epoch, i, to_device(batch, device))
@@ -347,13 +356,34 @@ class Trainer:
         out.end_epoch()
         return ""
 
+    def _check_layout(self, batch: Any) -> None:
+        """Before the first step with channels_last weights: a forward that cannot take them (a ``.view`` after a
+        convolution) turns them off under ``auto`` in one process, with one line, and is refused otherwise."""
+        self._layout_probe = False
+        row = chunks(self.step.split(to_device(batch, self.device))[0], 1)[0]
+        with self.precision.autocast():
+            error = runtime.channels_last_breaks(self.model, lambda: self.step.forward(row), self.device)
+        if error is None:
+            return
+        model = type(runtime.unwrap(self.model)).__name__
+        if self.cfg.model.channels_last is True or self.world_size > 1 or self.cfg.model.compile:
+            raise C.ConfigError(f"config key 'model.channels_last': {model}'s forward fails with channels_last "
+                                f"weights ({error}); set model.channels_last=false, or use .reshape / .flatten "
+                                f"instead of .view in the forward")
+        runtime.unwrap(self.model).to(memory_format=torch.contiguous_format)
+        self.print(f"torchrig: model.channels_last=auto turned off: {model}'s forward needs the default memory "
+                   f"format ({error}); set model.channels_last=false to skip this check, or use .reshape instead "
+                   f"of .view to keep the faster layout")
+
     def _general_step(self, plan: FitPlan, epoch: int, i: int, batch: Any) -> Optional[dict]:
         """Micro-batch ``i`` through the step function, in its accumulation window; the step function's
         values when it ended the window with an optimizer step, else None."""
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
         w_start = (i // A) * A
         if i == w_start:
-            step.begin_window(min(A, epoch_len - w_start))
+            size = min(A, epoch_len - w_start)
+            step.begin_window(size, plan.batches.global_samples(w_start, size) if self.step_fn is default_step
+                              else None)
             step.want_grad_norm = self.metrics_log.should_log(self.global_step + 1)
         step.sync_gradients = i == w_start + step.window_size - 1
         step.epoch, step.batch_index = epoch, i
