@@ -16,7 +16,7 @@ import gc
 import os
 import re
 import signal
-import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -128,21 +128,29 @@ def host_collectives() -> bool:
     return "gloo" in backend or "mpi" in backend
 
 
+_launcher_watched = False
+
+
 def end_with_launcher() -> None:
-    """Under torchrun (``torchrig launch``), have Linux send this worker SIGTERM when its launcher dies.
+    """Under torchrun (``torchrig launch``), send this worker SIGTERM once its launcher is gone.
 
     A launcher killed with SIGKILL cannot stop its workers; left alone they train on until a collective
     or the lost rendezvous store fails them, tens of seconds later. With the signal they stop as torchrun
-    would have stopped them: after the step under way, with a checkpoint.
+    would have stopped them: after the step under way, with a checkpoint. A thread watches the parent
+    process (twice a second): Linux's PR_SET_PDEATHSIG fires again for each thread of the dying launcher
+    that a worker is handed to, and a second SIGTERM means "exit at once, without a checkpoint".
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    global _launcher_watched
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
         return
-    import ctypes
+    _launcher_watched, launcher = True, os.getppid()
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl: the workers end as before, when the group fails
-        pass
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="torchrig-launcher-watch").start()
 
 
 def init_process_group(info: DistInfo, device: torch.device, backend: Optional[str] = None,
