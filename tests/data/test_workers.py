@@ -220,3 +220,26 @@ def test_validation_workers_serve_every_epoch_of_a_fit_and_stop_with_it(make_tra
     worker = pids.pop()
     with pytest.raises(ProcessLookupError):  # fit's validation worker was stopped and reaped
         os.kill(worker, 0)
+
+
+class WorkerSeeds(Dataset):
+    """Each sample is the seed of the worker process that fetched it (what a worker_init_fn sees)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i):
+        return torch.utils.data.get_worker_info().seed
+
+
+def test_worker_seeds_depend_on_the_epoch_not_on_where_the_run_started():
+    """A run resumed in epoch 3 starts its workers with the seeds an unbroken run gives them in epoch 3."""
+    def seeds(batches, epoch):
+        batches.set_epoch(epoch)
+        return [int(s) for b in batches for s in b]
+
+    unbroken = prepare_train(WorkerSeeds(), **_kw(num_workers=1, shuffle=False))
+    by_epoch = [seeds(unbroken, e) for e in range(3)]
+    assert len({s[0] for s in by_epoch}) == 3  # new seeds each epoch
+    resumed = prepare_train(WorkerSeeds(), **_kw(num_workers=1, shuffle=False))
+    assert seeds(resumed, 2) == by_epoch[2]

@@ -213,3 +213,60 @@ def test_fp16_on_cuda_uses_a_grad_scaler(make_trainer, data):
     assert trainer.precision.scaler is not None
     trainer.fit(data)
     assert trainer.global_step == 10
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+
+    return random.random(), random.gauss(0, 1), float(np.random.uniform()), float(np.random.normal()), \
+        float(torch.rand(()))
+
+
+@pytest.mark.parametrize("gauss_pending", [False, True])
+def test_a_ranks_generators_travel_as_bytes_and_come_back_whole(gauss_pending):
+    """What the ranks send each other at a save is a byte tensor (never a pickle); unpacked it restores
+    every generator, a pending Gaussian and CUDA-sized device states included."""
+    import random
+
+    from torchrig.runtime import seed
+
+    seed.seed_everything(3)
+    if gauss_pending:
+        random.gauss(0, 1)  # leaves the second value of the pair pending
+    state = dict(seed.rng_state(), cuda=[torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)])
+    data = seed._pack(state)
+    assert data.dtype == torch.uint8 and data.dim() == 1
+    back = seed._unpack(torch.cat([data, torch.zeros(40, dtype=torch.uint8)]))  # padded to a longer rank's
+    assert [torch.equal(a, b) for a, b in zip(back["cuda"], state["cuda"])] == [True, True]
+    expected = _draws()
+    seed.seed_everything(99)
+    seed.set_rng_state({k: v for k, v in back.items() if k != "cuda"})
+    assert _draws() == expected
+
+
+def test_each_rank_restores_its_own_generators_and_another_world_size_is_said(tmp_path):
+    from torchrig.runtime import seed
+    from torchrig.trainer.state import RNGState
+
+    states = []
+    for s in (1, 2):
+        seed.seed_everything(s)
+        states.append(seed.rng_state())
+    after = []
+    for s in (1, 2):
+        seed.seed_everything(s)
+        after.append(float(torch.rand(())))
+    rank1 = RNGState(rank=1, world_size=2)
+    rank1.load_state_dict({"ranks": states})
+    assert float(torch.rand(())) == after[1] and rank1.note == ""
+    alone = RNGState(rank=0, world_size=1)
+    alone.load_state_dict({"ranks": states})
+    assert float(torch.rand(())) == after[0]
+    assert alone.note == ("torchrig: the checkpoint holds the random number generators of 2 process(es), now 1; "
+                          "dropout and augmentation streams cannot be restored exactly (every process continues "
+                          "from rank 0's)")
+    old = RNGState(rank=0, world_size=1)
+    old.load_state_dict(states[1])  # an older checkpoint: one process's generators, not a list
+    assert float(torch.rand(())) == after[1] and old.note == ""

@@ -141,29 +141,146 @@ def test_slurm_requeue_after_the_save(tmp_path):
     assert resolve("latest", run) is not None  # saved before the requeue
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
-    run = tmp_path / "run"
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [_start(run, f"strategy={strategy}", env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2})
-             for r in (0, 1)]
+def _pair(run: Path, *args: str, env=None) -> list[subprocess.Popen]:
+    """Two ranks of signal_child.py joined through a ``file://`` rendezvous of their own."""
+    init = f"file://{run.parent / f'{run.name}-{time.monotonic_ns()}-rendezvous'}"
+    return [_start(run, *args, env={"TEST_INIT": init, "TEST_RANK": r, "TEST_WORLD": 2, **(env or {})})
+            for r in (0, 1)]
+
+
+def _finish_pair(procs: list[subprocess.Popen], timeout: float = 90) -> list[tuple[int, str, str]]:
     try:
-        for r, proc in enumerate(procs):
-            _wait_for(run / f"ready-{r}", proc)
-        procs[1].send_signal(signal.SIGTERM)  # only rank 1 hears it
-        results = [_finish(p) for p in procs]
+        return [_finish(p, timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def _signal_one_rank(run: Path, procs: list[subprocess.Popen], signum: int) -> list[tuple[int, str, str]]:
+    """Send ``signum`` to rank 1 only, once it is ready; both ranks' (code, stdout, stderr)."""
+    try:
+        for r, proc in enumerate(procs):
+            _wait_for(run / f"ready-{r}", proc)
+        procs[1].send_signal(signum)  # only rank 1 hears it
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return _finish_pair(procs)
+
+
+# 93 samples over 2 ranks × batch 4: 12 steps per epoch, the last global batch short (3 + 2 samples)
+IN_EPOCH_2 = {"SAMPLES": 93, "READY_AT_STEP": 14}
+PAIR_ARGS = ("batch_size=4", "epochs=3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_stop_at_the_same_step_when_one_rank_is_signalled(tmp_path, strategy):
+    """The ranks agree within two steps of the signal, mid-epoch (not at the epoch's end, where they
+    would meet anyway)."""
+    run = tmp_path / "run"
+    results = _signal_one_rank(run, _pair(run, *PAIR_ARGS, f"strategy={strategy}", env=IN_EPOCH_2), signal.SIGTERM)
     assert [code for code, _, _ in results] == [143, 143], results[0][2][-2000:] + results[1][2][-2000:]
     latest = resolve("latest", run)
     step = int(latest.name.split("-")[1])
     assert f"stopped by SIGTERM at step {step};" in results[0][2]  # rank 0 prints
+    landed = int((run / "landed-1").read_text())  # optimizer steps done when rank 1 saw the signal
+    assert not (run / "landed-0").exists()
+    assert 1 <= step - landed <= 2, (landed, step)
     state, meta, _ = read_checkpoint(latest)
     assert state["counters"]["global_step"] == meta["step"] == step
+    assert state["counters"]["epoch"] == 1 and 0 < state["counters"]["batch_in_epoch"] < 12  # mid-epoch 2
     assert (latest / "sharded" / ".metadata").exists() == (strategy == "fsdp")  # every rank's shard written
+
+
+@pytest.mark.slow
+def test_ddp_resume_from_a_stop_in_epoch_2_is_bitwise_with_dropout(tmp_path):
+    """Each rank's random generators are its own (the ranks' last batches differ in size, so their dropout
+    streams part in epoch 1): a checkpoint keeps every rank's, and each rank restores its own."""
+    env = dict(IN_EPOCH_2, DROPOUT=0.3)
+    full = tmp_path / "full"
+    done = _finish_pair(_pair(full, *PAIR_ARGS, "strategy=ddp", env=env))
+    assert [code for code, _, _ in done] == [0, 0], done[0][2][-2000:] + done[1][2][-2000:]
+
+    cut = tmp_path / "cut"
+    stopped = _signal_one_rank(cut, _pair(cut, *PAIR_ARGS, "strategy=ddp", env=env), signal.SIGUSR1)
+    assert [code for code, _, _ in stopped] == [138, 138], stopped[0][2][-2000:] + stopped[1][2][-2000:]
+    state, _, _ = read_checkpoint(resolve("latest", cut))
+    assert state["counters"]["epoch"] == 1 and state["counters"]["batch_in_epoch"] > 0  # mid-epoch 2
+
+    resumed = _finish_pair(_pair(cut, *PAIR_ARGS, "strategy=ddp", "resume=latest", env=env))
+    assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-2000:] + resumed[1][2][-2000:]
+    for rank in (0, 1):
+        a, b = torch.load(full / f"final-{rank}.pt"), torch.load(cut / f"final-{rank}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank}'s weights differ after the resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_signal_during_a_long_save_lets_it_finish(tmp_path, async_save):
+    """A checkpoint write (or the wait for the one before) that outlasts dist.stop_timeout is progress: the
+    watchdog does not end the process, the stop checkpoint is written and the exit code is 143."""
+    run = tmp_path / "run"
+    # every step saves; each write takes 2 s; steps take 0.3 s, so with asynchronous saves the signal lands
+    # in step 2, whose save waits for step 1's write before the loop can notice it
+    proc = _start(run, "checkpoint.every_steps=1", f"checkpoint.async_save={async_save}", "dist.stop_timeout=0.5",
+                  env={"SLOW_SAVE": 2, "STEP_SLEEP": 0.3})
+    _wait_for(run / "saving-0", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert "no progress" not in err, err[-2000:]
+    assert code == 143, err[-2000:]
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert step == (1 if async_save == "false" else 2)
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
+           f"continue with --set resume=latest" in err
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_a_collective_exits_after_stop_timeout(tmp_path):
+    """Rank 1 stops taking part; rank 0 waits inside the gradient all-reduce (C++, where no Python signal
+    handler runs) when torchrun's SIGTERM comes: it still says why and exits after dist.stop_timeout."""
+    run = tmp_path / "run"
+    procs = _pair(run, "dist.stop_timeout=1.5", env={"STUCK_SLEEP": 120, "STUCK_RANK": 1})
+    try:
+        for r, proc in enumerate(procs):
+            _wait_for(run / f"ready-{r}", proc)
+        time.sleep(0.5)  # rank 0 is in step 3's all-reduce, waiting for rank 1
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        code, out, err = _finish(procs[0], timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert code == 143 and time.monotonic() - t0 < 10, err[-2000:]
+    assert "(a step, or a peer, is stuck); exiting without a checkpoint (dist.stop_timeout)" in err
+
+
+STUCK_IN_START_UP = """
+import datetime, sys
+import torch.distributed as dist
+from torchrig.runtime import StopSignal
+
+StopSignal(stop_timeout=1.5).install()
+print("joining", flush=True)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))  # the other rank never comes
+"""
+
+
+def test_a_signal_during_a_rendezvous_that_does_not_return_gives_its_line(tmp_path):
+    proc = subprocess.Popen([PYTHON, "-c", STUCK_IN_START_UP, str(tmp_path / "store")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    assert proc.stdout.readline() == "joining\n"
+    time.sleep(1.0)  # inside init_process_group, waiting for rank 1
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = _finish(proc, timeout=60)
+    assert code == 138 and time.monotonic() - t0 < 10, err[-2000:]
+    assert "stopped by SIGUSR1 during start-up; no step was trained and nothing was written: run the same command " \
+           "again" in err.splitlines()
 
 
 def test_signal_handlers_do_nothing_in_a_forked_child(tmp_path):
@@ -216,3 +333,206 @@ def test_a_stuck_step_exits_after_stop_timeout(tmp_path):
     assert code == 143 and time.monotonic() - t0 < 10
     assert "torchrig: no progress for 2s after SIGTERM (a step, or a peer, is stuck); exiting without a " \
            "checkpoint (dist.stop_timeout)" in err
+
+
+# ----------------------------------------------------------------------------- every window gets its line
+
+WINDOWS = '''
+import atexit, os, time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+MARK, WINDOW = Path(os.environ["WINDOW_MARK"]), os.environ["WINDOW"]
+
+
+def model(cfg):
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+class Marked(Dataset):
+    """The test split: each sample marks the final evaluation and takes a while."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        MARK.touch()
+        time.sleep(0.2)
+        return self.x[i], self.y[i]
+
+
+def _exit_slowly():
+    MARK.touch()
+    time.sleep(60)
+
+
+def data(cfg):
+    if WINDOW == "start-up":
+        MARK.touch()
+        time.sleep(60)
+    if WINDOW == "exit":
+        atexit.register(_exit_slowly)  # runs at the interpreter's exit, after the command returned
+    x = torch.randn(93, 4, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    test = Marked(x[:40], y[:40]) if WINDOW == "final-eval" else (x[:40], y[:40])
+    return (x, y), None, test
+'''
+
+
+def _train_cli(tmp_path: Path, window: str) -> tuple[subprocess.Popen, Path, Path]:
+    """``torchrig train`` of a small model from factories in tmp_path; WINDOW says where they dawdle."""
+    (tmp_path / "windows.py").write_text(WINDOWS)
+    run, mark = tmp_path / "run", tmp_path / "mark"
+    args = ["-m", "torchrig", "train", "--model", "windows:model", "--data", "windows:data",
+            "--set", f"run_dir={run}", "--set", "epochs=2", "--set", "data.batch_size=8", "--set", "log.plot=false",
+            "--set", "log.tensorboard=false", "--set", "log.progress=none", "--set", "data.num_workers=0"]
+    proc = subprocess.Popen([PYTHON, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=subprocess_env(WINDOW=window, WINDOW_MARK=mark))
+    return proc, run, mark
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_says_nothing_was_written(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "start-up")
+    _wait_for(mark, proc)
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = _finish(proc)
+    assert code == 138, err[-2000:]
+    assert "stopped by SIGUSR1 during start-up; no step was trained and nothing was written: run the same " \
+           "command again" in err.splitlines()
+    assert "Traceback" not in err and not (run / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_final_evaluation_says_training_finished(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "final-eval")
+    _wait_for(mark, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 143, err[-2000:]
+    assert f"stopped by SIGTERM during the final evaluation on the test split, after training finished; torchrig " \
+           f"evaluate --checkpoint {run} gives the test metrics" in err.splitlines()
+    assert "Traceback" not in err
+    state, meta, _ = read_checkpoint(resolve("latest", run))
+    assert state["counters"]["epoch"] == 2  # training was complete and saved
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_interpreter_exits_gives_its_line_and_code(tmp_path):
+    proc, run, mark = _train_cli(tmp_path, "exit")
+    _wait_for(mark, proc, timeout=120)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = _finish(proc)
+    assert code == 130, err[-2000:]
+    assert "stopped by SIGINT while exiting; the run had ended" in err.splitlines()
+    assert "Traceback" not in err and "test:" in out  # the run itself had finished and said so
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook, signum", [("on_fit_start", signal.SIGTERM), ("on_fit_end", signal.SIGINT)])
+def test_a_signal_before_or_after_the_loop_of_fit_gives_its_line(tmp_path, hook, signum):
+    """The Trainer's own windows (a script, not the command): before the loop nothing is written; after it,
+    the final checkpoint is named."""
+    run = tmp_path / "run"
+    proc = _start(run, "epochs=2", env={"HOOK_SLEEP": hook})
+    _wait_for(run / f"{hook}-0", proc)
+    proc.send_signal(signum)
+    code, out, err = _finish(proc)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, err[-2000:]
+    if hook == "on_fit_start":
+        line = f"stopped by {name} during start-up; no step was trained and nothing was written: run the same " \
+               f"command again"
+        assert not (run / "checkpoints" / "latest").exists()
+    else:
+        line = f"stopped by {name} after training finished at step 64; checkpoint {run}/checkpoints/step-00000064 " \
+               f"holds it"
+        assert resolve("latest", run).name == "step-00000064"
+    assert line in err.splitlines(), err[-2000:]
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- under torchrig launch
+
+
+def _launch(run: Path, *args: str, env=None) -> tuple[subprocess.Popen, Path]:
+    """``torchrig launch --nproc-per-node 2 -- signal_child.py RUN ARGS``; its output goes to a file (the
+    workers keep it open after a killed launcher)."""
+    run.mkdir(parents=True)
+    log = run.parent / f"{run.name}-launch.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([PYTHON, "-m", "torchrig", "launch", "--nproc-per-node", "2", "--", str(CHILD),
+                                 str(run), *args], stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env=subprocess_env(**(env or {})), start_new_session=True)
+    return proc, log
+
+
+def _pid(path: Path, proc: subprocess.Popen) -> int:
+    _wait_for(path, proc)
+    while not path.read_text():  # written a moment after it appears
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
+    for pid in [proc.pid, *pids]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
+    """torchrun sends its own SIGTERM to the ranks left after the signalled one exits; that is no failure."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        os.kill(pids[1], signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        _kill_all(proc, pids)
+    out = log.read_text()
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out
+    assert "torchrig launch: the run stopped cleanly on SIGTERM (exit 143); rank 0's line above says where; to " \
+           "continue, run the same command with resume='latest'" in out.splitlines(), out[-3000:]
+    assert "error" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_workers_end_with_a_launcher_killed_by_sigkill(tmp_path):
+    """They stop as torchrun would have stopped them: SIGTERM, the step under way, a checkpoint."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, "epochs=50")
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        _kill_all(proc, pids)
+    out = log.read_text()
+    assert took < 5, f"the orphaned workers ran on for {took:.0f}s:\n{out[-3000:]}"
+    latest = resolve("latest", run)
+    assert latest is not None and "second SIGTERM" not in out, out[-3000:]  # one SIGTERM each, not two
+    step = int(latest.name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out

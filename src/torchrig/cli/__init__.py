@@ -151,7 +151,10 @@ COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "predict": cmd_predict
             "doctor": cmd_doctor}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
+    """Run the ``torchrig`` command ``argv`` and return its exit code. A stop signal (SIGTERM, SIGINT,
+    SIGUSR1) ends it with one line and ``128 + signal`` (``RunStopped``, a ``SystemExit``) whatever it is
+    doing; ``until_exit`` (the program's entry point) keeps that handler for the interpreter's exit."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:
@@ -162,6 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_USAGE
     debug = getattr(args, "debug", False) or os.environ.get("TORCHRIG_DEBUG") == "1"
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
+    stop = _stop_signal(args.command)
     try:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
@@ -180,6 +184,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"torchrig: error: {kind}{msg}" + ("" if _is_user_error(exc) else " (run with --debug for the traceback)"),
               file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        if stop is not None:
+            stop.at_exit() if until_exit else stop.uninstall()
+
+
+def entry() -> None:
+    """The ``torchrig`` program (console script, ``python -m torchrig``)."""
+    sys.exit(main(until_exit=True))
+
+
+def _stop_signal(command: str):
+    """The command's stop handler (training installs its own for the loop, inside this one); ``launch``
+    leaves signals to torchrun, which passes them on to its workers."""
+    if command == "launch":
+        return None
+    from ..runtime.signals import STARTING, StopSignal
+
+    return StopSignal(where=STARTING if command == "train" else f"during torchrig {command}; run it again").install()
 
 
 def _quiet_stdout() -> None:

@@ -309,6 +309,19 @@ def _describe_failures(exc) -> str:
     return "\n".join(lines)
 
 
+STOP_CODES = {143: "SIGTERM", 130: "SIGINT", 138: "SIGUSR1"}  # 128 + signal: torchrig's clean stops
+
+
+def _clean_stop(exc) -> Optional[int]:
+    """The exit code of the workers that stopped cleanly on a signal, when that is what ended the run: every
+    failed worker stopped so, or was ended by torchrun's own SIGTERM to the ranks left after one exits."""
+    codes = [f.exitcode for f in getattr(exc, "failures", {}).values()]
+    stops = [code for code in codes if code in STOP_CODES]
+    if stops and all(code in STOP_CODES or code == -15 for code in codes):
+        return stops[0]
+    return None
+
+
 def launch(argv: list[str], env: dict[str, str]) -> int:
     """Run torchrun in this process (so the loopback rendezvous is available); returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -320,6 +333,13 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
     try:
         run(targs)
     except ChildFailedError as exc:
+        code = _clean_stop(exc)
+        if code is not None:  # a SIGTERM / Ctrl-C / SIGUSR1 to a worker: rank 0's stop line is above
+            again = "--set resume=latest" if targs.module and targs.training_script == "torchrig" else \
+                "resume='latest'"
+            print(f"torchrig launch: the run stopped cleanly on {STOP_CODES[code]} (exit {code}); rank 0's line "
+                  f"above says where; to continue, run the same command with {again}", file=sys.stderr)
+            return code
         restarts = f" after {targs.max_restarts} restart(s)" if targs.max_restarts else ""
         print(f"torchrig launch: error: the run failed{restarts}; the first error is in the failed worker's output "
               f"above:\n{_describe_failures(exc)}", file=sys.stderr)

@@ -154,6 +154,9 @@ class Batches:
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
             self.sampler.skip = 0
+            loader_generator = getattr(self.source, "generator", None)  # what the workers' seeds are drawn from
+            if loader_generator is not None:  # from (seed, epoch), as a stream's: a resumed run's are the same
+                loader_generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)
         else:
             inner = getattr(self.source, "sampler", None)
             if hasattr(inner, "set_epoch"):
@@ -316,7 +319,7 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     if not workers:
         options = {k: v for k, v in options.items() if k not in _WORKER_OPTIONS}
     g = torch.Generator()
-    g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG
+    g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG (reseeded per epoch)
     loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
     fresh = options.get("collate_fn") in (None, torch.utils.data.default_collate)
     return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size, fresh)

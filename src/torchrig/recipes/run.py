@@ -70,7 +70,7 @@ def _join_process_group(cfg: C.Config) -> bool:
 
 
 def _train(cfg: C.Config, out) -> dict:
-    from ..runtime import seed_everything
+    from ..runtime import seed_everything, stop_phase
     from ..trainer import Trainer
 
     recipe = get_recipe(cfg.recipe)
@@ -88,7 +88,10 @@ def _train(cfg: C.Config, out) -> dict:
         results: dict[str, Any] = {}
         test = data.get("test")
         if test is not None:
+            stop_phase(f"during the final evaluation on the test split, after training finished; "
+                       f"torchrig evaluate --checkpoint {run} gives the test metrics")
             results = trainer.evaluate(test)
+        stop_phase(f"after the run finished; its results are in {run}")
         trainer.logger.finish({f"test/{k}": v for k, v in results.items()})  # the trackers' final metrics
         if trainer.is_main:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())

@@ -16,6 +16,8 @@ import gc
 import io
 import os
 import re
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -127,9 +129,35 @@ def host_collectives() -> bool:
     return "gloo" in backend or "mpi" in backend
 
 
+_launcher_watched = False
+
+
+def end_with_launcher() -> None:
+    """Under torchrun (``torchrig launch``), send this worker SIGTERM once its launcher is gone.
+
+    A launcher killed with SIGKILL cannot stop its workers; left alone they train on until a collective
+    or the lost rendezvous store fails them, tens of seconds later. With the signal they stop as torchrun
+    would have stopped them: after the step under way, with a checkpoint. A thread watches the parent
+    process (twice a second): Linux's PR_SET_PDEATHSIG fires again for each thread of the dying launcher
+    that a worker is handed to, and a second SIGTERM means "exit at once, without a checkpoint".
+    """
+    global _launcher_watched
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
+        return
+    _launcher_watched, launcher = True, os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="torchrig-launcher-watch").start()
+
+
 def init_process_group(info: DistInfo, device: torch.device, backend: Optional[str] = None,
                        init_method: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Join the process group described by ``info``; returns True when this call created it."""
+    end_with_launcher()
     if not info.is_distributed or dist.is_initialized():
         return False
     if not dist.is_available():

@@ -33,6 +33,17 @@ def end_of_run(trainer: Any) -> tuple[list[Path], Optional[subprocess.Popen]]:
     return plot_run_or_say(trainer.run_dir, trainer.print), None  # log.plot=true, or no process could start
 
 
+def finished_where(trainer: Any) -> str:
+    """What a stop signal after the loop interrupts, for its line: training is over; where its result is."""
+    step, last = trainer.global_step, trainer.checkpoints.last_step
+    if last == step:
+        kept = f"checkpoint {Path(trainer.run_dir) / 'checkpoints'}/step-{step:08d} holds it"
+    else:
+        kept = (f"the latest checkpoint is step {last}" if last is not None else "no checkpoint was saved") \
+            + " (checkpoint.save_final=false)"
+    return f"after training finished at step {step}; {kept}"
+
+
 def summary(trainer: Any) -> str:
     """``torchrig: done · 450 steps in 12.3 s · 36.6 steps/s · best val/accuracy 0.9812 (step-00000450)``."""
     out = trainer.metrics_log.out

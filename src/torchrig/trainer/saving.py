@@ -34,7 +34,7 @@ def states(t: "Trainer") -> dict[str, Any]:
         "train_metrics": MetricStates(t.train_metrics, t.rank, t.world_size),
         "window": t.metrics_log,
         "callbacks": t.callbacks,
-        "rng": RNGState(),
+        "rng": RNGState(t.rank, t.world_size),
         "data": t._data,  # the training data's position where it can report one
         **({"ema": t.ema} if t.ema is not None else {}),
         "micro_batch": t.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
@@ -56,8 +56,9 @@ def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> O
     if factories:
         meta["factories"] = factories
     config = provenance.saved_config(t.cfg, t.model, t.config_builds_model)
-    t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
-    path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
+    with t._signals.saving():  # however long they take, a stop signal's watchdog lets them finish
+        t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
+        path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
     t._run_callbacks.call("on_save", t, path, metrics)
     return path
 
@@ -77,11 +78,13 @@ def resume(t: "Trainer", spec: str) -> tuple[int, int]:
     changes.check(read_config(path), provenance.saved_config(t.cfg, t.model, t.config_builds_model), path,
                   allow=t.cfg.resume_changes == "allow", say=t.print,
                   worlds=(saved_world if isinstance(saved_world, int) else t.world_size, t.world_size))
-    t.checkpoints.load(path, states(t), print_fn=t.print)
+    restored = states(t)
+    t.checkpoints.load(path, restored, print_fn=t.print)
     for opt in t.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     t.resumed_from = path
     epoch, batch, note = t.state.resume_at(t.world_size)
-    if note:
-        t.print(note)
+    for line in (note, restored["rng"].note):
+        if line:
+            t.print(line)
     return epoch, batch

@@ -45,13 +45,29 @@ class TrainState:
 
 
 class RNGState:
-    """The Python, NumPy, torch CPU and CUDA generators of this process."""
+    """Every rank's Python, NumPy, torch CPU and CUDA generators: ``{"ranks": [rank 0's, rank 1's, …]}``
+    (gathered when saved: collective), each rank restoring its own.
+
+    Saved with another number of processes, the streams cannot be continued exactly: every rank then
+    restores rank 0's, and :attr:`note` says so.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.note = ""
 
     def state_dict(self) -> dict:
-        return runtime.rng_state()
+        return {"ranks": runtime.rng_states_of_ranks()}
 
     def load_state_dict(self, state: dict) -> None:
-        runtime.set_rng_state(state)
+        ranks = state["ranks"] if "ranks" in state else [state]  # an older checkpoint: one process's generators
+        if len(ranks) == self.world_size:
+            runtime.set_rng_state(ranks[self.rank])
+            return
+        runtime.set_rng_state(ranks[0])
+        self.note = (f"torchrig: the checkpoint holds the random number generators of {len(ranks)} process(es), "
+                     f"now {self.world_size}; dropout and augmentation streams cannot be restored exactly "
+                     f"(every process continues from rank 0's)")
 
 
 class Group:

@@ -259,7 +259,7 @@ class Step:
         self.host_checks = device.type == "cpu"
         self.world_size = runtime.get_world_size()
         # decided on the device (found_inf): this window skipped / non-finite, their sums until settle() reads them
-        self._window_found: Optional[torch.Tensor] = self._window_bad = None
+        self._window_found = self._window_bad = None  # type: Optional[torch.Tensor]
         self._unsettled: Optional[torch.Tensor] = None     # [skipped windows, bad windows] on the device
         self._settled_step = 0
         self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)

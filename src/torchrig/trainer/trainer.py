@@ -26,7 +26,7 @@ from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .ema import build_ema
-from .finish import end_of_run
+from .finish import end_of_run, finished_where
 from .logger import MetricsLogger
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
@@ -160,17 +160,21 @@ class Trainer:
     # ------------------------------------------------------------------------------ fit
     @runtime.explain_collective_errors
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
-        """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {})."""
-        self.open_run()
-        self._val_loader = (val_data, None, None)
-        try:
-            plan = self._prepare_data(train_data, val_data)
-            self._build_schedules(plan)
-            self._set_up_run(val_data)
-            return {} if self._restore(plan) else self._train(plan)
-        finally:  # the save in flight is written (or its error raised) before the run directory is let go
-            self._val_loader = None  # its loader's workers stop with it
-            finish_saves(self.checkpoints, self._run.close)
+        """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {}); a stop signal
+        raises ``RunStopped``, in the loop after the step under way and its checkpoint (``runtime.signals``)."""
+        with runtime.StopSignal(self.world_size, self.cfg.dist.stop_timeout) as self._signals:
+            self.open_run()
+            self._val_loader = (val_data, None, None)
+            try:
+                plan = self._prepare_data(train_data, val_data)
+                self._build_schedules(plan)
+                self._set_up_run(val_data)
+                result = {} if self._restore(plan) else self._train(plan)
+            finally:  # the save in flight is written (or its error raised) before the run directory is let go
+                self._val_loader = None  # its loader's workers stop with it
+                with self._signals.saving():
+                    finish_saves(self.checkpoints, self._run.close)
+        return result
 
     def _eval_batches(self, data: Any) -> Any:
         """``data``'s evaluation batches. During ``fit``, when the validation data's loader has persistent
@@ -188,13 +192,13 @@ class Trainer:
 
     def _train(self, plan: FitPlan) -> dict:
         self._run_callbacks.call("on_fit_start", self)
+        self._signals.stop_at_steps()
         try:
             val_metrics, stopped = self._loop(plan)
         except BaseException as exc:
             self._run_callbacks.call("on_exception", self, exc)
             raise
         finally:
-            self._signals.uninstall()
             self.metrics_log.out.close()
         self._finish(stopped)
         return val_metrics
@@ -266,7 +270,6 @@ class Trainer:
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
                       if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
-        self._signals = runtime.StopSignal(self.world_size, cfg.dist.stop_timeout).install()
         return False
 
     def _loop(self, plan: FitPlan) -> tuple[dict, str]:
@@ -300,6 +303,7 @@ class Trainer:
             self._stop_by_signal()
         if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.global_step:
             self._save(final=True)
+        self._signals.immediately(finished_where(self))  # no step left to finish: a signal now stops at once
         if stopped == "early_stop":
             self.print(f"torchrig: early stop after epoch {self.epoch} ({self.monitor.name} did not improve "
                        f"for {self.cfg.early_stop_patience} epochs)")
@@ -429,16 +433,13 @@ class Trainer:
         signum = self._signals.check_now()
         if self.checkpoints.last_step != self.global_step:
             self._save()
-        stop = runtime.RunStopped(signum, self.global_step, self.run_dir / "checkpoints")
+        stop = runtime.RunStopped.at_step(signum, self.global_step, self.run_dir / "checkpoints")
         self.print(str(stop))
         if self.cfg.dist.requeue and self.is_main:
             self.print(runtime.requeue_slurm_job() or "torchrig: dist.requeue=true but SLURM_JOB_ID is not set")
         raise stop
 
     # ------------------------------------------------------------------------------ checkpoints (saving.py)
-    def _states(self) -> dict[str, Any]:
-        return saving.states(self)
-
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
         return saving.save(self, metrics, final)
 
