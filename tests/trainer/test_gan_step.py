@@ -92,8 +92,7 @@ def test_frozen_names_and_errors():
     from torchrig.trainer.step import Step
 
     model = _gan()
-    step = Step(model=model, models=dict(model.items()), optimizers={}, loss_fn=None, precision=None,
-                device=torch.device("cpu"))
+    step = Step(model, {}, None, None, torch.device("cpu"), models=dict(model.items()))
     with step.frozen("D", model["G"]) as (D, G):
         assert D is model["D"] and G is model["G"]
         assert not any(p.requires_grad for p in model.parameters())

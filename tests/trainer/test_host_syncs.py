@@ -169,9 +169,8 @@ def test_step_pieces_on_the_meta_device():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("meta")
     metric = get_metric("accuracy")
     metric.device = torch.device("meta")
-    step = Step(model=model, models={}, optimizers={"default": torch.optim.SGD(model.parameters(), lr=0.1)},
-                loss_fn=nn.CrossEntropyLoss(), precision=torchrig.runtime.make_precision("fp32", torch.device("cpu")),
-                device=torch.device("meta"), metrics=[metric])
+    step = Step(model, {"default": torch.optim.SGD(model.parameters(), lr=0.1)}, nn.CrossEntropyLoss(),
+                torchrig.runtime.make_precision("fp32", torch.device("cpu")), torch.device("meta"), metrics=[metric])
     assert step.host_checks is False
     log = MetricsLogger(RunLogger(None, enabled=False), every_steps=10)
     x, y = torch.randn(4, 8, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
@@ -182,8 +181,8 @@ def test_step_pieces_on_the_meta_device():
         step.backward(loss)
         step.update_metrics(out, y)
         log.record({"loss": loss.detach()}, 4)
-    flag = step._check.flag([p.grad for p in model.parameters()])
-    assert flag.device.type == "meta" and step._nonfinite.device.type == "meta"
+    flag = step.guard.check.flag([p.grad for p in model.parameters()])
+    assert flag.device.type == "meta" and step.guard.loss_flag.device.type == "meta"
     assert all(v.device.type == "meta" for v in metric.states.values())
     assert log.sums["loss"].device.type == "meta"
     # a checkpoint's states (loaded on the CPU) go to the metric's device

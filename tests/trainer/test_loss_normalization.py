@@ -167,7 +167,7 @@ def test_fp16_scaler_sees_the_global_batch_mean(clip):
     from torch import nn
 
     from torchrig.runtime.precision import Precision
-    from torchrig.trainer.step import Step
+    from torchrig.trainer.step import Step, StepOptions
 
     torch.manual_seed(0)
     model, x, y = nn.Linear(3, 1), torch.randn(4, 3), torch.randn(4, 1)
@@ -176,9 +176,9 @@ def test_fp16_scaler_sees_the_global_batch_mean(clip):
     seen = []
     opt.register_step_pre_hook(lambda *a: seen.append([p.grad.clone() for p in model.parameters()]))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    step = Step(model=model, models={}, optimizers={"default": opt}, loss_fn=None, device=torch.device("cpu"),
-                precision=Precision("fp16", torch.device("cpu"), None, scaler), clip_grad_norm=1e6 if clip else None,
-                loss_normalization="samples", count_unit=3)
+    step = Step(model, {"default": opt}, None, Precision("fp16", torch.device("cpu"), None, scaler),
+                torch.device("cpu"), StepOptions(clip_grad_norm=1e6 if clip else None, loss_normalization="samples",
+                                                 count_unit=3))
     step.begin_window(2)
     for rows, last in ((slice(0, 3), False), (slice(3, 4), True)):
         step.set_batch((x[rows], y[rows]))
@@ -194,14 +194,14 @@ def test_gradients_of_a_backward_outside_the_step_are_left_alone():
     from torch import nn
 
     from torchrig.runtime.precision import Precision
-    from torchrig.trainer.step import Step
+    from torchrig.trainer.step import Step, StepOptions
 
     model = nn.Linear(2, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     seen = []
     opt.register_step_pre_hook(lambda *a: seen.append(model.weight.grad.clone()))
-    step = Step(model=model, models={}, optimizers={"default": opt}, loss_fn=None, device=torch.device("cpu"),
-                precision=Precision("fp32", torch.device("cpu"), None, None), count_unit=8)
+    step = Step(model, {"default": opt}, None, Precision("fp32", torch.device("cpu"), None, None),
+                torch.device("cpu"), StepOptions(count_unit=8))
     step.begin_window(1)
     step.set_batch((torch.ones(3, 2), torch.zeros(3)))
     model(torch.tensor([[3.0, 4.0]])).sum().backward()

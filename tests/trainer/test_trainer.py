@@ -476,16 +476,15 @@ def test_fp16_overflow_skips_the_step_counts_it_and_halves_the_scale(make_traine
 
 def test_fp16_gradients_are_unscaled_before_clipping():
     from torchrig.runtime.precision import Precision
-    from torchrig.trainer.step import Step
+    from torchrig.trainer.step import Step, StepOptions
 
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    step = Step(model=model, models={}, optimizers={"default": opt}, loss_fn=None,
-                precision=Precision("fp16", torch.device("cpu"), None, scaler), device=torch.device("cpu"),
-                clip_grad_norm=1.0)
+    step = Step(model, {"default": opt}, None, Precision("fp16", torch.device("cpu"), None, scaler),
+                torch.device("cpu"), StepOptions(clip_grad_norm=1.0))
     step.begin_window(1)
     step.backward(model(torch.tensor([[3.0, 4.0]])).sum())  # gradient (3, 4): norm 5, scaled by 1024
     assert torch.equal(model.weight.grad, torch.tensor([[3.0 * 1024, 4.0 * 1024]]))

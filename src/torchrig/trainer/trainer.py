@@ -30,10 +30,9 @@ from .finish import end_of_run, finished_where
 from .logger import MetricsLogger
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
-from .plain import GENERAL, PlainStep
 from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
-from .step import Step, default_step
+from .step import Step, StepOptions, default_step
 from .throughput import fit_callbacks
 
 
@@ -135,14 +134,11 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
-        c = self.cfg
-        return Step(model=self.wrapped, models=self.models, optimizers=self.optimizers, loss_fn=self.loss_fn,
-                    precision=self.precision, device=self.device, clip_grad_norm=c.clip_grad_norm,
-                    clip_norm_type=c.clip_norm_type, clip_grad_value=c.clip_grad_value,
-                    on_nonfinite=c.on_nonfinite, metrics=metrics, state=self.state, schedulers=self.schedulers,
-                    scheduler_interval=self.sched_interval, loss_normalization=c.loss_normalization,
-                    grad_ranks=self.world_size if self.strategy in ("ddp", "fsdp") else 1,
-                    count_unit=c.data.batch_size, io=outputs.ModelIO.from_config(c))
+        grad_ranks = self.world_size if self.strategy in ("ddp", "fsdp") else 1
+        return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
+                    StepOptions.from_config(self.cfg, grad_ranks, self.sched_interval), models=self.models,
+                    metrics=metrics, state=self.state, schedulers=self.schedulers,
+                    io=outputs.ModelIO.from_config(self.cfg))
 
     def _metric_objects(self) -> list[Metric]:
         return get_metrics(self._objects.get("metrics", self.cfg.metrics), device=self.device)
@@ -316,9 +312,7 @@ class Trainer:
         log, out, state, signals, device = self.metrics_log, self.metrics_log.out, self.state, self._signals, self.device
         ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
-        plain = PlainStep.for_trainer(self)  # ordinary batches of a plain run skip the general step's bookkeeping
-        if plain is not None:
-            plain.fresh_batches = getattr(plan.batches, "fresh", False)
+        self.step.fresh_batches = getattr(plan.batches, "fresh", False)  # the metrics may keep them uncopied
         self.wrapped.train()
         for m in self.models.values():
             m.train()
@@ -337,9 +331,7 @@ class Trainer:
             signals.beat = now  # progress, for a stop signal's watchdog
             if self._layout_probe:
                 self._check_layout(batch)
-            values = plain(batch, epoch, i) if plain is not None else GENERAL  # a batch on the device
-            if values is GENERAL:
-                values = self._general_step(plan, epoch, i, to_device(batch, device))
+            values = self._train_batch(plan, epoch, i, to_device(batch, device))
             i += 1
             state.batch_in_epoch = i
             out.advance()
@@ -380,15 +372,17 @@ class Trainer:
                    f"format ({error}); set model.channels_last=false to skip this check, or use .reshape instead "
                    f"of .view to keep the faster layout")
 
-    def _general_step(self, plan: FitPlan, epoch: int, i: int, batch: Any) -> Optional[dict]:
+    def _train_batch(self, plan: FitPlan, epoch: int, i: int, batch: Any) -> Optional[dict]:
         """Micro-batch ``i`` through the step function, in its accumulation window; the step function's
         values when it ended the window with an optimizer step, else None."""
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
-        w_start = (i // A) * A
+        w_start = i - i % A
         if i == w_start:
             size = min(A, epoch_len - w_start)
-            step.begin_window(size, plan.batches.global_samples(w_start, size) if self.step_fn is default_step
-                              else None)
+            # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
+            # several micro-batches or ranks, not a whole batch on one process
+            known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
+            step.begin_window(size, plan.batches.global_samples(w_start, size) if known else None)
             step.want_grad_norm = self.metrics_log.should_log(self.global_step + 1)
         step.sync_gradients = i == w_start + step.window_size - 1
         step.epoch, step.batch_index = epoch, i
