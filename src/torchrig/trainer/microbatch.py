@@ -143,7 +143,7 @@ class MicroBatcher:
 
     def _batch(self, batch: Any, weight: int, last: bool) -> dict:
         t, step = self.t, self.t.step
-        pieces = chunks(batch, self.size)
+        pieces = [batch] if self.size is None else chunks(batch, self.size)
         values: dict = {}
         for k, piece in enumerate(pieces):
             step.sync_gradients = last and k == len(pieces) - 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -199,9 +199,11 @@ class NonFiniteGuard:
             ok = torch.isfinite(loss.detach()).all()
             self.loss_flag = ~ok if self.loss_flag is None else self.loss_flag | ~ok
 
-    def apply(self, opt: torch.optim.Optimizer, params: list, norm: Optional[torch.Tensor], where: str) -> bool:
+    def apply(self, opt: torch.optim.Optimizer, params: list, norm: Optional[torch.Tensor],
+              where: Callable[[], str]) -> bool:
         """``opt.step()`` unless the window is non-finite (``norm``: the gradients' norm when measured, which
-        carries the check). Returns False for a window dropped on the host (raised under ``error``)."""
+        carries the check; ``where()``: the step, for a message). Returns False for a window dropped on the host
+        (raised under ``error``)."""
         loss_flag = self.loss_flag if self.world_size == 1 else None  # several ranks: the gradients decide
         if not self.host and skips_on_device(opt):
             self._apply_on_device(opt, params, norm, loss_flag)
@@ -256,10 +258,10 @@ class NonFiniteGuard:
         if bad is not None:
             self.bad = bad if self.bad is None else torch.maximum(self.bad, bad)
 
-    def reject(self, opt: torch.optim.Optimizer, what: str, where: str) -> bool:
+    def reject(self, opt: torch.optim.Optimizer, what: str, where: Callable[[], str]) -> bool:
         """A non-finite window decided on the host: raise (``on_nonfinite=error``) or drop it."""
         if self.mode == "error":
-            raise NonFiniteLossError(f"{what} at {where}; the step was not applied and the last checkpoint is "
+            raise NonFiniteLossError(f"{what} at {where()}; the step was not applied and the last checkpoint is "
                                      f"intact. {ADVICE}")
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -103,6 +103,8 @@ class ModelCalls:
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, target)`` of a batch (a dict's target under ``data.label_key``)."""
+        if type(batch) is list and len(batch) == 2:  # what a DataLoader collates from (x, y) samples
+            return batch[0], batch[1]
         return split_batch(batch, self.io.label_key)
 
     def forward(self, inputs: Any, model: Optional[Callable] = None, target: Any = None) -> Any:
@@ -280,6 +282,8 @@ class Step(ModelCalls):
         mode = self.loss_normalization
         if mode == "micro_batches":
             return 1
+        if mode == "samples" or (mode == "auto" and type(target) is torch.Tensor and target.ndim < 2):
+            return self.batch_size
         return normalize.count_items(mode, target, self.batch_size, self.shift_labels)
 
     @property
@@ -375,7 +379,7 @@ class Step(ModelCalls):
             prime_momentum(opt)
             scaler.step(opt)  # skips the update itself when the gradients hold inf / NaN
             self.guard.note_scaler(scaler, opt)
-        elif not self.guard.apply(opt, params, self._clip(params), self._where()):
+        elif not self.guard.apply(opt, params, self._clip(params), self._where):
             return False
         opt.zero_grad(set_to_none=True)
         self.stepped = True

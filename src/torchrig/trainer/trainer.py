@@ -383,7 +383,7 @@ class Trainer:
             # several micro-batches or ranks, not a whole batch on one process
             known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
             step.begin_window(size, plan.batches.global_samples(w_start, size) if known else None)
-            step.want_grad_norm = self.metrics_log.should_log(self.global_step + 1)
+            step.want_grad_norm = self.metrics_log.should_log(self.state.global_step + 1)
         step.sync_gradients = i == w_start + step.window_size - 1
         step.epoch, step.batch_index = epoch, i
         values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
