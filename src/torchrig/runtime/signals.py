@@ -197,6 +197,10 @@ class StopSignal:
         self.exiting, self.where = True, "while exiting; the run had ended"
 
     # -- agreement ---------------------------------------------------------------------------
+    def beat_now(self) -> None:
+        """A sign of progress outside the training loop (an evaluation batch), for the watchdog."""
+        self.beat = time.perf_counter()
+
     def check(self) -> int:
         """At an optimizer-step boundary: the signal every rank agrees to stop on, else 0.
 

@@ -21,15 +21,12 @@ such evaluation prints ``torchrig: evaluation uses the EMA weights ...``, and
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from .. import runtime
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 WEIGHTS_FILE = "ema.safetensors"
 
@@ -90,9 +87,6 @@ class EMA:
             torch._foreach_lerp_(self.shadow, current, [w] * len(current))
         else:
             torch._foreach_lerp_(self.shadow, current, weight)
-
-    def on_step_end(self, trainer: Any, outputs: Any) -> None:
-        self.update(trainer.step.window_skipped)
 
     # -- evaluation -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -161,13 +155,13 @@ def build_ema(cfg: Any, model: nn.Module) -> Optional[EMA]:
     return EMA(runtime.unwrap(model), cfg.ema_decay, cfg.ema_warmup)
 
 
-def ema_weights(trainer: "Trainer", use: bool = True):
-    """A context for evaluation: the EMA weights in the model if the run keeps an EMA and ``use``."""
-    ema = trainer.ema
+def ema_weights(ema: Optional[EMA], use: bool = True, say: Callable[[str], None] = print):
+    """A context for evaluation: the EMA weights in the model if the run keeps an EMA (``ema``) and ``use``;
+    ``say`` announces it the first time."""
     if ema is None or not use:
         return contextlib.nullcontext()
     if not ema.announced:
         ema.announced = True
-        trainer.print(f"torchrig: evaluation uses the EMA weights (ema_decay={ema.decay:g}, {ema.num_updates} "
-                      f"updates); Trainer.evaluate(data, ema=False) evaluates the trained weights")
+        say(f"torchrig: evaluation uses the EMA weights (ema_decay={ema.decay:g}, {ema.num_updates} updates); "
+            f"Trainer.evaluate(data, ema=False) evaluates the trained weights")
     return ema.applied()

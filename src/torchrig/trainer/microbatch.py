@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed
@@ -35,10 +35,9 @@ import torch.distributed
 from .. import runtime
 from ..config import ConfigError
 from ..errors import TorchrigError
+from .context import FitContext
 from .step import batch_size_of
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 
 class MicroBatchError(TorchrigError, RuntimeError):
@@ -89,9 +88,9 @@ def check_auto(cfg: Any, model: torch.nn.Module, world_size: int) -> None:
 class MicroBatcher:
     """Runs the step function over the micro-batches of each loaded batch; Stateful (the current size)."""
 
-    def __init__(self, t: "Trainer"):
+    def __init__(self, t: FitContext):
         setting, d = t.cfg.data.micro_batch_size, t.cfg.data
-        self.t = t
+        self.t = t  # the fit's context: its step, metrics, logger, optimizers
         self.auto = setting == "auto"
         self.size: Optional[int] = d.batch_size if self.auto else setting
         t.step.cuts_batches = self.size is not None  # its pieces are weighed by their counts (Step.backward)
@@ -229,7 +228,7 @@ class MicroBatcher:
                 f"precision=bf16, model.activation_checkpointing, or more devices with dist.strategy=fsdp")
         old, self.size = self.size, self.size // 2
         per_step = math.ceil(t.cfg.data.batch_size / self.size) * t.cfg.accumulate
-        t.print(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
+        t.say(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
         step.begin_window(step.window_size, step.window_samples)
         self.failed, self.agreed = False, None
         for m in self.synced if self.guard else ():

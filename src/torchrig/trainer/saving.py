@@ -8,83 +8,80 @@ says where the loop goes on (epoch, micro-batch).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from .. import runtime
 from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_meta
 from . import changes, provenance
+from .context import FitContext
 from .state import Group, MetricStates, RNGState, ScalerState
 from .step import NonFiniteLossError, finite_parameters
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
-
-def states(t: "Trainer") -> dict[str, Any]:
+def states(c: FitContext) -> dict[str, Any]:
     """Everything a checkpoint holds, as Stateful objects (the model and optimizers first)."""
     return {
-        "model": runtime.unwrap(t.model),
-        "optimizers": t.optimizers,
-        "schedulers": Group(t.schedulers),
-        "scaler": ScalerState(t.precision.scaler),
-        "counters": t.state,
-        "tracker": t.early_stopping,
-        "train_metrics": MetricStates(t.train_metrics, t.rank, t.world_size),
-        "window": t.metrics_log,
-        "callbacks": t.callbacks,
-        "rng": RNGState(t.rank, t.world_size),
-        "data": t._data,  # the training data's position where it can report one
-        **({"ema": t.ema} if t.ema is not None else {}),
-        "micro_batch": t.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
+        "model": c.model,
+        "optimizers": c.optimizers,
+        "schedulers": Group(c.schedulers),
+        "scaler": ScalerState(c.precision.scaler),
+        "counters": c.state,
+        "tracker": c.early_stopping,
+        "train_metrics": MetricStates(c.train_metrics, c.rank, c.world_size),
+        "window": c.metrics_log,
+        "callbacks": c.callbacks,
+        "rng": RNGState(c.rank, c.world_size),
+        "data": c.data,  # the training data's position where it can report one
+        **({"ema": c.ema} if c.ema is not None else {}),
+        "micro_batch": c.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
     }
 
 
-def save(t: "Trainer", metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
+def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
     """A checkpoint of this instant (collective: every rank calls it)."""
-    t.step is not None and t.step.settle()  # non-finite steps skipped on the device: count or raise
-    if not finite_parameters(runtime.unwrap(t.model), t.device):
-        last = t.checkpoints.last_step
+    c.step.settle()  # non-finite steps skipped on the device: count or raise
+    if not finite_parameters(c.model, c.device):
+        last = c.checkpoints.last_step
         raise NonFiniteLossError(
-            f"the model's parameters hold NaN or inf at step {t.global_step}; no checkpoint was written"
+            f"the model's parameters hold NaN or inf at step {c.state.global_step}; no checkpoint was written"
             + (f" (the last one, step {last}, is intact)" if last is not None else "")
             + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
-    meta = {"step": t.global_step, "epoch": t.state.epoch, "batch_in_epoch": t.state.batch_in_epoch,
-            "final": final, "torch": torch.__version__, "world_size": t.world_size, "precision": t.precision.name}
-    factories = provenance.factory_files(t.cfg)
+    meta = {"step": c.state.global_step, "epoch": c.state.epoch, "batch_in_epoch": c.state.batch_in_epoch,
+            "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
+    factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
-    config = provenance.saved_config(t.cfg, t.model, t.config_builds_model)
-    with t._signals.saving():  # however long they take, a stop signal's watchdog lets them finish
-        t.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
-        path = t.checkpoints.save(t.global_step, states(t), config=config, meta=meta, metrics=metrics)
-    t._run_callbacks.call("on_save", t, path, metrics)
+    config = provenance.saved_config(c.cfg, c.model, c.config_builds_model)
+    with c.signals.saving():  # however long they take, a stop signal's watchdog lets them finish
+        c.checkpoints.wait()  # the save in flight first: at most one; its error, if any, is raised here
+        path = c.checkpoints.save(c.state.global_step, states(c), config=config, meta=meta, metrics=metrics)
+    c.notify("on_save", path, metrics)
     return path
 
 
-def resume(t: "Trainer", spec: str) -> tuple[int, int]:
-    """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the (epoch, micro-batch) to go on from."""
-    path = find_checkpoint(spec, t.run_dir)
+def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
+    """Load checkpoint ``spec`` (a path, ``latest`` or ``best``); returns the checkpoint loaded (None when there
+    was none) and the (epoch, micro-batch) to go on from."""
+    path = find_checkpoint(spec, c.run_dir)
     if path is None:  # resume="latest" with nothing saved yet: a fresh start, said once
-        t.print(f"torchrig: resume={spec}: {t.run_dir} holds no checkpoint yet; training starts at step 0")
-        return 0, 0
-    if t.cfg.resume_weights_only:
-        load_weights_only(runtime.unwrap(t.model), path, sharded=t.strategy == "fsdp")
-        t.print(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
-                   f"(resume_weights_only=true)")
-        return 0, 0
+        c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
+        return None, 0, 0
+    if c.cfg.resume_weights_only:
+        load_weights_only(c.model, path, sharded=c.strategy == "fsdp")
+        c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
+              f"(resume_weights_only=true)")
+        return None, 0, 0
     saved_world = read_meta(path).get("world_size")
-    changes.check(read_config(path), provenance.saved_config(t.cfg, t.model, t.config_builds_model), path,
-                  allow=t.cfg.resume_changes == "allow", say=t.print,
-                  worlds=(saved_world if isinstance(saved_world, int) else t.world_size, t.world_size))
-    restored = states(t)
-    t.checkpoints.load(path, restored, print_fn=t.print)
-    for opt in t.optimizers.values():
+    changes.check(read_config(path), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
+                  allow=c.cfg.resume_changes == "allow", say=c.say,
+                  worlds=(saved_world if isinstance(saved_world, int) else c.world_size, c.world_size))
+    restored = states(c)
+    c.checkpoints.load(path, restored, print_fn=c.say)
+    for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-    t.resumed_from = path
-    epoch, batch, note = t.state.resume_at(t.world_size)
+    epoch, batch, note = c.state.resume_at(c.world_size)
     for line in (note, restored["rng"].note):
         if line:
-            t.print(line)
-    return epoch, batch
+            c.say(line)
+    return path, epoch, batch

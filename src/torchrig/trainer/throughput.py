@@ -2,8 +2,8 @@
 
 Samples and tokens are counted by the metrics logger per micro-batch without reading anything on the
 host (a token count stays a tensor until the log step). With ``log.flops=true`` the FLOPs of one
-training step (forward and backward of the first micro-batch of the fit) are counted once with
-``torch.utils.flop_counter.FlopCounterMode``; every interval row then carries ``flops_per_s``
+training step (forward and backward of the first batch of the fit) are counted once with
+``torch.utils.flop_counter.FlopCounterMode`` (:class:`FlopCount`); every interval row then carries ``flops_per_s``
 (achieved, all processes together) and, on a GPU of :data:`PEAK_TFLOPS`, ``mfu`` = achieved FLOP/s
 over the peak of all processes' GPUs. Only the operators PyTorch has FLOP formulas for count
 (matrix products, convolutions, attention): element-wise work is left out, as MFU conventionally does.
@@ -114,57 +114,42 @@ def meta_flops(module: torch.nn.Module, inputs: Any, input_keys: Optional[tuple]
     return counter.get_total_flops()
 
 
-class FlopCounter:
-    """Counts the FLOPs of the fit's first training micro-batch, then gets out of the way.
-
-    It wraps ``trainer.step_fn`` for exactly one call: the numbers of that step are those of any other
-    (counting does not change what runs), and no extra forward or backward is spent.
+class FlopCount:
+    """``log.flops``: the FLOPs of the fit's first training batch, counted while it trains (no extra forward or
+    backward: the numbers of that step are those of any other). The loop hands that batch's run to
+    :meth:`measure`; every interval row then carries ``flops_per_s`` and, on a GPU of :data:`PEAK_TFLOPS`, ``mfu``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: Any, device: torch.device, precision: str, say: Callable[[str], None]) -> None:
+        self.log, self.device, self.precision, self.say = log, device, precision, say
         self.flops_per_sample: Optional[float] = None
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def measure(self, run: Callable[[], Any], batch: Any, model: Any, step: Any) -> Any:
+        """``run()`` (the first batch's training) under ``FlopCounterMode``, or beside a count on the meta device
+        for ``nn.DataParallel`` (whose replicas run in threads the counter does not see); returns its result."""
         from .step import batch_size_of
 
-        original = trainer.step_fn
-
-        def counted(step: Any, batch: Any) -> Any:
-            trainer.step_fn = original
-            if isinstance(trainer.wrapped, torch.nn.DataParallel):  # its replicas' threads escape the counter
-                values = original(step, batch)
-                flops = meta_flops(trainer.wrapped.module, step.split(batch)[0], step.io.input_keys)
-            else:
-                values, flops = count_flops(lambda: original(step, batch))
-            if not flops:  # e.g. a compiled model, whose operators the counter does not see
-                trainer.print("torchrig: log.flops: no FLOPs counted in the first step (a compiled model hides its "
-                              "operators from FlopCounterMode); rows carry no flops_per_s. Set model.compile=false "
-                              "to count them")
-                return values
-            self.flops_per_sample = flops / max(1, batch_size_of(batch))
-            log = trainer.metrics_log
-            log.flops_per_sample = self.flops_per_sample
-            log.peak_flops = peak_flops(trainer.device, trainer.precision.name)
-            trainer.print(f"torchrig: {self.flops_per_sample:.4g} FLOPs per sample (forward + backward)"
-                          + ("" if log.peak_flops else f"; no peak FLOP/s known for {trainer.device}: "
-                                                        f"rows get flops_per_s, no mfu"))
+        if isinstance(model, torch.nn.DataParallel):
+            values = run()
+            flops = meta_flops(model.module, step.split(batch)[0], step.io.input_keys)
+        else:
+            values, flops = count_flops(run)
+        if not flops:  # e.g. a compiled model, whose operators the counter does not see
+            self.say("torchrig: log.flops: no FLOPs counted in the first step (a compiled model hides its operators "
+                     "from FlopCounterMode); rows carry no flops_per_s. Set model.compile=false to count them")
             return values
-
-        self._restore = lambda: setattr(trainer, "step_fn", original)
-        trainer.step_fn = counted
-
-    def on_fit_end(self, trainer: Any) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: Any, exc: BaseException) -> None:
-        self._restore()
+        self.flops_per_sample = flops / max(1, batch_size_of(batch))
+        self.log.flops_per_sample = self.flops_per_sample
+        self.log.peak_flops = peak_flops(self.device, self.precision)
+        self.say(f"torchrig: {self.flops_per_sample:.4g} FLOPs per sample (forward + backward)"
+                 + ("" if self.log.peak_flops else f"; no peak FLOP/s known for {self.device}: rows get flops_per_s, "
+                                                     f"no mfu"))
+        return values
 
 
 def fit_callbacks(cfg: Any) -> list:
-    """torchrig's own callbacks that the config turns on: the FLOP counter and the profiler."""
+    """torchrig's own callbacks that the config turns on: the profiler."""
     out: list = []
-    if cfg.log.flops:
-        out.append(FlopCounter())
     if cfg.profile.steps:
         from .profiling import Profiler
 

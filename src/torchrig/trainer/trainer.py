@@ -25,15 +25,16 @@ from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, p
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
-from .ema import build_ema
+from .ema import build_ema, ema_weights
 from .finish import end_of_run, finished_where
 from .logger import MetricsLogger
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
-from .step import Step, StepOptions, default_step
-from .throughput import fit_callbacks
+from .step import ModelCalls, Step, StepOptions, default_step
+from .context import FitContext
+from .throughput import FlopCount, fit_callbacks
 
 
 class Trainer:
@@ -219,21 +220,31 @@ class Trainer:
         cfg = self.cfg
         self.train_metrics = self._metric_objects()
         self.step = self._make_step(self.train_metrics)
-        self.micro = MicroBatcher(self)  # data.micro_batch_size: cuts batches, halves on OOM under auto
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
         self.monitor = Monitor(name, cfg.checkpoint.mode)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
-        self._run_callbacks = Callbacks([*filter(None, [self.ema]), self.early_stopping, best, *fit_callbacks(cfg),
-                                         *self.callbacks.items])
+        self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
                                              sharded=self.strategy == "fsdp", async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.world_size, self.device)
+        self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
+            else None
         self.resumed_from = None
+        self.fit_context = c = FitContext(
+            cfg=cfg, device=self.device, rank=self.rank, world_size=self.world_size, strategy=self.strategy,
+            model=runtime.unwrap(self.model), wrapped=self.wrapped, models=self.models, optimizers=self.optimizers,
+            schedulers=self.schedulers, precision=self.precision, state=self.state, step=self.step,
+            step_fn=self.step_fn, train_metrics=self.train_metrics, metrics_log=self.metrics_log,
+            checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
+            data=self._data, ema=self.ema, signals=self._signals, run_dir=self.run_dir,
+            config_builds_model=self.config_builds_model, say=self.print,
+            notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
+        c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -312,6 +323,7 @@ class Trainer:
         log, out, state, signals, device = self.metrics_log, self.metrics_log.out, self.state, self._signals, self.device
         ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
+        ema, flops = self.ema, self.flops
         self.step.fresh_batches = getattr(plan.batches, "fresh", False)  # the metrics may keep them uncopied
         self.wrapped.train()
         for m in self.models.values():
@@ -331,12 +343,19 @@ class Trainer:
             signals.beat = now  # progress, for a stop signal's watchdog
             if self._layout_probe:
                 self._check_layout(batch)
-            values = self._train_batch(plan, epoch, i, to_device(batch, device))
+            batch = to_device(batch, device)
+            if flops is not None:  # log.flops: the fit's first batch is counted as it trains
+                values = flops.measure(lambda: self._train_batch(plan, epoch, i, batch), batch, self.wrapped, self.step)
+                flops = self.flops = None
+            else:
+                values = self._train_batch(plan, epoch, i, batch)
             i += 1
             state.batch_in_epoch = i
             out.advance()
-            if values is None:  # inside an accumulation window, or a skipped step
+            if values is None:  # inside an accumulation window
                 continue
+            if ema is not None:
+                ema.update(self.step.window_skipped)
             for fn in on_step_end:
                 fn(self, values)
             if log.should_log(state.global_step):
@@ -435,16 +454,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints (saving.py)
     def _save(self, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:
-        return saving.save(self, metrics, final)
+        return saving.save(self.fit_context, metrics, final)
 
     def _resume(self, spec: str) -> tuple[int, int]:
-        return saving.resume(self, spec)
+        self.resumed_from, epoch, batch = saving.resume(self.fit_context, spec)
+        return epoch, batch
 
     # ------------------------------------------------------------------------------ evaluate / predict
     @runtime.explain_collective_errors
     def evaluate(self, data: Any, ema: bool = True) -> dict:
-        """Loss (per-sample mean) and metrics over every sample once, reduced across ranks (EMA weights: see ema.py)."""
-        results = inference.evaluate(self, data, ema)
+        """Loss (per-sample mean) and metrics over every sample once, reduced across ranks; with the EMA
+        weights when the run keeps an EMA (``ema_decay``) and ``ema`` is true."""
+        with ema_weights(self.ema, ema, self.print):
+            results = inference.evaluate(self._eval_run(data, self._metric_objects()), self.eval_fn)
         self.callbacks.call("on_eval_end", self, results)
         return results
 
@@ -457,7 +479,24 @@ class Trainer:
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
         bce_with_logits); ``"none"`` keeps raw outputs.
         """
-        return inference.predict(self, data, activation)
+        act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
+        return inference.predict(self._eval_run(data, []), act, self.predict_fn)
+
+    def _eval_run(self, data: Any, metrics: list) -> inference.EvalRun:
+        """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
+        model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
+        own module, whose forward gathers the shards)."""
+        model = self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
+        step = ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
+                          metrics=metrics, io=outputs.ModelIO.from_config(self.cfg))
+
+        def first_batch() -> Any:  # the data's first sample, for padding forwards on a rank without one
+            one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
+            return to_device(next(iter(one)), self.device)
+
+        return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
+                                 self.world_size, self.strategy == "fsdp" and self.world_size > 1, first_batch,
+                                 self._signals.beat_now)
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:
