@@ -17,7 +17,7 @@ def validate(cfg: Config) -> Config:
         section, _, name = k.name.rpartition(".")
         owner = get_key(cfg, section) if section else cfg
         setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
-    for check in (_ranks, _resume, _trackers):
+    for check in (_ranks, _resume, _trackers, _micro_batches):
         check(cfg)
     for name in sections():
         section_check = getattr(getattr(cfg, name), "validate", None)
@@ -49,3 +49,14 @@ def _resume(cfg: Config) -> None:
 def _trackers(cfg: Config) -> None:
     if cfg.log.tensorboard is False and "tensorboard" in cfg.log.trackers:
         raise ConfigError("config key 'log.tensorboard': false, but log.trackers lists tensorboard; remove one of them")
+
+
+def _micro_batches(cfg: Config) -> None:
+    setting = cfg.data.micro_batch_size
+    if setting is not None and cfg.loss_normalization == "micro_batches":
+        raise ConfigError(f"config key 'data.micro_batch_size': {setting!r} needs loss_normalization auto, "
+                          f"samples or tokens (micro_batches weighs every micro-batch alike, so cutting a "
+                          f"batch would change the loss); set one of them, or data.micro_batch_size=null")
+    if setting == "auto" and cfg.dist.strategy == "fsdp":
+        raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
+                          "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
