@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -31,7 +32,7 @@ def _output_key(v: Any) -> Any:
 
 @dataclass
 class Config:
-    """The top-level keys: the run, the device, the loss and the loop."""
+    """The run, the device, the loss and the loop: the keys outside any section."""
 
     recipe: str = key("digits", TEXT, "the ready task torchrig train builds: digits, image-classification, "
                                       "text-classification, pix2pix or custom")
@@ -162,12 +163,19 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def groups() -> dict[str, type]:
+    """Where keys are declared, in order: ``""`` (the top level) -> Config, the built-in sections, then
+    the registered recipe sections by name (name -> dataclass)."""
+    hints = typing.get_type_hints(Config)
+    out: dict[str, type] = {"": Config}
+    out.update({f.name: hints[f.name] for f in dataclasses.fields(Config) if is_section(hints[f.name])})
+    out.update(sorted(_SECTIONS.items()))
+    return out
+
+
 def declared_keys() -> list[Key]:
     """Every key: the top-level ones, the built-in sections', then the registered recipe sections'."""
-    out = keys_of(Config)
-    for name, cls in _SECTIONS.items():
-        out += keys_of(cls, f"{name}.")
-    return out
+    return [k for name, cls in groups().items() for k in keys_of(cls, f"{name}." if name else "")]
 
 
 def aliases() -> dict[str, str]:

@@ -49,7 +49,7 @@ class Key(NamedTuple):
 
     name: str  # dotted: "optim.lr"
     type: Any
-    default: Any
+    default: Any  # dataclasses.MISSING for a field without a default
     rule: Optional[Rule]  # None only in a section whose fields are plain dataclass fields
     help: str
     aliases: tuple[str, ...]
@@ -71,16 +71,15 @@ def is_section(tp: Any) -> bool:
 
 
 def keys_of(cls: type, prefix: str = "") -> list[Key]:
-    """The keys declared by the dataclass ``cls`` and by its sections (fields that are dataclasses),
-    in declaration order, named ``prefix + name``."""
+    """The keys the dataclass ``cls`` declares, in declaration order, named ``prefix + name``; fields that
+    are sections themselves (dataclasses) are not keys."""
     hints = typing.get_type_hints(cls)
     out: list[Key] = []
     for f in dataclasses.fields(cls):
         if is_section(hints[f.name]):
-            out += keys_of(hints[f.name], f"{prefix}{f.name}.")
             continue
         spec = f.metadata.get(SPEC)
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         out.append(Key(prefix + f.name, hints[f.name], default, spec.rule if spec else None,
                        spec.help if spec else "", spec.aliases if spec else ()))
     return out
