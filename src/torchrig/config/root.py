@@ -61,7 +61,7 @@ class Config:
     interop_threads: Optional[int] = key(None, optional(integer(1)), "CPU inter-op threads; null: torch's default")
     deterministic: bool = key(False, BOOL, "repeatable CUDA runs: no cuDNN autotuning, no TF32 matmuls")
     cudnn_benchmark: Union[bool, str] = key("auto", AUTO_BOOL, "cuDNN autotuning; auto: on for CUDA runs unless "
-                                                               "deterministic (which then also get TF32 matmuls)")
+                                                               "deterministic (such runs also get TF32 matmuls)")
     accumulate: int = key(1, integer(1), "loaded batches per optimizer step (gradient accumulation)")
     loss_normalization: str = key("auto", choice(*LOSS_NORMALIZATIONS),
                                   "a step's loss is the mean over the global batch's samples, valid tokens (labels "

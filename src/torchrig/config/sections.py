@@ -110,8 +110,9 @@ class OptimConfig:
     """The optimizer of every parameter group."""
 
     name: str = key("adamw", TEXT, "sgd, adam, adamw, adagrad or rmsprop", alias="optimizer")
-    lr: float = key(1e-3, POSITIVE, "learning rate", alias="lr")
-    weight_decay: float = key(0.0, number(0), "weight decay", alias="weight_decay")
+    lr: float = key(1e-3, POSITIVE, "the learning rate (optim.group_lr sets it per module)", alias="lr")
+    weight_decay: float = key(0.0, number(0), "weight decay (an L2 penalty; decoupled in adamw)",
+                               alias="weight_decay")
     momentum: float = key(0.9, number(0, 1, hi_open=True), "momentum of sgd and rmsprop", alias="momentum")
     nesterov: bool = key(False, BOOL, "Nesterov momentum (sgd)", alias="nesterov")
     betas: tuple = key((0.9, 0.999), pair(number(0, 1, hi_open=True), "two numbers in [0, 1)"),
