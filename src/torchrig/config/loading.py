@@ -8,7 +8,6 @@ the key and the value as the user wrote it; :func:`load_config` and :func:`from_
 from __future__ import annotations
 
 import dataclasses
-import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,7 +17,7 @@ from .checks import validate
 from .coerce import coerce
 from .root import Config, names, sections
 from .rules import parse_scalar
-from .schema import ConfigError, check_value, refusal, rule_of
+from .schema import ConfigError, check_value, hints, refusal, rule_of
 
 
 def _suggest(name: str, options: list[str], what: str = "keys") -> str:
@@ -36,7 +35,7 @@ def _section_hint(obj: Any, mapping: bool) -> str:
 
 
 def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
-    hints = typing.get_type_hints(type(obj))
+    types = hints(type(obj))
     known = names(obj)
     for key, value in mapping.items():
         full = f"{prefix}{key}"
@@ -51,7 +50,7 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
             continue
         rule = rule_of(type(obj), key)
         try:
-            typed = coerce(value, hints[key], full)
+            typed = coerce(value, types[key], full)
         except ConfigError:
             if rule is None:
                 raise

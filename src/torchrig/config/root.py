@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from .rules import AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integer, is_int, list_of, number, optional, pattern
-from .schema import ConfigError, Key, is_section, key, keys_of
+from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integer, is_int, list_of, number, optional,
+                    pattern)
+from .schema import ConfigError, Key, hints, is_section, key, keys_of
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
                        ProfileConfig, SchedulerConfig)
 
@@ -166,9 +166,9 @@ def get_key(cfg: Any, dotted: str) -> Any:
 def groups() -> dict[str, type]:
     """Where keys are declared, in order: ``""`` (the top level) -> Config, the built-in sections, then
     the registered recipe sections by name (name -> dataclass)."""
-    hints = typing.get_type_hints(Config)
+    types = hints(Config)
     out: dict[str, type] = {"": Config}
-    out.update({f.name: hints[f.name] for f in dataclasses.fields(Config) if is_section(hints[f.name])})
+    out.update({f.name: types[f.name] for f in dataclasses.fields(Config) if is_section(types[f.name])})
     out.update(sorted(_SECTIONS.items()))
     return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import typing
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -66,6 +67,12 @@ def key(default: Any, rule: Rule, help: str, *, alias: Union[str, tuple[str, ...
     return dataclasses.field(default=default, metadata=meta)
 
 
+@functools.lru_cache(maxsize=None)
+def hints(cls: type) -> dict[str, Any]:
+    """The annotated types of the fields of ``cls`` (evaluated once: annotations are strings here)."""
+    return typing.get_type_hints(cls)
+
+
 def is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
@@ -73,14 +80,14 @@ def is_section(tp: Any) -> bool:
 def keys_of(cls: type, prefix: str = "") -> list[Key]:
     """The keys the dataclass ``cls`` declares, in declaration order, named ``prefix + name``; fields that
     are sections themselves (dataclasses) are not keys."""
-    hints = typing.get_type_hints(cls)
+    types = hints(cls)
     out: list[Key] = []
     for f in dataclasses.fields(cls):
-        if is_section(hints[f.name]):
+        if is_section(types[f.name]):
             continue
         spec = f.metadata.get(SPEC)
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        out.append(Key(prefix + f.name, hints[f.name], default, spec.rule if spec else None,
+        out.append(Key(prefix + f.name, types[f.name], default, spec.rule if spec else None,
                        spec.help if spec else "", spec.aliases if spec else ()))
     return out
 

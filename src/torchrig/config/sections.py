@@ -10,7 +10,7 @@ from .rules import (AUTO_BOOL, BOOL, MAPPING, POSITIVE, TEXT, Rule, accept, choi
                     mapping_of, number, optional, or_auto, pair, pattern)
 from .schema import key
 
-SPEC = pattern("a 'module:attribute' string such as mypkg.models:build_model",
+FACTORY = pattern("a 'module:attribute' string such as mypkg.models:build_model",
                r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")
 _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
@@ -73,8 +73,9 @@ class DataConfig:
                                      alias="input_keys")
     label_key: Optional[str] = key(None, optional(TEXT), "dict batches: the target's key; null: labels, label, "
                                                          "target, targets or y", alias="label_key")
-    factory: Optional[str] = key(None, optional(SPEC), "module:function building your data from the config: train, "
-                                                       "(train, val[, test]) or a dict (torchrig train --data)")
+    factory: Optional[str] = key(None, optional(FACTORY),
+                                 "module:function building your data from the config: train, (train, val[, test]) or "
+                                 "a dict (torchrig train --data)")
     steps_per_epoch: Optional[int] = key(
         None, optional(integer(1)),
         "optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data",
@@ -99,8 +100,8 @@ class ModelConfig:
         [], list_of(TEXT, "a list of sub-module names"),
         "sub-module names (as in named_modules()) whose activations are recomputed in backward: less memory, "
         "about one more forward", alias="activation_checkpointing")
-    factory: Optional[str] = key(None, optional(SPEC), "module:function building your model from the config "
-                                                       "(torchrig train --model)")
+    factory: Optional[str] = key(None, optional(FACTORY), "module:function building your model from the config "
+                                                          "(torchrig train --model)")
     python_class: Optional[str] = key(None, optional(TEXT), "module:qualname of a model given to Trainer in "
                                                             "Python, recorded in config.yaml (not rebuilt from it)")
 
