@@ -26,7 +26,7 @@ class ConfigError(TorchrigError, ValueError):
     """A bad configuration key or value; the message names the key, the value and the fix."""
 
 
-class Refused(ValueError):
+class Refused(TorchrigError, ValueError):
     """Raised by a rule's check to say in its own words why a value is refused: the message follows
     ``config key 'KEY': `` (e.g. ``must be at least 1, got 0``)."""
 
