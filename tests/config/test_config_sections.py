@@ -11,6 +11,7 @@ import yaml
 import torchrig
 import torchrig.recipes  # noqa: F401  (registers the image, text and pix2pix sections)
 from torchrig import config as C
+from torchrig.config import root
 from torchrig.config import ConfigError, from_dict, load_config, register_section, set_key, to_dict
 
 from helpers import PYTHON, QUIET, make_classification, subprocess_env
@@ -123,7 +124,7 @@ class WidgetConfig:
 
 def test_a_registered_section_behaves_like_a_core_one(monkeypatch):
     before = C.Config()  # made before the section existed: it gets the defaults on first use
-    monkeypatch.setitem(C._SECTIONS, "widget", WidgetConfig)
+    monkeypatch.setitem(root._SECTIONS, "widget", WidgetConfig)
     assert before.widget == WidgetConfig()
     cfg = load_config(overrides=["widget.size=5"], base={"widget": {"size": 3}})
     assert cfg.widget.size == 5 and to_dict(cfg)["widget"] == {"size": 5}
@@ -136,7 +137,7 @@ def test_a_registered_section_behaves_like_a_core_one(monkeypatch):
 
 
 def test_register_section_refuses_clashes(monkeypatch):
-    monkeypatch.setattr(C, "_SECTIONS", dict(C._SECTIONS))
+    monkeypatch.setattr(root, "_SECTIONS", dict(root._SECTIONS))
     with pytest.raises(ConfigError, match="config section 'optim' would hide the config key 'optim'"):
         register_section("optim", WidgetConfig)
     with pytest.raises(ConfigError, match="config section 'image' is already registered by "

@@ -215,6 +215,20 @@ def test_cross_key_checks():
         load_config(overrides=["overwrite=true", "resume=latest"])
     assert str(err.value) == ("config key 'overwrite': true would remove the run that resume='latest' continues; "
                               "set one of them")
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["data.micro_batch_size=4", "loss_normalization=micro_batches"])
+    assert str(err.value) == ("config key 'data.micro_batch_size': 4 needs loss_normalization auto, samples or "
+                              "tokens (micro_batches weighs every micro-batch alike, so cutting a batch would change "
+                              "the loss); set one of them, or data.micro_batch_size=null")
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["data.micro_batch_size=auto", "dist.strategy=fsdp"])
+    assert str(err.value) == ("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
+                              "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
+    with pytest.raises(ConfigError, match="log.trackers lists tensorboard"):
+        load_config(overrides=["log.tensorboard=false", "log.trackers=[tensorboard]"])
+    for fine in (["data.micro_batch_size=4", "dist.strategy=fsdp"], ["data.micro_batch_size=auto"],
+                 ["loss_normalization=micro_batches"]):
+        load_config(overrides=fine)
 
 
 @pytest.mark.parametrize("kwargs,message", [

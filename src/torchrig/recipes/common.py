@@ -1,15 +1,13 @@
-"""Small helpers the recipes share: messages from rank 0, checks of config sections, fixed splits,
-input file listing."""
+"""Small helpers the recipes share: messages from rank 0, fixed splits, input file listing."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from ..config import ConfigError
 from ..runtime import is_main_process
 from .base import RecipeError
 
@@ -19,17 +17,6 @@ SPLIT_SEED = 20240501  # validation splits do not depend on the training seed
 def say(text: str) -> None:
     if is_main_process():
         print(text, file=sys.stderr, flush=True)
-
-
-def at_least(key: str, value: Optional[float], low: float) -> None:
-    """A recipe section's range check: ``value`` is None (not set) or at least ``low``."""
-    if value is not None and value < low:
-        raise ConfigError(f"config key '{key}': must be at least {low}, got {value}")
-
-
-def one_of(key: str, value: Any, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(str(a) for a in allowed)}")
 
 
 def stratified_split(labels: Sequence[int], fraction: float, seed: int = SPLIT_SEED) -> tuple[list[int], list[int]]:

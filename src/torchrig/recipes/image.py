@@ -21,7 +21,7 @@ taken as already normalised and reach the model unchanged.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,57 +29,62 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .. import config as C
+from ..config import rules as R
 from ..data.datasets import images as I
 from .base import Recipe, RecipeError
-from .common import at_least, display_name, input_files, one_of, say, stratified_split
+from .common import display_name, input_files, say, stratified_split
 
 VAL_NAMES = ("val", "valid", "validation")
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _crop_scale(v: Any) -> tuple:
+    R.accept(isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(x) and 0 < x <= 1 for x in v), v)
+    return tuple(R.accept(v[0] <= v[1], v))
+
+
+def _per_channel(positive: bool) -> C.Rule:
+    def check(v: Any) -> Any:
+        return v if v is None else R.accept(all(_number(x) and (x > 0 or not positive) for x in v), v)
+
+    return C.Rule(f"one number per channel{' (each above 0)' if positive else ''}", check)
+
+
 @dataclass
 class ImageConfig:
-    """The ``image`` config section: image folder reading and transforms (sizes in pixels)."""
+    """Image folders and their transforms (sizes in pixels), for the image-classification recipe."""
 
-    size: Optional[int] = None  # final square side; None = as stored (all images must then share one size)
-    resize: Optional[int] = None  # resize the shorter side to this before cropping; default: size
-    random_resized_crop: bool = False  # train: random area/aspect crop resized to `size`
-    crop_scale: tuple = (0.08, 1.0)  # random_resized_crop area range (fractions of the image)
-    random_crop_padding: int = 0  # train: pad by this many pixels, then random-crop back to size
-    hflip: bool = False  # train: random horizontal flip
-    normalize: bool = True
-    mean: Optional[list] = None  # per channel in [0, 1]; None = computed from the training images
-    std: Optional[list] = None
-    channels: Optional[int] = None  # 1 or 3; None = from the images (3 for torchvision / timm models)
-    class_map: dict = field(default_factory=dict)  # class folder -> index; default: sorted folder names
-    classes: list = field(default_factory=list)  # index -> class name; filled in by training
-    cache: Union[bool, str] = "auto"  # decode every image into memory once ("auto": small data sets)
-    extensions: list = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif",
-                                                      ".tiff", ".webp", ".ppm", ".pgm"])
+    size: Optional[int] = C.key(None, R.optional(R.at_least(1)), "final square side; null: as stored (all images "
+                                                                 "must then share one size)")
+    resize: Optional[int] = C.key(None, R.optional(R.at_least(1)), "resize the shorter side to this before "
+                                                                   "cropping; null: image.size")
+    random_resized_crop: bool = C.key(False, R.BOOL, "train: a random area / aspect crop resized to image.size")
+    crop_scale: tuple = C.key((0.08, 1.0), C.Rule("two fractions of the image area 0 < low <= high <= 1", _crop_scale),
+                              "random_resized_crop: the range of the crop's area, as fractions of the image")
+    random_crop_padding: int = C.key(0, R.at_least(0), "train: pad by this many pixels, then random-crop back to "
+                                                       "the size")
+    hflip: bool = C.key(False, R.BOOL, "train: random horizontal flip")
+    normalize: bool = C.key(True, R.BOOL, "(x - mean) / std per channel, on the device")
+    mean: Optional[list] = C.key(None, _per_channel(False), "per channel, in [0, 1]; null: computed from the "
+                                                            "training images")
+    std: Optional[list] = C.key(None, _per_channel(True), "per channel; null: computed from the training images")
+    channels: Optional[int] = C.key(None, R.optional(R.one_of(1, 3)), "1 or 3; null: from the images (3 for "
+                                                                      "torchvision / timm models)")
+    class_map: dict = C.key({}, R.kind("a mapping of class folder to index", dict),
+                            "class folder -> index; empty: the sorted folder names")
+    classes: list = C.key([], R.kind("a list of class names", list), "index -> class name; filled in by training")
+    cache: Union[bool, str] = C.key("auto", R.AUTO_BOOL, "decode every image into memory once; auto: for small "
+                                                         "data sets")
+    extensions: list = C.key([".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"],
+                             R.list_of(R.TEXT, "a list of file extensions"), "the image files read")
 
     def validate(self) -> None:
-        at_least("image.size", self.size, 1)
-        at_least("image.resize", self.resize, 1)
-        at_least("image.random_crop_padding", self.random_crop_padding, 0)
-        scale = list(self.crop_scale)
-        if len(scale) != 2 or not all(_number(v) and 0 < v <= 1 for v in scale) or scale[0] > scale[1]:
-            raise C.ConfigError(f"config key 'image.crop_scale': expected two fractions of the image area "
-                                f"0 < low <= high <= 1, got {scale}")
         if self.random_resized_crop and self.size is None:
             raise C.ConfigError("config key 'image.random_resized_crop': needs image.size (the side of the crop, "
                                 "in pixels)")
-        if self.channels is not None:
-            one_of("image.channels", self.channels, (1, 3))
-        if not isinstance(self.cache, bool) and self.cache != "auto":
-            raise C.ConfigError(f"config key 'image.cache': expected true, false or 'auto', got {self.cache!r}")
-        for key in ("mean", "std"):
-            values = getattr(self, key)
-            if values is not None and not all(_number(v) and (v > 0 or key == "mean") for v in values):
-                raise C.ConfigError(f"config key 'image.{key}': expected one number per channel"
-                                    f"{' (each above 0)' if key == 'std' else ''}, got {values}")
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 C.register_section("image", ImageConfig)

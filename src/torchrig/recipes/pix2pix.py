@@ -21,52 +21,64 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from .. import config as C
+from ..config import rules as R
 from ..data.datasets import paired as P
 from ..data.datasets.images import BadImageError, GRAY_MODES, image_mode, read_image, write_bad_list
 from ..runtime import is_main_process, unwrap
 from .base import Recipe, RecipeError
-from .common import at_least, display_name, input_files, one_of, say, stratified_split
+from .common import display_name, input_files, say, stratified_split
 
 PAPER = {"image_size": 256, "ngf": 64, "ndf": 64, "d_layers": 3}
 DIGITS = {"image_size": 32, "ngf": 32, "ndf": 32, "d_layers": 2}
 GAN_MODES = ("vanilla", "lsgan")
 
 
+def _power_of_two(v: Any) -> Any:
+    if not R.is_int(v):
+        raise TypeError
+    if v < 8 or v & (v - 1):
+        raise C.Refused(f"must be a power of two >= 8, got {v}")
+    return v
+
+
+def _dropout(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError
+    if not 0 <= v < 1:
+        raise C.Refused(f"must be in [0, 1), got {v}")
+    return v
+
+
+_CHANNELS = R.optional(R.one_of(1, 3))
+
+
 @dataclass
 class Pix2PixConfig:
-    """The ``pix2pix`` config section: paired images, the U-Net / PatchGAN sizes and the loss weights."""
+    """Paired images, the U-Net / PatchGAN sizes and the loss weights, for the pix2pix recipe."""
 
-    layout: str = "auto"  # auto, side_by_side (A|B in one file), folders (DIR/A and DIR/B, matching names)
-    direction: str = "AtoB"  # AtoB or BtoA
-    image_size: Optional[int] = None  # square side fed to the networks; None = 256 (embedded digits: 32)
-    load_size: Optional[int] = None  # train: resize to this, then random-crop image_size (jitter)
-    flip: bool = False  # train: random horizontal flip of both images together
-    channels_a: Optional[int] = None  # 1 or 3; None = from the images
-    channels_b: Optional[int] = None
-    lambda_l1: float = 100.0  # weight of the L1 term in the generator loss
-    gan_mode: str = "vanilla"  # vanilla (BCE with logits) or lsgan (MSE)
-    ngf: Optional[int] = None  # generator filters in the first layer; None = 64 (embedded digits: 32)
-    ndf: Optional[int] = None  # discriminator filters in the first layer; None = 64 (embedded digits: 32)
-    num_downs: Optional[int] = None  # U-Net depth; None = log2(image_size) (a 1x1 bottleneck)
-    d_layers: Optional[int] = None  # PatchGAN strided layers; None = 3, the 70x70 PatchGAN (digits: 2)
-    dropout: float = 0.5  # in the three decoder blocks after the bottleneck
-    samples: int = 8  # pairs shown in the PNG grid written each epoch
-
-    def validate(self) -> None:
-        one_of("pix2pix.layout", self.layout, ("auto", "side_by_side", "folders"))
-        one_of("pix2pix.direction", self.direction, ("AtoB", "BtoA"))
-        one_of("pix2pix.gan_mode", self.gan_mode, GAN_MODES)
-        size = self.image_size
-        if size is not None and (size < 8 or size & (size - 1)):
-            raise C.ConfigError(f"config key 'pix2pix.image_size': must be a power of two >= 8, got {size}")
-        for key in ("channels_a", "channels_b"):
-            if getattr(self, key) is not None:
-                one_of(f"pix2pix.{key}", getattr(self, key), (1, 3))
-        for key, low in (("load_size", 8), ("ngf", 1), ("ndf", 1), ("num_downs", 2), ("d_layers", 1),
-                         ("lambda_l1", 0), ("samples", 0)):
-            at_least(f"pix2pix.{key}", getattr(self, key), low)
-        if not 0 <= self.dropout < 1:
-            raise C.ConfigError(f"config key 'pix2pix.dropout': must be in [0, 1), got {self.dropout}")
+    layout: str = C.key("auto", R.one_of("auto", "side_by_side", "folders"),
+                        "auto, side_by_side (A|B in one file) or folders (DIR/A and DIR/B, matching names)")
+    direction: str = C.key("AtoB", R.one_of("AtoB", "BtoA"), "translate A to B, or B to A")
+    image_size: Optional[int] = C.key(None, R.optional(C.Rule("a power of two >= 8", _power_of_two)),
+                                      "square side fed to the networks; null: 256 (embedded digits: 32)")
+    load_size: Optional[int] = C.key(None, R.optional(R.at_least(8)), "train: resize to this, then random-crop "
+                                                                      "image_size (jitter)")
+    flip: bool = C.key(False, R.BOOL, "train: random horizontal flip of both images together")
+    channels_a: Optional[int] = C.key(None, _CHANNELS, "1 or 3; null: from the images")
+    channels_b: Optional[int] = C.key(None, _CHANNELS, "1 or 3; null: from the images")
+    lambda_l1: float = C.key(100.0, R.at_least(0, "a number"), "weight of the L1 term in the generator loss")
+    gan_mode: str = C.key("vanilla", R.one_of(*GAN_MODES), "vanilla (BCE with logits) or lsgan (MSE)")
+    ngf: Optional[int] = C.key(None, R.optional(R.at_least(1)), "generator filters in the first layer; null: 64 "
+                                                                "(embedded digits: 32)")
+    ndf: Optional[int] = C.key(None, R.optional(R.at_least(1)), "discriminator filters in the first layer; null: 64 "
+                                                                "(embedded digits: 32)")
+    num_downs: Optional[int] = C.key(None, R.optional(R.at_least(2)), "U-Net depth; null: log2(image_size) (a 1x1 "
+                                                                      "bottleneck)")
+    d_layers: Optional[int] = C.key(None, R.optional(R.at_least(1)), "PatchGAN strided layers; null: 3, the 70x70 "
+                                                                     "PatchGAN (embedded digits: 2)")
+    dropout: float = C.key(0.5, C.Rule("a number in [0, 1)", _dropout), "in the three decoder blocks after the "
+                                                                       "bottleneck")
+    samples: int = C.key(8, R.at_least(0), "pairs shown in the PNG grid written each epoch")
 
 
 C.register_section("pix2pix", Pix2PixConfig)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,35 +23,44 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .. import config as C
+from ..config import rules as R
 from ..data.datasets.text import WordPieceTokenizer, docstring_splits, read_records
 from .base import Recipe, RecipeError
-from .common import at_least, input_files, say, stratified_split
+from .common import input_files, say, stratified_split
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def _column(v: Any) -> str:
+    if not R.accept(isinstance(v, str), v).strip():
+        raise C.Refused(f"must name a column, got {v!r}")
+    return v
+
+
+_COLUMN = C.Rule("a column name", _column)
+
+
 @dataclass
 class TextConfig:
-    """The ``text`` config section: CSV / JSONL columns, tokenizer and sequence length (tokens)."""
+    """CSV / JSONL columns, the tokenizer and the sequence length (tokens), for the text-classification recipe."""
 
-    text_column: str = "text"
-    text_pair_column: Optional[str] = None  # a second segment (token_type 1), e.g. for sentence pairs
-    label_column: str = "label"
-    max_length: int = 128  # tokens per sample including [CLS] / [SEP]; longer texts are truncated
-    vocab_size: int = 8000  # tokenizer vocabulary budget, trained on the training texts
-    min_frequency: int = 2  # a word or piece must occur this often to enter the vocabulary
-    lowercase: bool = True
-    labels: list = field(default_factory=list)  # index -> label; filled in by training (or fixes the order)
-    tokenizer: Optional[str] = None  # a saved tokenizer.json to reuse; None = train one (saved in the run dir)
+    text_column: str = C.key("text", _COLUMN, "the column (CSV) or field (JSONL) holding the text")
+    text_pair_column: Optional[str] = C.key(None, R.optional(R.kind("a column name", str)),
+                                            "a second segment (token_type 1), e.g. for sentence pairs")
+    label_column: str = C.key("label", _COLUMN, "the column (CSV) or field (JSONL) holding the label")
+    max_length: int = C.key(128, R.at_least(3), "tokens per sample including [CLS] / [SEP] (at least 4 with a "
+                                                "text_pair_column); longer texts are truncated")
+    vocab_size: int = C.key(8000, R.at_least(1), "tokenizer vocabulary budget, trained on the training texts")
+    min_frequency: int = C.key(2, R.at_least(1), "a word or piece must occur this often to enter the vocabulary")
+    lowercase: bool = C.key(True, R.BOOL, "lowercase the texts before tokenizing")
+    labels: list = C.key([], R.kind("a list of labels", list), "index -> label; filled in by training (or fixes "
+                                                               "the order)")
+    tokenizer: Optional[str] = C.key(None, R.optional(R.kind("a file path", str)),
+                                     "a saved tokenizer.json to reuse; null: train one (saved in the run directory)")
 
     def validate(self) -> None:
-        # [CLS] text [SEP] (+ pair [SEP]) must leave room for at least one token
-        at_least("text.max_length", self.max_length, 4 if self.text_pair_column else 3)
-        at_least("text.vocab_size", self.vocab_size, 1)
-        at_least("text.min_frequency", self.min_frequency, 1)
-        for key in ("text_column", "label_column"):
-            if not getattr(self, key).strip():
-                raise C.ConfigError(f"config key 'text.{key}': must name a column, got {getattr(self, key)!r}")
+        if self.text_pair_column and self.max_length < 4:  # [CLS] text [SEP] pair [SEP]: room for a token
+            raise C.ConfigError(f"config key 'text.max_length': must be at least 4, got {self.max_length}")
 
 
 C.register_section("text", TextConfig)

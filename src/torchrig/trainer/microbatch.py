@@ -94,13 +94,6 @@ class MicroBatcher:
         self.auto = setting == "auto"
         self.size: Optional[int] = d.batch_size if self.auto else setting
         t.step.cuts_batches = self.size is not None  # its pieces are weighed by their counts (Step.backward)
-        if setting is not None and t.cfg.loss_normalization == "micro_batches":
-            raise ConfigError(f"config key 'data.micro_batch_size': {setting!r} needs loss_normalization auto, "
-                              f"samples or tokens (micro_batches weighs every micro-batch alike, so cutting a "
-                              f"batch would change the loss); set one of them, or data.micro_batch_size=null")
-        if self.auto and t.strategy == "fsdp":
-            raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
-                              "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
         self.synced = [t.wrapped] if not t.models or t.wrapped is not t.model else list(t.models.values())
         self.guard = self.auto and t.world_size > 1 and t.strategy == "ddp"  # agree before any update
         self.window: list = []       # (batch, weight) of the current window's loaded batches

@@ -1,0 +1,62 @@
+""":func:`validate`: every key against its rule, then every check that involves several keys.
+
+The checks here need nothing but the config. Those that need a fact of the run (the world size, the
+model, the optimizer class, what was logged) are made where that fact is known, in the trainer.
+"""
+
+from __future__ import annotations
+
+from .root import Config, declared_keys, get_key, sections
+from .schema import ConfigError, check_value
+
+
+def validate(cfg: Config) -> Config:
+    """Check (and normalise) every declared key against its rule, then what no single key can express:
+    the cross-key checks below, and each recipe section's own ``validate()`` method."""
+    for k in declared_keys():
+        section, _, name = k.name.rpartition(".")
+        owner = get_key(cfg, section) if section else cfg
+        setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
+    for check in (_ranks, _resume, _trackers, _micro_batches):
+        check(cfg)
+    for name in sections():
+        section_check = getattr(getattr(cfg, name), "validate", None)
+        if section_check is not None:
+            section_check()
+    return cfg
+
+
+def _ranks(cfg: Config) -> None:
+    d = cfg.dist
+    if d.rank is not None and d.world_size is not None and d.rank >= d.world_size:
+        raise ConfigError(f"config key 'dist.rank': expected an integer < dist.world_size ({d.world_size}), "
+                          f"got {d.rank}")
+    for key, value, other in (("rank", d.rank, "world_size"), ("world_size", d.world_size, "rank")):
+        if value is not None and (getattr(d, other) is None or d.init_method is None):
+            missing = [f"dist.{k}" for k in (other, "init_method") if getattr(d, k) is None]
+            raise ConfigError(f"config key 'dist.{key}': {value} is used only with dist.{other} and dist.init_method "
+                              f"(tcp://HOST:PORT or file:///PATH), and {' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not set; set them too, or start the job with "
+                              f"torchrun (torchrig launch), which gives every process its rank")
+
+
+def _resume(cfg: Config) -> None:
+    if cfg.overwrite and cfg.resume in ("latest", "best"):
+        raise ConfigError(f"config key 'overwrite': true would remove the run that resume={cfg.resume!r} continues; "
+                          f"set one of them")
+
+
+def _trackers(cfg: Config) -> None:
+    if cfg.log.tensorboard is False and "tensorboard" in cfg.log.trackers:
+        raise ConfigError("config key 'log.tensorboard': false, but log.trackers lists tensorboard; remove one of them")
+
+
+def _micro_batches(cfg: Config) -> None:
+    setting = cfg.data.micro_batch_size
+    if setting is not None and cfg.loss_normalization == "micro_batches":
+        raise ConfigError(f"config key 'data.micro_batch_size': {setting!r} needs loss_normalization auto, "
+                          f"samples or tokens (micro_batches weighs every micro-batch alike, so cutting a "
+                          f"batch would change the loss); set one of them, or data.micro_batch_size=null")
+    if setting == "auto" and cfg.dist.strategy == "fsdp":
+        raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
+                          "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")

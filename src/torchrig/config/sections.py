@@ -1,0 +1,244 @@
+"""The built-in config sections (``data``, ``model``, ``optim``, ``scheduler``, ``checkpoint``, ``log``,
+``profile``, ``dist``): every key once, with its type, default, rule, Trainer keyword and help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .rules import (AUTO_BOOL, BOOL, MAPPING, POSITIVE, TEXT, Rule, accept, choice, integer, is_int, list_of,
+                    mapping_of, number, optional, or_auto, pair, pattern)
+from .schema import key
+
+FACTORY = pattern("a 'module:attribute' string such as mypkg.models:build_model",
+               r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")
+_BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
+
+
+def _input_keys(v: Any) -> list:
+    accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
+    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+
+
+def _steps(v: Any) -> list:
+    """[] (off) or two optimizer steps [first, last], first >= 1, last >= first."""
+    accept(isinstance(v, (list, tuple)) and len(v) in (0, 2) and all(is_int(x) for x in v), v)
+    return accept(not v or 1 <= v[0] <= v[1], list(v))
+
+
+def _plot(v: Any) -> Any:
+    return v if v == "background" else BOOL.check(v)
+
+
+@dataclass
+class DataConfig:
+    """How batches are loaded; sizes are per process."""
+
+    batch_size: int = key(64, integer(1), "samples per loaded batch, per process", alias="batch_size")
+    micro_batch_size: Union[int, str, None] = key(
+        None, optional(or_auto(integer(1), "an integer >= 1 or 'auto'")),
+        "rows per forward/backward: each loaded batch is cut into pieces of this size, accumulated into the same "
+        "optimizer step (less activation memory); auto: the loaded batch, halved on a CUDA out-of-memory error",
+        alias="micro_batch_size")
+    eval_batch_size: Optional[int] = key(None, optional(integer(1)),
+                                         "batch size of evaluation and prediction; null: data.batch_size",
+                                         alias="eval_batch_size")
+    num_workers: Union[int, str] = key(
+        "auto", or_auto(integer(0)),
+        "DataLoader worker processes; auto: none for in-memory tensors or samples cheaper to make than to receive "
+        "(timed on a few), else min(16, cores per local rank - 1); samples are seeded alike either way",
+        alias="num_workers")
+    pin_memory: Union[bool, str] = key("auto", AUTO_BOOL, "page-locked host batches; auto: on when training on CUDA",
+                                       alias="pin_memory")
+    persistent_workers: bool = key(True, BOOL, "loader workers live for the whole fit (training's, and a validation "
+                                               "Dataset's)", alias="persistent_workers")
+    prefetch_factor: Optional[int] = key(None, optional(integer(1)),
+                                         "batches each loader worker prepares ahead; null: PyTorch's default")
+    shuffle: bool = key(True, BOOL, "a new training order every epoch, a function of (seed, epoch)", alias="shuffle")
+    drop_last: bool = key(False, BOOL, "drop the short last training batch of an epoch", alias="drop_last")
+    fast_path: bool = key(True, BOOL, "in-memory TensorDataset batches gathered with one indexing op (into pinned "
+                                      "memory when pinning, or on the GPU when the tensors are there)",
+                          alias="fast_path")
+    path: Optional[str] = key(None, optional(TEXT), "recipe data source, a folder or file; null: the recipe's "
+                                                    "embedded data")
+    val_path: Optional[str] = key(None, optional(TEXT), "recipe validation data, a folder or file")
+    test_path: Optional[str] = key(None, optional(TEXT), "recipe test data, a folder or file (torchrig evaluate)")
+    val_fraction: float = key(0.0, number(0, 1, hi_open=True),
+                              "share of the training data held out for validation (recipes)")
+    skip_bad_samples: bool = key(False, BOOL, "skip samples that cannot be read, listing them, instead of stopping")
+    options: dict = key({}, MAPPING, "recipe-specific data options")
+    input_keys: Optional[list] = key(None, optional(Rule("a non-empty list of batch keys", _input_keys)),
+                                     "dict batches: the keys passed to forward; null: those its signature accepts",
+                                     alias="input_keys")
+    label_key: Optional[str] = key(None, optional(TEXT), "dict batches: the target's key; null: labels, label, "
+                                                         "target, targets or y", alias="label_key")
+    factory: Optional[str] = key(None, optional(FACTORY),
+                                 "module:function building your data from the config: train, (train, val[, test]) or "
+                                 "a dict (torchrig train --data)")
+    steps_per_epoch: Optional[int] = key(
+        None, optional(integer(1)),
+        "optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data",
+        alias="steps_per_epoch")
+
+
+@dataclass
+class ModelConfig:
+    """The model: which one, its weights and how it runs."""
+
+    name: str = key("digits_cnn", TEXT, "the model to build: digits_cnn, mlp, small_resnet, bert, …, or a "
+                                        "torchvision / timm name (torchvision:NAME, timm:NAME) in the image recipe")
+    options: dict = key({}, MAPPING, "keyword arguments for the model builder")
+    weights: Optional[str] = key(None, optional(TEXT), "local weights file to start from (safetensors or a "
+                                                       "state_dict .pt)")
+    init: Optional[str] = key(None, optional(TEXT), "weight initialisation, e.g. xavier_uniform, kaiming_normal, "
+                                                    "normal(0, 0.02); null: the model's own")
+    channels_last: Union[bool, str] = key("auto", AUTO_BOOL, "channels_last memory format; auto: on for "
+                                                             "convolutional models on CUDA", alias="channels_last")
+    compile: bool = key(False, BOOL, "torch.compile the model (each network of a ModuleDict)", alias="compile")
+    activation_checkpointing: list = key(
+        [], list_of(TEXT, "a list of sub-module names"),
+        "sub-module names (as in named_modules()) whose activations are recomputed in backward: less memory, "
+        "about one more forward", alias="activation_checkpointing")
+    factory: Optional[str] = key(None, optional(FACTORY), "module:function building your model from the config "
+                                                          "(torchrig train --model)")
+    python_class: Optional[str] = key(None, optional(TEXT), "module:qualname of a model given to Trainer in "
+                                                            "Python, recorded in config.yaml (not rebuilt from it)")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer of every parameter group."""
+
+    name: str = key("adamw", TEXT, "sgd, adam, adamw, adagrad or rmsprop", alias="optimizer")
+    lr: float = key(1e-3, POSITIVE, "the learning rate (optim.group_lr sets it per module)", alias="lr")
+    weight_decay: float = key(0.0, number(0), "weight decay (an L2 penalty; decoupled in adamw)",
+                               alias="weight_decay")
+    momentum: float = key(0.9, number(0, 1, hi_open=True), "momentum of sgd and rmsprop", alias="momentum")
+    nesterov: bool = key(False, BOOL, "Nesterov momentum (sgd)", alias="nesterov")
+    betas: tuple = key((0.9, 0.999), pair(number(0, 1, hi_open=True), "two numbers in [0, 1)"),
+                       "the coefficients of Adam's running averages", alias="betas")
+    eps: float = key(1e-8, POSITIVE, "term added to the denominator for numerical stability")
+    group_lr: dict = key({}, mapping_of(POSITIVE, "a mapping of module-name prefix to lr > 0"),
+                         "learning rate by module-name prefix, e.g. {backbone: 1e-4, head: 1e-2}", alias="group_lr")
+    options: dict = key({}, MAPPING, "any other keyword arguments of the optimizer")
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule."""
+
+    name: Optional[str] = key(None, optional(TEXT), "step, multistep, cosine, onecycle, warmup_cosine; null or "
+                                                    "none: a constant learning rate", alias="scheduler")
+    interval: Optional[str] = key(None, optional(choice("step", "epoch")),
+                                  "step (every optimizer step) or epoch; null: step and multistep per epoch, the "
+                                  "others per step; a scheduler object given is stepped as its class implies",
+                                  alias="scheduler_interval")
+    step_size: int = key(30, integer(1), "step: decay every this many intervals")
+    gamma: float = key(0.1, POSITIVE, "step, multistep: the factor of each decay")
+    milestones: list = key([], list_of(integer(1), "a list of integers >= 1"),
+                           "multistep: the intervals at which to decay")
+    warmup_steps: int = key(0, integer(0), "warmup_cosine: linear warm-up, in optimizer steps", alias="warmup_steps")
+    min_lr: float = key(0.0, number(0), "cosine, warmup_cosine: the final learning rate")
+    max_lr: Optional[float] = key(None, optional(POSITIVE), "onecycle: the peak learning rate; null: optim.lr")
+    pct_start: float = key(0.3, number(0, 1, lo_open=True, hi_open=True),
+                           "onecycle: the share of the cycle spent raising the learning rate")
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are saved and which are kept."""
+
+    every_steps: int = key(0, integer(0), "save every N optimizer steps; 0: off", alias="checkpoint_every")
+    every_epochs: int = key(1, integer(0), "save at the end of every N epochs; 0: off",
+                            alias="checkpoint_every_epochs")
+    keep_last: int = key(2, integer(1), "the most recent checkpoints kept", alias="keep_last")
+    keep_best: int = key(1, integer(0), "the best checkpoints kept, by checkpoint.monitor", alias="keep_best")
+    monitor: Optional[str] = key(None, optional(TEXT), "the value that ranks checkpoints and early stopping, e.g. "
+                                                       "val/accuracy; null: the first val metric, else val/loss",
+                                 alias="monitor")
+    mode: Optional[str] = key(None, optional(choice("min", "max")), "whether a lower (min) or higher (max) monitor "
+                                                                    "is better; null: inferred from its name",
+                              alias="monitor_mode")
+    save_final: bool = key(True, BOOL, "save a checkpoint when training ends")
+    async_save: bool = key(True, BOOL, "write in a background thread (DCP async_save under FSDP2); training waits "
+                                       "only for the copy to host memory")
+
+
+@dataclass
+class LogConfig:
+    """Progress, metrics files, trackers and plots (rank 0)."""
+
+    every_steps: int = key(50, integer(0), "progress lines and metrics.jsonl rows every N optimizer steps; 0: at "
+                                           "epoch ends only", alias="log_every")
+    progress: str = key("auto", choice("auto", "bar", "lines", "none"),
+                        "auto (a bar on a terminal, plain lines otherwise), bar, lines or none", alias="progress")
+    tensorboard: Union[bool, str] = key("auto", AUTO_BOOL, "TensorBoard event files; auto: when tensorboard is "
+                                                           "installed", alias="tensorboard")
+    plot: Union[bool, str] = key("background", Rule("true, false or 'background'", _plot),
+                                 "PNG curves after fit: background (drawn by a detached process), true (before fit "
+                                 "returns) or false", alias="plot")
+    trackers: list = key([], list_of(choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
+                         "experiment trackers: csv, tensorboard, mlflow, wandb", alias="trackers")
+    mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: "
+                                                          "sqlite:///<run dir's parent>/mlruns/mlflow.db")
+    project: Optional[str] = key(None, optional(TEXT), "MLflow experiment / W&B project; null: torchrig")
+    run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: the run directory's name")
+    flops: bool = key(False, BOOL, "count FLOPs per sample once; rows get flops_per_s, and mfu on a known GPU",
+                      alias="flops")
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over a few optimizer steps."""
+
+    steps: list = key([], Rule("[] or [first, last] with 1 <= first <= last", _steps),
+                      "[first, last] optimizer steps recorded with torch.profiler (RUN_DIR/profile); []: off")
+    memory_snapshot: bool = key(False, BOOL, "also write a CUDA memory snapshot of those steps (GPU only)")
+
+
+@dataclass
+class DistConfig:
+    """Several processes: the group, DDP and FSDP2 settings, stop signals."""
+
+    strategy: str = key("auto", choice("auto", "none", "ddp", "dp", "fsdp"),
+                        "auto (ddp with several processes, else none), none, ddp, dp (nn.DataParallel) or fsdp "
+                        "(FSDP2)", alias="strategy")
+    backend: Optional[str] = key(
+        None, optional(pattern("a backend (gloo, nccl, mpi, ucc, xccl; per device: cpu:gloo,cuda:nccl)",
+                               rf"{_BACKEND}(?:,{_BACKEND})*")),
+        "process-group backend; null: by device (cpu:gloo,cuda:nccl)", alias="backend")
+    init_method: Optional[str] = key(
+        None, optional(pattern("a tcp://HOST:PORT, file:///PATH or env:// address",
+                               r"(?:tcp://\S+:\d+|file:///\S+|env://\S*)")),
+        "where the processes meet without torchrun, with dist.rank and dist.world_size", alias="init_method")
+    rank: Optional[int] = key(None, optional(integer(0)), "this process's rank, with dist.init_method; null: from "
+                                                          "torchrun's environment", alias="rank")
+    world_size: Optional[int] = key(None, optional(integer(1)), "processes in the group, with dist.init_method; "
+                                                                "null: from torchrun's environment",
+                                    alias="world_size")
+    timeout: float = key(1800.0, POSITIVE, "seconds a collective may wait", alias="dist_timeout")
+    find_unused_parameters: bool = key(False, BOOL, "DDP: allow parameters that get no gradient in a step",
+                                       alias="find_unused_parameters")
+    static_graph: bool = key(False, BOOL, "DDP: the parameters used never change between steps",
+                             alias="static_graph")
+    bucket_cap_mb: Optional[float] = key(None, optional(POSITIVE), "DDP: gradient bucket size in MiB; null: "
+                                                                   "PyTorch's default", alias="bucket_cap_mb")
+    gradient_as_bucket_view: bool = key(True, BOOL, "DDP: gradients are views into its buckets (one copy less)")
+    sync_batchnorm: bool = key(False, BOOL, "BatchNorm layers become SyncBatchNorm (statistics over all ranks)",
+                               alias="sync_batchnorm")
+    broadcast_buffers: Union[bool, str] = key("auto", AUTO_BOOL, "DDP's buffer broadcast at each forward; auto: "
+                                                                 "off when the model has SyncBatchNorm",
+                                              alias="broadcast_buffers")
+    fsdp_wrap: list = key([], list_of(TEXT, "a list of module class names"),
+                          "FSDP2: module class names sharded block by block", alias="fsdp_wrap")
+    fsdp_min_params: int = key(0, integer(0), "FSDP2: or shard every module with at least this many parameters")
+    fsdp_cpu_offload: bool = key(False, BOOL, "FSDP2: parameters and gradients kept in host memory")
+    fsdp_reshard_after_forward: bool = key(True, BOOL, "FSDP2: free the gathered parameters after the forward")
+    requeue: bool = key(False, BOOL, "Slurm: scontrol requeue the job after a signal's checkpoint")
+    stop_timeout: float = key(10.0, POSITIVE, "seconds without progress after a stop signal before exiting without "
+                                              "a checkpoint (a stuck step or peer)")
+
+
+__all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
+           "ProfileConfig", "SchedulerConfig"]
