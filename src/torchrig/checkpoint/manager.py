@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional
 
 from ..config.files import JSON_LIMIT, YAML_LIMIT, parse_yaml, read_regular
 from .background import BackgroundWriter, host_copy
+from .layout import PREFIX, checkpoint_name, weight_files
 from .io import (LINK_LIMIT, CheckpointError, CheckpointWriteError, file_checksum, fsync_dir, load_into,
                  load_weights_file, pause_point, read_checked, read_meta, refused, safe_torch_load, safe_torch_save,
                  save_weights, write_bytes_atomic, write_json_atomic)
 
-PREFIX = "step-"
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -452,16 +452,6 @@ def _plain_index(index: Any) -> dict[str, Any]:
     best = [b for b in index.get("best") or [] if isinstance(b, dict) and isinstance(b.get("name"), str)
             and re.fullmatch(r"step-\d+", b["name"]) and isinstance(b.get("value"), (int, float))]
     return {"checkpoints": names, "best": best}
-
-
-def checkpoint_name(step: int) -> str:
-    """The directory name of checkpoint ``step``: ``step-00000123``."""
-    return f"{PREFIX}{step:08d}"
-
-
-def weight_files(states: dict[str, Any]) -> dict[str, dict]:
-    """``{file name: tensors}`` of the objects with a ``weights_file`` (collective under FSDP2: every rank)."""
-    return {obj.weights_file: obj.weights() for obj in states.values() if hasattr(obj, "weights_file")}
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .. import runtime
 from .io import CheckpointError, check_keys, load_weights_file
+from .layout import checkpoint_name, weight_files
 
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
 
 SHARDS = "sharded"
 
@@ -55,7 +54,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimizers: dict, others: dict,
+def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, others: dict,
          config: Optional[dict], meta: dict, metrics: Optional[dict] = None) -> Optional[Path]:
     """Write a checkpoint from every rank; returns its directory (on every rank)."""
     import torch.distributed.checkpoint as dcp
@@ -64,7 +63,6 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     shards = _sharded_state(model, optimizers)            # local: this rank's pieces
     state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
     state["optimizers"] = {}                              # in sharded/, by parameter name
-    from .manager import weight_files
 
     files = weight_files(others)                          # collective: e.g. the EMA, gathered on rank 0
     if manager.async_save:
@@ -91,7 +89,7 @@ def save(manager: "CheckpointManager", step: int, model: torch.nn.Module, optimi
     return path
 
 
-def _save_async(manager: "CheckpointManager", step: int, parts: tuple, config: Optional[dict], meta: dict,
+def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], meta: dict,
                 metrics: Optional[dict]) -> Path:
     """The shards through DCP's ``async_save`` (staged to host memory here, written by its thread over a
     gloo group of the checkpoints' own, so that training's collectives never meet them), into a
@@ -103,7 +101,6 @@ def _save_async(manager: "CheckpointManager", step: int, parts: tuple, config: O
     import torch.distributed.checkpoint as dcp
 
     from .background import host_copy
-    from .manager import checkpoint_name
 
     weights, shards, state, files = parts
     name = checkpoint_name(step)

@@ -28,10 +28,10 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from .. import runtime
-from .loaders import _WORKER_OPTIONS, DataError
+from .common import DataError, is_hf, is_stateful, loader_options, shard_slot, torch_format
 
 try:  # an optional extra: without it a resume re-reads the epoch's consumed batches
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -40,39 +40,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 
 _END = object()
-_LOADER_OPTIONS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
-                   "worker_init_fn", "multiprocessing_context", "prefetch_factor", "persistent_workers")
 
-
-def is_hf(data: Any) -> bool:
-    return type(data).__module__.split(".")[0] == "datasets"
-
-
-def is_iterable_source(data: Any) -> bool:
-    """True for an IterableDataset (torch or Hugging Face), or a DataLoader over one."""
-    return isinstance(data.dataset if isinstance(data, DataLoader) else data, IterableDataset)
-
-
-def torch_format(data: Any) -> Any:
-    """A Hugging Face data set without a format, read as torch tensors (its rows are python lists
-    otherwise, which ``default_collate`` would transpose); anything else unchanged."""
-    if not is_hf(data) or not hasattr(data, "with_format"):
-        return data
-    fmt = getattr(data, "format", None)
-    unset = fmt.get("type") is None if isinstance(fmt, dict) else getattr(data, "_formatting", None) is None
-    return data.with_format("torch") if unset else data
-
-
-def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def shard_slot(rank: int, world_size: int) -> tuple[int, int]:
-    """``(pairs, mine)``: the number of (rank, DataLoader worker) pairs and this one's number; sample ``i``
-    of a stream belongs to the pair ``i % pairs`` (training and evaluation shard alike)."""
-    info = get_worker_info()
-    workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-    return world_size * workers, rank * workers + worker
 
 
 class ShardedIterable(IterableDataset):
@@ -279,25 +247,13 @@ class IterableBatches:
         self._pending = ranks[self.rank] if self.rank < len(ranks) and len(ranks) == self.world_size else None
 
 
-def _loader_options(data: Any, batch_size: int, num_workers: int, pin: bool, drop_last: bool,
-                    persistent_workers: bool, prefetch_factor: Optional[int]) -> dict:
-    if isinstance(data, DataLoader):
-        opts = {k: getattr(data, k) for k in _LOADER_OPTIONS}
-    else:
-        opts = dict(batch_size=batch_size, num_workers=num_workers, pin_memory=pin, drop_last=drop_last,
-                    persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
-    if not opts["num_workers"]:
-        opts = {k: v for k, v in opts.items() if k not in _WORKER_OPTIONS}
-    return opts
-
-
 def build_iterable(data: Any, *, batch_size: int, seed: int, rank: int, world_size: int, device: torch.device,
                    num_workers: int, pin: bool, drop_last: bool, persistent_workers: bool,
                    prefetch_factor: Optional[int], steps_per_epoch: Optional[int] = None,
                    max_steps: Optional[int] = None, accumulate: int = 1) -> IterableBatches:
     """Shard an iterable source over ranks and workers and batch it (see the module's docstring)."""
     source = data.dataset if isinstance(data, DataLoader) else torch_format(data)
-    opts = _loader_options(data, batch_size, num_workers, pin, drop_last, persistent_workers, prefetch_factor)
+    opts = loader_options(data, batch_size, num_workers, pin, drop_last, persistent_workers, prefetch_factor)
     if opts.get("persistent_workers") and hasattr(source, "set_epoch") and not is_hf(source):
         opts["persistent_workers"] = False  # a long-lived worker's copy would never see set_epoch
     stateful = StatefulDataLoader is not None and is_stateful(source)

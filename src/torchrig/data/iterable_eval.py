@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .. import runtime
-from .iterable import _loader_options, is_hf, shard_slot, torch_format
+from .common import is_hf, loader_options, shard_slot, torch_format
 
 _WORKER_ONLY = ("persistent_workers", "prefetch_factor", "multiprocessing_context", "worker_init_fn", "timeout")
 
@@ -91,7 +91,7 @@ def build_iterable_eval(data: Any, *, batch_size: int, rank: int, world_size: in
                         num_workers: int, pin: bool, prefetch_factor: Optional[int]) -> IterableEvalBatches:
     """Shard an iterable source over ranks and workers for evaluation (see the module's docstring)."""
     source = data.dataset if isinstance(data, DataLoader) else torch_format(data)
-    opts = _loader_options(data, batch_size, num_workers, pin, False, False, prefetch_factor)
+    opts = loader_options(data, batch_size, num_workers, pin, False, False, prefetch_factor)
     if is_hf(source) and opts["num_workers"]:
         opts = {k: v for k, v in opts.items() if k not in _WORKER_ONLY}
         opts["num_workers"] = 0

@@ -13,14 +13,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
-from ..errors import TorchrigError
 
+from .common import WORKER_OPTIONS, DataError, is_iterable_source, torch_format
+from .iterable import build_iterable
+from .iterable_eval import build_iterable_eval
 from .sampler import ResumableSampler
 from .workers import RngKept, SeededSamples, auto_workers, in_memory_tensors, most_workers
-
-
-class DataError(TorchrigError, ValueError):
-    """Bad training or evaluation data; the message names what is wrong and how to fix it."""
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
@@ -239,15 +237,11 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
            persistent_workers: bool = True, prefetch_factor: Optional[int] = None, shuffle: bool = True,
            drop_last: bool = False, fast_path: bool = True, local_world_size: int = 1,
            steps_per_epoch: Optional[int] = None, max_steps: Optional[int] = None, accumulate: int = 1) -> Any:
-    from .iterable import build_iterable, is_iterable_source, torch_format  # it builds on this module
-
     if isinstance(data, Batches):
         return data
     workers = most_workers(local_world_size) if num_workers == "auto" else int(num_workers)  # for streams
     pin = (device.type == "cuda") if pin_memory == "auto" else bool(pin_memory)
     if not train and is_iterable_source(data):
-        from .iterable_eval import build_iterable_eval
-
         return build_iterable_eval(data, batch_size=batch_size, rank=rank, world_size=world_size, device=device,
                                    num_workers=workers, pin=pin, prefetch_factor=prefetch_factor)
     if train and is_iterable_source(data):
@@ -291,7 +285,7 @@ def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world
                       world_size=world_size, fast_path=fast_path and default_collate and loader.num_workers == 0)
 
 
-_WORKER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_context")
+
 
 
 def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, seed: int, rank: int,
@@ -317,7 +311,7 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
         sampler.with_epoch = True
         dataset = SeededSamples(dataset, seed)
     if not workers:
-        options = {k: v for k, v in options.items() if k not in _WORKER_OPTIONS}
+        options = {k: v for k, v in options.items() if k not in WORKER_OPTIONS}
     g = torch.Generator()
     g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG (reseeded per epoch)
     loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
@@ -345,7 +339,6 @@ def check_same_data(train: Batches, val_data: Any, device: torch.device) -> None
 def _size(data: Any) -> int:
     """The number of samples of map-style data: training batches (their data set's), a data set, a DataLoader
     or (x, y) tensors; -1 for a stream, whose ranks agree on their length by themselves."""
-    from .iterable import is_iterable_source
 
     if isinstance(data, Batches):
         return data.sampler.n if data.sampler is not None else len(data)

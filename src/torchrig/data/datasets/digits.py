@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..loaders import DataError
+from ..common import DataError
 
 SPLIT_SEED = 20240501  # fixed: the same train/test split on every machine
 TEST_FRACTION = 0.2

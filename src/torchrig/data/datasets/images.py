@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..loaders import DataError
+from ..common import DataError
 
 GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
 

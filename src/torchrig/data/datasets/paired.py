@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ..loaders import DataError
+from ..common import DataError
 from .images import BadImageError, read_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")

@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..loaders import DataError
+from ..common import DataError
 
 # ----------------------------------------------------------------------------- tokenizer
 
