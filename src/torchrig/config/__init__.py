@@ -109,7 +109,7 @@ class LogConfig:
     every_steps: int = 50  # progress lines / jsonl rows, in optimizer steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines, none
     tensorboard: Union[bool, str] = "auto"  # auto = when tensorboard is installed
-    plot: Union[bool, str] = "background"  # PNG curves after fit: background (a detached process), true, false
+    plot: bool = True  # PNG curves (RUN_DIR/plots/curves.png), drawn before fit returns; false: none
     trackers: list = field(default_factory=list)  # csv, tensorboard, mlflow, wandb (rank 0 only)
     mlflow_uri: Optional[str] = None  # None: sqlite:///<run dir's parent>/mlruns/mlflow.db
     project: Optional[str] = None  # MLflow experiment / W&B project; None: "torchrig"
@@ -582,7 +582,7 @@ RULES: dict[str, _Rule] = {
     "checkpoint.async_save": _BOOL,
     "log.every_steps": _int(0), "log.progress": _choice("auto", "bar", "lines", "none"),
     "log.tensorboard": _or_auto(_BOOL, "true, false or 'auto'"),
-    "log.plot": _Rule("true, false or 'background'", lambda v: v if v == "background" else _BOOL.check(v)),
+    "log.plot": _BOOL,
     "log.trackers": _list_of(_choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
     "log.mlflow_uri": _optional(_TEXT), "log.project": _optional(_TEXT), "log.run_name": _optional(_TEXT),
     "log.flops": _BOOL, "profile.steps": _Rule("[] or [first, last] with 1 <= first <= last", _steps),
