@@ -67,19 +67,21 @@ def _row(name: str, r: dict) -> list:
 
 def _row_more(name: str, r: dict, ok: str) -> list:
     if name == "whole_run":
-        a, t = r["arms"], r.get("targets", {"whole": 1.03, "step": 1.05})
-        whole_ok = "meets" if r["whole_ratio"] <= t["whole"] else "misses"
+        a, t = r["arms"], {"whole": 1.03, "step": 1.05, "fixed_s": 0.3, **r.get("targets", {})}
+        fixed = a["defaults"]["run3_s"] - a["hand"]["run3_s"]
+        whole_ok = "meets" if r["whole_ratio"] <= t["whole"] and fixed <= t["fixed_s"] else "misses"
         step_ok = "meets" if r["step_ratio"] <= t["step"] else "misses"
         return [name, "a whole run after `import torch` (model, data, set-up, 3 epochs, all that follows the last "
                 "step), MLP 32-64-2, 8,192 samples, batch 64, the same SGD, vs a lean hand-written loop; "
                 "marginal ms/step: the median epoch of 15-epoch runs, per step",
-                f"defaults **{r['whole_ratio']:.3f}×** ({a['defaults']['run3_s']:.2f} s vs {a['hand']['run3_s']:.2f} s); "
+                f"defaults **{r['whole_ratio']:.3f}×** ({a['defaults']['run3_s']:.2f} s vs {a['hand']['run3_s']:.2f} s: "
+                f"**{fixed:+.2f} s**, the plot drawn before `fit` returns included); "
                 f"marginal step with the fast path off, default logging (metrics.jsonl, TensorBoard, progress) and "
                 f"the default metric **{r['step_ratio']:.3f}×** ({a['loop_only']['marginal_ms']:.3f} vs "
                 f"{a['hand']['marginal_ms']:.3f} ms); with a checkpoint per epoch too "
                 f"{a['no_fast_path']['marginal_ms'] / a['hand']['marginal_ms']:.3f}×; "
                 f"fast path {a['defaults']['marginal_ms'] / a['hand']['marginal_ms']:.2f}×",
-                f"whole ≤ {t['whole']}×; step ≤ {t['step']}×", f"whole: {whole_ok}; step: {step_ok}"]
+                f"whole ≤ {t['whole']}× and ≤ +{t['fixed_s']} s; step ≤ {t['step']}×", f"whole: {whole_ok}; step: {step_ok}"]
     if name == "ddp_scaling":
         ratio, med = r["trainer_vs_hand_ddp"], r.get("trainer_vs_hand_ddp_median", r["trainer_vs_hand_ddp"])
         return [name, f"torchrig DDP / hand-written DDP, {r['ranks']} ranks (gloo, CPU), samples/s; {r['model']}",

@@ -19,7 +19,7 @@ README_DEFAULTS = {
     "optim.name": "adamw", "optim.lr": 1e-3, "optim.group_lr": {}, "scheduler.name": None, "scheduler.interval": None,
     "scheduler.step_size": 30, "scheduler.gamma": 0.1, "checkpoint.every_steps": 0, "checkpoint.every_epochs": 1,
     "checkpoint.keep_last": 2, "checkpoint.keep_best": 1, "checkpoint.monitor": None, "log.every_steps": 50,
-    "log.progress": "auto", "log.tensorboard": "auto", "log.plot": "background",
+    "log.progress": "auto", "log.tensorboard": "auto", "log.plot": True,
     "output_key": None, "data.input_keys": None, "data.label_key": None,
 }
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import subprocess_env
 from helpers.recipe_helpers import assert_same_params, cli, ddp_train, max_param_diff, one_process_train, sets
 
 TINY_BERT = ["model.options={hidden: 16, layers: 1, heads: 2}", "text.max_length=24", "text.vocab_size=300",
@@ -55,30 +59,84 @@ def write_jsonl(path, rows, columns=("text", "label")):
 
 
 def test_tokenizer_train_encode_save_load(tmp_path):
-    from torchrig.data.datasets.text import WordPieceTokenizer
+    from torchrig.data import DataError
+    from torchrig.data.datasets.text import SPECIALS, train_wordpiece
+    from torchrig.recipes.text import read_tokenizer
 
     corpus = ["Return the event loop.", "Return the current event loop policy.", "Parse an e-mail message."] * 3
-    tok = WordPieceTokenizer.train(corpus, vocab_size=80, min_frequency=2)
-    assert tok.vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and len(tok) <= 80
-    pieces = tok.tokenize("Returning loops.")
-    assert pieces[0].startswith("ret") and any(p.startswith("##") for p in pieces) and pieces[-1] == "."
-    assert "[UNK]" in tok.tokenize("☃")  # a character never seen
-    ids, types = tok.encode("event loop", "e-mail message", max_length=8)
-    assert len(ids) == 8 and ids[0] == tok.cls_id and ids.count(tok.sep_id) == 2
-    assert types == [0] * types.index(1) + [1] * (8 - types.index(1))
+    tok = train_wordpiece(corpus, vocab_size=80, min_frequency=2)
+    vocab = tok.tokenizer.get_vocab()
+    assert [vocab[t] for t in SPECIALS] == [0, 1, 2, 3, 4] and len(tok) <= 80 and tok.pad_id == 0
+    pieces = tok.tokenizer.encode("Returning loops.").tokens
+    assert pieces[0] == "[CLS]" and pieces[1].startswith("ret") and any(p.startswith("##") for p in pieces)
+    assert pieces[-2:] == [".", "[SEP]"]
+    assert "[UNK]" in tok.tokenizer.encode("☃").tokens  # a character never seen
+    ids, mask, types = tok.encode_batch(["event loop"], ["e-mail message"], max_length=8)
+    assert ids.shape == (1, 8) and ids[0, 0] == vocab["[CLS]"] and int((ids == vocab["[SEP]"]).sum()) == 2
+    t = types[0].tolist()
+    assert t == [0] * t.index(1) + [1] * (8 - t.index(1)) and mask.all()
     x, mask, tt = tok.encode_batch(["event", "the event loop policy"], max_length=6)
     assert x.shape == (2, 6) and mask[0].tolist() == [1, 1, 1, 0, 0, 0] and x[0, 3:].eq(tok.pad_id).all()
     tok.save(tmp_path / "tok.json")
-    again = WordPieceTokenizer.load(tmp_path / "tok.json")
-    assert again.vocab == tok.vocab and again.encode("event loop") == tok.encode("event loop")
-    assert WordPieceTokenizer.train(corpus, 80, 2).vocab == tok.vocab  # deterministic
-    (tmp_path / "bad.json").write_text("{}")
-    from torchrig.data import DataError
+    again = read_tokenizer(tmp_path / "tok.json")
+    assert again.tokenizer.get_vocab() == vocab
+    for a, b in zip(again.encode_batch(corpus, corpus[::-1], 16), tok.encode_batch(corpus, corpus[::-1], 16)):
+        assert torch.equal(a, b)
 
-    with pytest.raises(DataError) as err:
-        WordPieceTokenizer.load(tmp_path / "bad.json")
-    assert str(err.value) == (f"tokenizer file '{tmp_path / 'bad.json'}' is corrupt or not a torchrig tokenizer "
-                              f"(type is None, expected 'torchrig-wordpiece')")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DataError, match=rf"^tokenizer file '{tmp_path / 'bad.json'}' is not a Hugging Face "
+                                        r"tokenizer.json \(.+\); give the tokenizer.json of a torchrig run, or a "
+                                        r"tokenizer folder$"):
+        read_tokenizer(tmp_path / "bad.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(DataError, match=r"is a FIFO, not a regular file"):
+        read_tokenizer(tmp_path / "fifo.json")  # refused without a read that would wait for a writer
+
+
+VOCAB = """
+import json, sys
+from torchrig.data.datasets.text import stdlib_docstrings, train_wordpiece
+texts = [r["text"] for r in stdlib_docstrings(("json", "email", "http"))]
+print(json.dumps(train_wordpiece(texts, 3000, 2).tokenizer.get_vocab(), sort_keys=True))
+"""
+
+
+def test_the_trained_vocabulary_is_the_same_in_every_process():
+    """Every rank trains its own tokenizer: the token ids must not depend on the process."""
+    outs = [subprocess.run([sys.executable, "-c", VOCAB], capture_output=True, text=True, env=subprocess_env(),
+                           timeout=300) for _ in range(3)]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr[-2000:]
+    vocabs = [json.loads(o.stdout.strip().splitlines()[-1]) for o in outs]
+    assert len(vocabs[0]) > 1000 and vocabs[0] == vocabs[1] == vocabs[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_a_tokenizer_folder_is_used_and_saved_with_the_run(tmp_path, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    from torchrig.data.datasets.text import train_wordpiece
+
+    rows = texts(60, 0)
+    folder = tmp_path / "my-tokenizer"
+    own = train_wordpiece([t for t, _ in rows] * 2, 200, 1).tokenizer
+    own.no_padding()  # the folder's pad token comes from its tokenizer_config.json
+    PreTrainedTokenizerFast(tokenizer_object=own, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(folder)
+    train, run = write_csv(tmp_path / "train.csv", rows), tmp_path / "run"
+    rc, out, err = cli(["train", "--recipe", "text-classification"]
+                       + sets(f"data.path={train}", f"text.tokenizer={folder}", f"run_dir={run}", "epochs=1",
+                              "max_steps=2", "data.batch_size=8", *TINY_BERT[:2]), capsys)
+    assert rc == 0, err
+    assert f"vocabulary {own.get_vocab_size()}" in err
+    saved = json.loads((run / "tokenizer.json").read_text())
+    assert saved["model"]["vocab"] == own.get_vocab() and saved["padding"]["pad_token"] == "[PAD]"
+    rc, out, err = cli(["evaluate", "--checkpoint", run / "checkpoints" / "latest", "--split", "val"], capsys)
+    assert rc == 0, err  # read back from the run's tokenizer.json
+    rc, _, err = cli(["train", "--recipe", "text-classification"]
+                     + sets(f"data.path={train}", f"text.tokenizer={tmp_path / 'nothing'}",
+                            f"run_dir={tmp_path / 'r2'}"), capsys)
+    assert rc == 1 and f"tokenizer '{tmp_path / 'nothing'}' not found: set text.tokenizer to a tokenizer folder " \
+        "or a tokenizer.json file" in err
 
 
 # Wider and dropout-free: a 16-wide post-LN encoder on 60 texts sits on the ln(3) plateau for some seeds.

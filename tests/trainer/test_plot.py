@@ -4,8 +4,13 @@ log scale where values span decades, lr on its own panel, several runs overlaid.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import uuid
 
 import pytest
+from helpers import subprocess_env
 
 from torchrig.trainer.plot import PlotError, build_figure, plot_runs
 
@@ -67,3 +72,36 @@ def test_nothing_to_plot_is_one_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "samples_per_s": 5.0}\n')
     with pytest.raises(PlotError, match="holds no values to plot"):
         plot_runs([tmp_path])
+
+
+def _processes_with(mark: str) -> list[int]:
+    """The live processes whose environment holds ``mark`` (every child of a run inherits it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if mark.encode() in fh.read():
+                    found.append(int(pid))
+        except OSError:
+            continue  # ended meanwhile, or not ours to read
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_plot_exists_when_torchrig_train_returns_and_no_process_outlives_the_run(tmp_path):
+    from PIL import Image
+
+    mark = f"TORCHRIG_TEST_RUN={uuid.uuid4().hex}"
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "torchrig", "train", "--set", "epochs=2", "--set", "max_steps=6",
+                          "--set", "log.every_steps=1", "--set", f"run_dir={run}", "--set", "log.progress=none"],
+                         env=subprocess_env(**dict([mark.split("=")])), capture_output=True, text=True, timeout=300)
+    survivors = _processes_with(mark)  # at once: a process drawing in the background would still be alive
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert survivors == []
+    png = run / "plots" / "curves.png"
+    assert f"plots:       {png}\n" in out.stdout
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1280, 1020)  # 5 panels: 2 columns, 3 rows of 640 x 340
+        image.verify()
+    assert not (run / "plots" / "error.txt").exists()

@@ -28,7 +28,7 @@ def _steps(v: Any) -> list:
 
 
 def _plot(v: Any) -> Any:
-    return v if v == "background" else BOOL.check(v)
+    return True if v == "background" else BOOL.check(v)  # "background": an older run's setting, drawn before fit returns
 
 
 @dataclass
@@ -175,9 +175,8 @@ class LogConfig:
                         "auto (a bar on a terminal, plain lines otherwise), bar, lines or none", alias="progress")
     tensorboard: Union[bool, str] = key("auto", AUTO_BOOL, "TensorBoard event files; auto: when tensorboard is "
                                                            "installed", alias="tensorboard")
-    plot: Union[bool, str] = key("background", Rule("true, false or 'background'", _plot),
-                                 "PNG curves after fit: background (drawn by a detached process), true (before fit "
-                                 "returns) or false", alias="plot")
+    plot: bool = key(True, Rule("true or false", _plot),
+                     "PNG curves (RUN_DIR/plots/curves.png), drawn before fit returns; false: none", alias="plot")
     trackers: list = key([], list_of(choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
                          "experiment trackers: csv, tensorboard, mlflow, wandb", alias="trackers")
     mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: "

@@ -105,8 +105,7 @@ def _train(cfg: C.Config, out) -> dict:
                 out(f"tracker:     {line}")
             plots = getattr(trainer, "plots", [])
             if plots:
-                drawing = " (being drawn in the background)" if getattr(trainer, "plot_process", None) else ""
-                out(f"plots:       {', '.join(str(p) for p in plots)}{drawing}")
+                out(f"plots:       {', '.join(str(p) for p in plots)}")
         return results
     finally:
         trainer.close()

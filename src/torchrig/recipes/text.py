@@ -1,4 +1,4 @@
-"""``text-classification``: a BERT-style encoder on CSV / JSONL texts with a trained word-piece tokenizer.
+"""``text-classification``: a BERT-style encoder on CSV / JSONL texts with a word-piece tokenizer.
 
 Data: ``data.path`` (and optional ``data.val_path`` / ``data.test_path``) is a ``.csv``, ``.tsv`` or
 ``.jsonl`` file with a text column and a label column (``text.text_column`` / ``text.label_column``;
@@ -6,9 +6,11 @@ Data: ``data.path`` (and optional ``data.val_path`` / ``data.test_path``) is a `
 each label is held out with a fixed seed. With no ``data.path``: docstrings of nine Python
 standard-library packages, labelled by package, with a fixed split by name hash.
 
-The tokenizer is trained on the training texts and saved as ``RUN_DIR/tokenizer.json``; the label
-names go into the run's config. ``RUN_DIR/data_summary.json`` records the split sizes and the
-majority-class baseline accuracy of each split.
+The tokenizer (Hugging Face ``tokenizers``) is a word-piece vocabulary trained on the training texts, or
+the one of ``text.tokenizer``: a local tokenizer folder (``transformers.AutoTokenizer``, no download) or a
+``tokenizer.json``. It is saved as ``RUN_DIR/tokenizer.json``, which evaluate and predict read back (as
+data: a regular file of bounded size, parsed by ``tokenizers``); the label names go into the run's config.
+``RUN_DIR/data_summary.json`` records the split sizes and the majority-class baseline accuracy of each split.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from torch.utils.data import TensorDataset
 
 from .. import config as C
 from ..config import rules as R
-from ..data.datasets.text import WordPieceTokenizer, docstring_splits, read_records
+from ..config.files import MiB, read_regular
+from ..data import DataError
+from ..data.datasets.text import TextTokenizer, docstring_splits, read_records, train_wordpiece
 from .base import Recipe, RecipeError
 from .common import input_files, say, stratified_split
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_LIMIT = 64 * MiB  # a tokenizer.json: BERT's is 0.7 MB, large multilingual ones ~20 MB
 
 
 def _column(v: Any) -> str:
@@ -56,7 +61,8 @@ class TextConfig:
     labels: list = C.key([], R.kind("a list of labels", list), "index -> label; filled in by training (or fixes "
                                                                "the order)")
     tokenizer: Optional[str] = C.key(None, R.optional(R.kind("a file path", str)),
-                                     "a saved tokenizer.json to reuse; null: train one (saved in the run directory)")
+                                     "a local tokenizer folder (transformers.AutoTokenizer) or a tokenizer.json; null: train "
+                                     "a word-piece vocabulary (saved in the run directory)")
 
     def validate(self) -> None:
         if self.text_pair_column and self.max_length < 4:  # [CLS] text [SEP] pair [SEP]: room for a token
@@ -69,7 +75,7 @@ C.register_section("text", TextConfig)
 class _Prepared:
     def __init__(self):
         self.records: dict[str, list[dict]] = {}
-        self.tokenizer: Optional[WordPieceTokenizer] = None
+        self.tokenizer: Optional[TextTokenizer] = None
         self.summary: dict = {}
 
 
@@ -114,11 +120,11 @@ class TextClassificationRecipe(Recipe):
             source = str(d.path)
         self._labels(tc, prep.records, embedded=d.path is None)
         if tc.tokenizer:
-            prep.tokenizer = WordPieceTokenizer.load(self._tokenizer_path(cfg))
+            prep.tokenizer = self._load_tokenizer(cfg)
         else:
             texts = [r["text"] for r in prep.records["train"]]
             texts += [r["pair"] for r in prep.records["train"] if r.get("pair")]
-            prep.tokenizer = WordPieceTokenizer.train(texts, tc.vocab_size, tc.min_frequency, tc.lowercase)
+            prep.tokenizer = train_wordpiece(texts, tc.vocab_size, tc.min_frequency, tc.lowercase)
         prep.summary = {"source": source, "labels": list(tc.labels), "vocab_size": len(prep.tokenizer),
                         "splits": {}}
         for split, records in prep.records.items():
@@ -176,19 +182,27 @@ class TextClassificationRecipe(Recipe):
         return out
 
     @staticmethod
-    def _encode(cfg: C.Config, tok: WordPieceTokenizer, records: list[dict]):
+    def _encode(cfg: C.Config, tok: TextTokenizer, records: list[dict]):
         pairs = [r.get("pair") or "" for r in records] if cfg.text.text_pair_column else None
         return tok.encode_batch([r["text"] for r in records], pairs, cfg.text.max_length)
 
     # -------------------------------------------------------------------------------- model
-    def _tokenizer(self, cfg: C.Config) -> WordPieceTokenizer:
+    def _tokenizer(self, cfg: C.Config) -> TextTokenizer:
         if id(cfg) in self._cache or not cfg.text.tokenizer:
             return self._prepare(cfg).tokenizer
+        return self._load_tokenizer(cfg)
+
+    def _load_tokenizer(self, cfg: C.Config) -> TextTokenizer:
+        """``text.tokenizer``: a folder for ``transformers.AutoTokenizer``, or a ``tokenizer.json`` (as a run saves)."""
         path = self._tokenizer_path(cfg)
+        if path.is_dir():
+            return TextTokenizer.from_folder(path)
         if not path.exists():
-            raise RecipeError(f"tokenizer file '{path}' not found: predict / evaluate need the run directory "
-                              f"the checkpoint came from (it holds {TOKENIZER_FILE})")
-        return WordPieceTokenizer.load(path)
+            saved = cfg.text.tokenizer == TOKENIZER_FILE
+            raise RecipeError(f"tokenizer '{path}' not found: " + (
+                f"predict / evaluate need the run directory the checkpoint came from (it holds {TOKENIZER_FILE})"
+                if saved else "set text.tokenizer to a tokenizer folder or a tokenizer.json file"))
+        return read_tokenizer(path)
 
     def build_model(self, cfg: C.Config) -> torch.nn.Module:
         from ..models.text import build_text_model
@@ -248,3 +262,10 @@ class TextClassificationRecipe(Recipe):
             raise RecipeError(f"input '{path}' holds no text")
         ids, mask, types = self._encode(cfg, tok, records)
         return (ids, mask, types), names
+
+
+def read_tokenizer(path: Path) -> TextTokenizer:
+    """A ``tokenizer.json`` (a run's own, or ``text.tokenizer``'s): a regular file of at most TOKENIZER_LIMIT."""
+    todo = "give the tokenizer.json of a torchrig run, or a tokenizer folder"
+    data = read_regular(path, TOKENIZER_LIMIT, "tokenizer file", todo, DataError)
+    return TextTokenizer.from_json(data, f"tokenizer file '{path}'", todo)

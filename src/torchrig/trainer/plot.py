@@ -20,6 +20,8 @@ from ..config.files import open_regular
 from ..errors import TorchrigError
 
 PLOT_FILE = "curves.png"
+PANEL = (6.4, 3.4)  # inches per panel, at 100 dpi
+MARGINS = (0.8, 0.25, 0.55, 0.55, 0.85, 0.8)  # inches: left, right, bottom, top, between columns, between rows
 LOG_RATIO = 30.0  # max / min at or above which a panel uses a log y axis (about 1.5 decades)
 _NOT_PLOTTED = {"grad_norm", "samples_per_s", "data_wait", "skipped_steps", "epoch_time_s"}
 
@@ -99,7 +101,8 @@ def build_figure(runs: dict[str, list[dict]]) -> Any:
         raise PlotError("metrics.jsonl holds no values to plot")
     ncols = 1 if len(families) == 1 else 2
     nrows = -(-len(families) // ncols)
-    fig = Figure(figsize=(6.4 * ncols, 3.4 * nrows), layout="constrained")
+    fig = Figure(figsize=(PANEL[0] * ncols, PANEL[1] * nrows))
+    fig.subplots_adjust(**_margins(ncols, nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(families):]:
         ax.set_visible(False)
@@ -107,6 +110,17 @@ def build_figure(runs: dict[str, list[dict]]) -> Any:
         _draw_panel(ax, fam, per_run)
     fig.suptitle(" vs ".join(runs), fontsize=11)
     return fig
+
+
+def _margins(ncols: int, nrows: int) -> dict:
+    """``subplots_adjust`` fractions for fixed margins in inches (MARGINS): room for tick labels, titles and the
+    x label without a layout engine, which measures every text of the figure once more (half the drawing)."""
+    left, right, bottom, top, across, down = MARGINS
+    width, height = PANEL[0] * ncols, PANEL[1] * nrows
+    ax_w = (width - left - right - (ncols - 1) * across) / ncols
+    ax_h = (height - bottom - top - (nrows - 1) * down) / nrows
+    return dict(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                wspace=across / ax_w, hspace=down / ax_h)
 
 
 def _draw_panel(ax: Any, fam: str, per_run: dict) -> None:
@@ -173,17 +187,3 @@ def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:
     except Exception as exc:
         say(f"torchrig: no plots written ({exc})")
         return []
-
-
-def draw_detached(run_dir: str) -> int:
-    """The detached end-of-run drawing: a failure goes to ``plots/error.txt``, since no one reads stderr."""
-    error = Path(run_dir) / "plots" / "error.txt"
-    try:
-        plot_run(run_dir)
-        error.unlink(missing_ok=True)
-        return 0
-    except Exception as exc:
-        error.parent.mkdir(parents=True, exist_ok=True)
-        error.write_text(f"torchrig: no plots written ({exc}); draw them with: torchrig plot {run_dir}\n")
-        return 1
-

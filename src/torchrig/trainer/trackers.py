@@ -7,7 +7,8 @@ each the flattened config as hyperparameters, every logged row with its optimize
 metrics and the run directory, and keeps the tracker run ids in ``trackers.json`` in the run
 directory, so that a resumed run goes on logging into the same MLflow run / W&B run.
 
-Tracker packages are imported when a tracker starts, never when torchrig is imported.
+Tracker packages are imported when a tracker starts (TensorBoard's by the tracker's own thread, off the
+training path), never when torchrig is imported.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import csv
 import importlib.util
 import json
 import logging
+import math
 import os
+import queue
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,7 +29,6 @@ from typing import Any, Optional
 
 from ..checkpoint.rundir import describe_os_error
 from ..errors import TorchrigError
-from .tbevents import EventWriter
 
 IDS_FILE = "trackers.json"
 
@@ -56,6 +59,7 @@ class Tracker:
 
     name = ""
     package = ""  # the import that must succeed; the extra to install is torchrig[<name>]
+    failed_step: Optional[int] = None  # set by a tracker that writes in a thread: the row its error came from
 
     def __init__(self, options: Any = None, start_step: int = 0):
         self.options, self.start_step = options, start_step
@@ -124,8 +128,13 @@ def _csv_rows_up_to(path: Path, step: int) -> list[list[str]]:
 
 
 class TensorBoardTracker(Tracker):
-    """Event files under ``RUN_DIR/tensorboard``: one event per row, hyperparameters, ``run_dir`` text.
-    torchrig writes the files itself (:mod:`.tbevents`); the tensorboard package is needed to view them."""
+    """Event files under ``RUN_DIR/tensorboard``, written by ``torch.utils.tensorboard.SummaryWriter``:
+    one event per row (its finite values), the hyperparameters for the HPARAMS tab, ``run_dir`` as text.
+
+    Importing tensorboard takes ~0.25 s, so the training thread does not: a thread of this tracker
+    (:class:`EventThread`) imports it, opens the writer and writes the rows, which reach it through a queue.
+    Each row is flushed to the file when the queue is empty, so TensorBoard shows it live. A resumed run's
+    writer starts with ``purge_step``: TensorBoard hides what the stopped run logged after the checkpoint."""
 
     name = "tensorboard"
     package = "tensorboard"
@@ -133,24 +142,24 @@ class TensorBoardTracker(Tracker):
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         folder = run_dir / "tensorboard"
         try:
-            # purge_step: TensorBoard hides the events a stopped run wrote after the step it resumed from
-            self._writer = EventWriter(folder, purge_step=self.start_step + 1)
-            if self.start_step == 0:
-                self._writer.hparams({k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                      for k, v in flatten(config).items()})
-                self._writer.text("run_dir", str(run_dir), 0)
+            folder.mkdir(parents=True, exist_ok=True)  # now: a folder that cannot be made stops the run at once
         except OSError as exc:
-            if hasattr(self, "_writer"):
-                self._writer.close()
             listed = "tensorboard" in (self._option("trackers") or [])
             undo = "remove tensorboard from log.trackers" if listed else "set log.tensorboard=false"
             raise TrackerError(f"{'log.trackers' if listed else 'log.tensorboard'}: cannot write event files in "
                                f"'{folder}' ({describe_os_error(exc)}); make it a writable folder or {undo}") from None
+        params = None if self.start_step else {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                               for k, v in flatten(config).items()}
+        self._writer = EventThread(folder, self.start_step + 1, params, str(run_dir))
         return None
 
     def log(self, values: dict, step: int) -> None:
-        self._writer.scalars(_numbers(values), step)  # one event per row, every finite value
+        self._writer.put({k: v for k, v in _numbers(values).items() if math.isfinite(v)}, step)
         self.last_step = step
+
+    @property
+    def failed_step(self) -> Optional[int]:
+        return self._writer.failed_step
 
     def flush(self) -> None:
         self._writer.flush()
@@ -160,6 +169,97 @@ class TensorBoardTracker(Tracker):
             self.log(final_metrics, self.last_step)
         finally:
             self._writer.close()
+
+
+class EventThread:
+    """A thread that imports tensorboard, opens a ``SummaryWriter`` in ``folder`` and writes the rows put
+    in its queue, one event each. A failure (a broken install, a full disk) is raised by the next ``put``,
+    ``flush`` or ``close``, which also ends the thread; ``failed_step`` is then the row it failed on."""
+
+    def __init__(self, folder: Path, purge_step: int, params: Optional[dict], run_dir: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.failed_step: Optional[int] = None
+        self._thread = threading.Thread(target=self._run, args=(str(folder), purge_step, params, run_dir),
+                                        name="torchrig-tensorboard", daemon=True)
+        self._thread.start()
+
+    def put(self, values: dict, step: int) -> None:
+        self._check()
+        if values:
+            self._jobs.put((values, step))
+
+    def flush(self) -> None:
+        """Wait until every row put so far is in the file."""
+        if self._thread.is_alive():
+            self._jobs.join()
+        self._check()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._check()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            if self._thread.is_alive():
+                self._jobs.put(None)  # nothing more is written: let the thread end
+            raise self.error
+
+    def _run(self, folder: str, purge_step: int, params: Optional[dict], run_dir: str) -> None:
+        writer = None
+        _quiet_writer_threads()
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+
+            writer = SummaryWriter(folder, purge_step=purge_step)
+            if params is not None:
+                for summary in hparams(params, {}):  # as SummaryWriter.add_hparams, without its sub-folder run
+                    writer.file_writer.add_summary(summary, 0)
+                writer.add_text("run_dir", run_dir, 0)
+        except Exception as exc:  # noqa: BLE001 - raised to the training thread by its next call
+            self.error = exc
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    break
+                if self.error is None:
+                    self._write(writer, Summary, *job)
+            finally:
+                self._jobs.task_done()
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as exc:  # noqa: BLE001
+                self.error = self.error or exc
+
+    def _write(self, writer: Any, summary: Any, values: dict, step: int) -> None:
+        try:
+            writer.file_writer.add_summary(summary(value=[summary.Value(tag=k, simple_value=v)
+                                                          for k, v in values.items()]), step)
+            if self._jobs.unfinished_tasks == 1:  # this row is the last one queued: to the file now
+                writer.flush()
+        except Exception as exc:  # noqa: BLE001
+            self.error, self.failed_step = exc, step
+
+
+def _quiet_writer_threads() -> None:
+    """No traceback from tensorboard's own writer thread: it keeps its error for the writer's next call (which
+    raises it here, and the run says it in one line), then re-raises it, which ``threading.excepthook`` prints."""
+    previous = threading.excepthook
+    if getattr(previous, "torchrig", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            previous(args)
+
+    hook.torchrig = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class MLflowTracker(Tracker):
@@ -365,18 +465,25 @@ class TrackerSet:
             try:
                 t.log(values, step)
             except Exception as exc:  # noqa: BLE001 - any tracker error: the run itself must go on
-                self.items.remove(t)
-                print(f"torchrig: tracker '{t.name}' failed at step {step} ({type(exc).__name__}: "
-                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it is off for the rest "
-                      f"of this run, metrics.jsonl has every value", file=sys.stderr, flush=True)
+                self._drop(t, exc, step)
+
+    def _drop(self, t: Tracker, exc: Exception, step: int) -> None:
+        self.items.remove(t)
+        step = t.failed_step if t.failed_step is not None else step  # a writer thread's row: the step it failed on
+        print(f"torchrig: tracker '{t.name}' failed at step {step} ({type(exc).__name__}: "
+              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it is off for the rest "
+              f"of this run, metrics.jsonl has every value", file=sys.stderr, flush=True)
 
     def where(self) -> list[str]:
         """Where each tracker's run is (TensorBoard's folder is said with the logs)."""
         return [t.where for t in self.items if t.where]
 
     def flush(self) -> None:
-        for t in [] if self.finished else self.items:
-            t.flush()
+        for t in [] if self.finished else list(self.items):
+            try:
+                t.flush()
+            except Exception as exc:  # noqa: BLE001 - as in log: the run goes on
+                self._drop(t, exc, t.last_step)
 
     def finish(self, final_metrics: Optional[dict] = None, status: str = "FINISHED") -> None:
         """Final metrics (``test/accuracy`` …), then each tracker's end; once."""

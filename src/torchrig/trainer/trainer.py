@@ -72,8 +72,7 @@ class Trainer:
         self.checkpoints: Optional[CheckpointManager] = None
         self.metrics_log: Optional[MetricsLogger] = None
         self.resumed_from: Optional[Path] = None
-        self.plots: list = []
-        self.plot_process = None  # the end-of-run plot drawn in the background (log.plot=background)
+        self.plots: list = []  # the end-of-run plot's PNG paths
         self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built, its length)
         self._signals = runtime.StopSignal()
         self._owns_group = False
@@ -315,7 +314,7 @@ class Trainer:
             self.print(f"torchrig: early stop after epoch {self.epoch} ({self.monitor.name} did not improve "
                        f"for {self.cfg.early_stop_patience} epochs)")
         if self.is_main:
-            self.plots, self.plot_process = end_of_run(self)
+            self.plots = end_of_run(self)
         self._run_callbacks.call("on_fit_end", self)
 
     def _run_epoch(self, plan: FitPlan, epoch: int, start: int) -> str:

@@ -1,5 +1,6 @@
-"""Text data: CSV / JSONL reading, a word-piece tokenizer trained on the training texts, and the
-embedded default — docstrings of the Python standard library labelled by their package.
+"""Text data: CSV / JSONL reading, the tokenizer (Hugging Face ``tokenizers``: a word-piece vocabulary
+trained on the training texts, or a saved one), and the embedded default — docstrings of the Python
+standard library labelled by their package.
 """
 
 from __future__ import annotations
@@ -8,13 +9,11 @@ import ast
 import csv
 import json
 import os
-import re
 import sysconfig
-import unicodedata
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -22,161 +21,118 @@ from ..common import DataError
 
 # ----------------------------------------------------------------------------- tokenizer
 
-_WORD = re.compile(r"[^\W_]+|[^\w\s]|_")
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-class WordPieceTokenizer:
-    """BERT-style word-piece tokenizer: words are split on spaces and punctuation, then each word
-    is cut greedily into the longest vocabulary pieces (``##`` marks a piece inside a word).
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` as the text recipe uses it: its post-processor adds the special tokens
+    (``[CLS] a [SEP] (b [SEP])`` with segment ids 0 / 1), inputs are truncated to ``max_length`` (the longer
+    segment first) and a batch is padded to its longest row with the tokenizer's padding token."""
 
-    ``train`` builds the vocabulary from the training texts: special tokens, every character seen
-    ``min_frequency`` times (alone and as ``##c``), then the word prefixes and inner pieces that save
-    the most tokens (count x (length - 1)), until ``vocab_size``. It is deterministic: the same
-    texts give the same vocabulary on every rank and machine.
-    """
-
-    PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
-    SPECIALS = (PAD, UNK, CLS, SEP, MASK)
-    MAX_PREFIX, MAX_PIECE = 16, 8  # longest candidate word prefix / inner piece (characters)
-
-    def __init__(self, vocab: Sequence[str], lowercase: bool = True, max_word_chars: int = 64):
-        if list(vocab[:len(self.SPECIALS)]) != list(self.SPECIALS):
-            raise DataError(f"tokenizer vocabulary must start with {list(self.SPECIALS)}")
-        self.vocab = list(vocab)
-        self.index = {t: i for i, t in enumerate(self.vocab)}
-        self.lowercase = lowercase
-        self.max_word_chars = max_word_chars
-        self._cache: dict[str, list[int]] = {}
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id = (self.index[t] for t in self.SPECIALS[:4])
+    def __init__(self, tokenizer: Any, source: str = "the tokenizer"):
+        if tokenizer.padding is None:
+            raise DataError(f"{source} names no padding token; give a tokenizer saved by torchrig train, or a "
+                            f"tokenizer folder whose tokenizer has a pad token")
+        self.tokenizer = tokenizer
+        self.pad_id: int = tokenizer.padding["pad_id"]
 
     def __len__(self) -> int:
-        return len(self.vocab)
-
-    # -- splitting ----------------------------------------------------------------------------
-    def words(self, text: str) -> list[str]:
-        if self.lowercase:
-            text = unicodedata.normalize("NFD", text.lower())
-            text = "".join(c for c in text if unicodedata.category(c) != "Mn")
-        return _WORD.findall(text)
-
-    def word_ids(self, word: str) -> list[int]:
-        hit = self._cache.get(word)
-        if hit is not None:
-            return hit
-        ids: list[int] = []
-        if len(word) > self.max_word_chars:
-            ids = [self.unk_id]
-        else:
-            start = 0
-            while start < len(word):
-                end, found = len(word), None
-                while end > start:
-                    piece = word[start:end] if start == 0 else "##" + word[start:end]
-                    if piece in self.index:
-                        found = self.index[piece]
-                        break
-                    end -= 1
-                if found is None:
-                    ids = [self.unk_id]
-                    break
-                ids.append(found)
-                start = end
-        if len(self._cache) < 200_000:
-            self._cache[word] = ids
-        return ids
-
-    def tokenize(self, text: str) -> list[str]:
-        return [self.vocab[i] for w in self.words(text) for i in self.word_ids(w)]
-
-    def encode(self, text: str, pair: Optional[str] = None, max_length: int = 128) -> tuple[list[int], list[int]]:
-        """``([CLS] a [SEP] (b [SEP]), segment ids)``, truncating the longer segment first."""
-        a = [i for w in self.words(text) for i in self.word_ids(w)]
-        b = [i for w in self.words(pair) for i in self.word_ids(w)] if pair is not None else None
-        room = max_length - (3 if b is not None else 2)
-        if room < 1:
-            raise DataError(f"text.max_length {max_length} leaves no room for tokens")
-        if b is None:
-            a = a[:room]
-        else:
-            while len(a) + len(b) > room:
-                if len(a) >= len(b):
-                    a.pop()
-                else:
-                    b.pop()
-        ids = [self.cls_id] + a + [self.sep_id]
-        types = [0] * len(ids)
-        if b is not None:
-            ids += b + [self.sep_id]
-            types += [1] * (len(b) + 1)
-        return ids, types
+        return self.tokenizer.get_vocab_size()
 
     def encode_batch(self, texts: Sequence[str], pairs: Optional[Sequence[str]] = None,
                      max_length: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask, token_type_ids)``, int64, padded to the longest (<= max_length)."""
-        encoded = [self.encode(t, pairs[i] if pairs is not None else None, max_length) for i, t in enumerate(texts)]
-        width = max((len(ids) for ids, _ in encoded), default=2)
-        ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        types = torch.zeros((len(encoded), width), dtype=torch.long)
-        for r, (i, t) in enumerate(encoded):
-            ids[r, :len(i)] = torch.tensor(i)
-            mask[r, :len(i)] = 1
-            types[r, :len(t)] = torch.tensor(t)
-        return ids, mask, types
+        self.tokenizer.enable_truncation(max_length, strategy="longest_first")
+        encodings = self.tokenizer.encode_batch(list(zip(texts, pairs)) if pairs is not None else list(texts))
+        width = len(encodings[0].ids) if encodings else 2
 
-    # -- training and files --------------------------------------------------------------------
-    @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2,
-              lowercase: bool = True) -> "WordPieceTokenizer":
-        probe = cls(list(cls.SPECIALS), lowercase)
-        counts: Counter = Counter()
-        for t in texts:
-            counts.update(probe.words(t))
-        chars: Counter = Counter()
-        for w, n in counts.items():
-            for c in w:
-                chars[c] += n
-        alphabet = sorted(c for c, n in chars.items() if n >= min_frequency)
-        vocab = list(cls.SPECIALS) + alphabet + ["##" + c for c in alphabet]
-        budget = vocab_size - len(vocab)
-        if budget > 0:
-            scores: Counter = Counter()
-            for w, n in counts.items():
-                if len(w) > probe.max_word_chars:
-                    continue
-                for k in range(2, min(len(w), cls.MAX_PREFIX) + 1):
-                    scores[w[:k]] += n
-                for i in range(1, len(w)):
-                    for j in range(i + 2, min(len(w), i + cls.MAX_PIECE) + 1):
-                        scores["##" + w[i:j]] += n
-            ranked = sorted(((n * (len(p.lstrip("#")) - 1), p) for p, n in scores.items() if n >= min_frequency),
-                            key=lambda sp: (-sp[0], sp[1]))
-            vocab += [p for _, p in ranked[:budget]]
-        return cls(vocab, lowercase)
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(e, name) for e in encodings], dtype=torch.long).view(len(encodings), width)
 
-    def to_dict(self) -> dict:
-        return {"type": "torchrig-wordpiece", "version": 1, "lowercase": self.lowercase,
-                "max_word_chars": self.max_word_chars, "vocab": self.vocab}
+        return column("ids"), column("attention_mask"), column("type_ids")
 
     def save(self, path: Union[str, Path]) -> None:
+        """As a ``tokenizer.json`` (Hugging Face's format: ``tokenizers.Tokenizer.from_file`` reads it too)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False) + "\n")
+        tmp.write_text(self.tokenizer.to_str() + "\n", encoding="utf-8")
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "WordPieceTokenizer":
-        path = Path(path)
-        if not path.exists():
-            raise DataError(f"tokenizer file '{path}' does not exist")
+    def from_json(cls, data: bytes, source: str, todo: str) -> "TextTokenizer":
+        """The tokenizer of a ``tokenizer.json``'s bytes, parsed by ``tokenizers`` (data: nothing in it runs)."""
+        Tokenizer = _tokenizers().Tokenizer
         try:
-            d = json.loads(path.read_text())
-            if d.get("type") != "torchrig-wordpiece":
-                raise ValueError(f"type is {d.get('type')!r}, expected 'torchrig-wordpiece'")
-            return cls(d["vocab"], bool(d.get("lowercase", True)), int(d.get("max_word_chars", 64)))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise DataError(f"tokenizer file '{path}' is corrupt or not a torchrig tokenizer ({exc})") from None
+            tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for a bad file
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"{source} is not a Hugging Face tokenizer.json ({first}); {todo}") from None
+        return cls(tokenizer, source)
+
+    @classmethod
+    def from_folder(cls, path: Union[str, Path]) -> "TextTokenizer":
+        """A tokenizer folder (``save_pretrained``'s) through ``transformers.AutoTokenizer``: local files only,
+        no code from the folder run (``trust_remote_code=False``)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DataError('text.tokenizer: a tokenizer folder is read with transformers, which is not installed; '
+                            'pip install "torchrig[text]"') from None
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"text.tokenizer '{path}': transformers found no tokenizer there ({first}); give a folder "
+                            f"written by save_pretrained (tokenizer.json, tokenizer_config.json)") from None
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None or hf.pad_token_id is None:
+            missing = "a tokenizer.json (a fast tokenizer)" if backend is None else "a pad token"
+            raise DataError(f"text.tokenizer '{path}': {type(hf).__name__} has no {missing}; the text recipe "
+                            f"needs both")
+        tokenizer = type(backend).from_str(backend.to_str())  # a copy: its padding and truncation are this recipe's
+        tokenizer.enable_padding(pad_id=hf.pad_token_id, pad_token=hf.pad_token)
+        return cls(tokenizer, f"text.tokenizer '{path}'")
+
+
+def _tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError('the text recipe\'s tokenizer is Hugging Face tokenizers, which is not installed; '
+                        'pip install "torchrig[text]"') from None
+    return tokenizers
+
+
+def train_wordpiece(texts: Sequence[str], vocab_size: int = 8000, min_frequency: int = 2,
+                    lowercase: bool = True) -> TextTokenizer:
+    """A BERT-style word-piece tokenizer trained on ``texts`` by ``tokenizers.trainers.WordPieceTrainer``:
+    BERT's normalizer (lowercase and no accents when ``lowercase``) and pre-tokenizer (spaces and
+    punctuation), ``##`` before a piece inside a word, the special tokens of SPECIALS first.
+
+    The same texts give the same vocabulary in every process (every rank trains its own): the trainer
+    numbers the ``##c`` pieces in the order of a hash map, which differs between processes, and breaks ties
+    between merges by those numbers (huggingface/tokenizers#1794); registered up front, they are numbered here."""
+    _tokenizers()
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    chars = sorted({c for t in texts for c in normalizer.normalize_str(t) if not c.isspace()})
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                        special_tokens=[*SPECIALS, *("##" + c for c in chars)],
+                                        continuing_subword_prefix="##")
+    probe = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    probe.normalizer, probe.pre_tokenizer = normalizer, pre_tokenizers.BertPreTokenizer()
+    probe.train_from_iterator(texts, trainer)
+    vocab = probe.get_vocab()
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))  # the ##c pieces as plain vocabulary
+    tokenizer.normalizer, tokenizer.pre_tokenizer, tokenizer.decoder = normalizer, probe.pre_tokenizer, decoders.WordPiece()
+    tokenizer.add_special_tokens(list(SPECIALS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tokenizer.enable_padding(pad_id=vocab["[PAD]"], pad_token="[PAD]")
+    return TextTokenizer(tokenizer)
 
 
 # ----------------------------------------------------------------------------- CSV / JSONL
@@ -317,4 +273,4 @@ def docstring_splits() -> dict[str, list[dict]]:
     return parts
 
 
-__all__ = ["WordPieceTokenizer", "read_records", "stdlib_docstrings", "docstring_splits", "STDLIB_TOPICS"]
+__all__ = ["TextTokenizer", "train_wordpiece", "read_records", "stdlib_docstrings", "docstring_splits", "STDLIB_TOPICS"]

@@ -1,17 +1,16 @@
-"""TensorBoard event files written by torchrig itself, read back with the tensorboard package.
-
-The encoder is checked byte for byte (or message for message, where protobuf orders a map freely)
-against the protobuf classes TensorBoard and ``torch.utils.tensorboard`` use; whole runs are read
-with TensorBoard's ``EventAccumulator``, which checks every record's CRC-32C.
+"""TensorBoard event files written by ``torch.utils.tensorboard.SummaryWriter`` from the tracker's own
+thread, read back with TensorBoard's readers (``EventAccumulator`` checks every record's CRC-32C).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,59 +20,18 @@ from torch.utils.data import TensorDataset
 import torchrig
 from helpers import TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import to_dict
-from torchrig.trainer import tbevents
-from torchrig.trainer.trackers import TrackerError, flatten
+from torchrig.runtime import RunStopped
+from torchrig.trainer.trackers import TensorBoardTracker, TrackerError, flatten
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader  # noqa: E402
-from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # noqa: E402
-from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
+from tensorboard.compat.proto.event_pb2 import Event  # noqa: E402
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData  # noqa: E402
 
+HPARAMS_TAGS = ("_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info")
+
 FINAL = TRACKED_FINAL
-
-
-def test_crc32c_of_the_known_vector_and_as_tensorboard_masks_it():
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    assert tbevents.crc32c(b"123456789") == 0xE3069283
-    assert tbevents.crc32c(b"") == 0
-    rng = np.random.default_rng(0)
-    for n in [*range(0, 19), 64, 357, 1001]:  # every tail length of the four-byte loop, and longer data
-        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        assert tbevents.masked_crc32c(data) == masked_crc32c(data), n
-
-
-def test_events_are_the_bytes_protobuf_writes():
-    values = {"train/loss": 0.5, "lr": 0.0, "grad_norm": -3.25, "big": 1e39, "tiny": 1e-50, "ünï/cödé": 7.0}
-    ours = b"".join(tbevents._message(1, tbevents._text(1, k) + b"\x15" + tbevents._float32(v)) for k, v in values.items())
-    theirs = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-    assert tbevents.event(1.7e9 + 0.25, 123456789012, summary=ours) == \
-        Event(wall_time=1.7e9 + 0.25, step=123456789012, summary=theirs).SerializeToString()
-    assert tbevents.event(12.5, 0, file_version="brain.Event:2") == \
-        Event(wall_time=12.5, file_version="brain.Event:2").SerializeToString()
-    assert tbevents.event(12.5, 41, session_log=tbevents.SESSION_START) == \
-        Event(wall_time=12.5, step=41, session_log=SessionLog(status=SessionLog.START)).SerializeToString()
-    assert tbevents.event(0.0, -2) == Event(step=-2).SerializeToString()  # a negative int64: ten bytes
-
-
-def test_text_and_hparams_are_what_torch_writes():
-    from torch.utils.tensorboard.summary import hparams, text
-
-    assert tbevents.text_summary("run_dir", "runs/ünï 1") == text("run_dir", "runs/ünï 1").SerializeToString()
-    params = {"optim.lr": 0.001, "epochs": 3, "amp": True, "off": False, "name": "digits", "empty": "",
-              "none": None, "zero": 0.0, "big": 2**40}
-    theirs = hparams(params, {})
-    ours = [Summary.FromString(s) for s in tbevents.hparams_summaries(params)]
-    assert [s.value[0].tag for s in ours] == list(tbevents.HPARAMS_TAGS) == [s.value[0].tag for s in theirs]
-    for mine, torch_s in zip(ours, theirs):
-        assert mine.value[0].metadata.plugin_data.plugin_name == "hparams"
-        # a map's entries may come in any order, so the plugin data are compared as messages
-        assert HParamsPluginData.FromString(mine.value[0].metadata.plugin_data.content) == \
-            HParamsPluginData.FromString(torch_s.value[0].metadata.plugin_data.content)
-    with pytest.raises(ValueError, match=r"^hyperparameter 'layers': list \[1, 2\] is not a number or a string$"):
-        tbevents.hparams_summaries({"layers": [1, 2]})
 
 
 def records(folder: Path) -> list[Event]:
@@ -82,25 +40,6 @@ def records(folder: Path) -> list[Event]:
     for path in sorted(folder.glob("events.out.tfevents.*")):
         out += [Event.FromString(raw) for raw in RawEventFileLoader(str(path)).Load()]
     return out
-
-
-def test_the_writer_names_its_file_as_tensorboard_does_and_skips_values_that_are_not_finite(tmp_path):
-    writer = tbevents.EventWriter(tmp_path / "tb", purge_step=5)
-    writer.scalars({"a": 1.5, "b": float("nan"), "c": float("inf"), "d": 2}, step=5)
-    writer.scalars({"b": float("nan")}, step=6)  # nothing finite: no event
-    writer.text("note", "hello", 5)
-    writer.close()
-    writer.flush()  # after close: nothing to do
-    assert re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[^.]+.*\.%d\.\d+" % os.getpid(), writer.path.name)
-    events = records(tmp_path / "tb")
-    assert events[0].file_version == "brain.Event:2" and events[0].step == 0
-    assert events[1].session_log.status == SessionLog.START and events[1].step == 5
-    assert [(v.tag, v.simple_value) for v in events[2].summary.value] == [("a", 1.5), ("d", 2.0)]
-    assert events[2].step == 5 and events[2].wall_time >= events[0].wall_time
-    assert events[3].summary.value[0].tensor.string_val == [b"hello"] and len(events) == 4
-    second = tbevents.EventWriter(tmp_path / "tb")  # the same second, the same process: another file
-    second.close()
-    assert second.path != writer.path and len(list((tmp_path / "tb").iterdir())) == 2
 
 
 def fit(run_dir: Path, **kw) -> torchrig.Trainer:
@@ -134,7 +73,7 @@ def test_a_run_reads_back_with_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("test/accuracy")] == [(8, 0.625)]  # the final metrics
 
     content = acc.PluginTagToContent("hparams")
-    assert set(content) == set(tbevents.HPARAMS_TAGS)
+    assert set(content) == set(HPARAMS_TAGS)
     from torch.utils.tensorboard.summary import hparams
 
     params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(to_dict(trainer.cfg)).items()}
@@ -186,20 +125,88 @@ def test_a_resumed_run_hides_what_the_stopped_run_logged_after_its_checkpoint(tm
     assert [(e.step, e.value) for e in acc.Scalars("test/accuracy")] == [(8, 0.625)]
 
 
-def test_torchrig_and_a_run_with_tensorboard_import_neither_tensorboard_nor_protobuf(tmp_path):
-    code = ("import sys, torch, torchrig\n"
-            "from helpers import QUIET, TinyNet, make_classification\n"
-            "x, y = make_classification(16)\n"
-            "t = torchrig.Trainer(TinyNet(), run_dir=sys.argv[1], batch_size=8, epochs=1, plot=False, progress='none')\n"
-            "t.fit(torch.utils.data.TensorDataset(x, y)); t.close()\n"
-            "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', 'google.protobuf') if m in sys.modules))")
+SPY = """
+import importlib.abc, json, sys, threading, time
+import torch, torchrig
+from helpers import TinyNet, make_classification
+before = sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', 'google.protobuf') if m in sys.modules)
+seen = {}
+
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        # submodules: a finder sees them only when they are imported (find_spec('tensorboard') is a look-up)
+        if name in ('tensorboard.summary', 'torch.utils.tensorboard', 'google.protobuf') and name not in seen:
+            seen[name] = threading.current_thread().name
+            if name == 'torch.utils.tensorboard':
+                time.sleep(1.0)  # a slow import: the rows logged meanwhile wait in the queue
+        return None
+
+sys.meta_path.insert(0, Spy())
+x, y = make_classification(64)
+t = torchrig.Trainer(TinyNet(), run_dir=sys.argv[1], batch_size=8, epochs=1, log_every=1, plot=False,
+                     progress='none')
+t0 = time.perf_counter()
+t.fit(torch.utils.data.TensorDataset(x, y))
+fit_s = time.perf_counter() - t0
+t.close()
+print(json.dumps({'before': before, 'seen': seen, 'fit_s': fit_s}))
+"""
+
+
+def test_tensorboard_is_imported_by_the_trackers_thread_not_by_import_torchrig_or_the_training_thread(tmp_path):
     tests = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(torchrig.__file__).parent.parent), str(tests)]))
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SPY, str(tmp_path / "run")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
-    assert "train/loss" in accumulator(tmp_path / "run").Tags()["scalars"]  # it was on (log.tensorboard=auto)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] == []
+    assert result["seen"] == {name: "torchrig-tensorboard" for name in
+                              ("tensorboard.summary", "torch.utils.tensorboard", "google.protobuf")}
+    # on by log.tensorboard=auto, and every row logged while the import was slow is in the file
+    assert [e.step for e in accumulator(tmp_path / "run").Scalars("train/loss")] == \
+        [s for s, _ in jsonl_points(tmp_path / "run")["train/loss"]] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+
+
+def test_values_that_are_not_finite_are_left_out_and_a_row_of_none_writes_no_event(tmp_path):
+    tracker = TensorBoardTracker(None, start_step=4)
+    tracker.start({"lr": 0.1}, tmp_path, None)
+    tracker.log({"a": 1.5, "b": float("nan"), "c": float("inf"), "d": 2, "flag": True, "name": "x"}, 5)
+    tracker.log({"b": float("nan")}, 6)
+    tracker.finish({"test/accuracy": 0.5})
+    events = records(tmp_path / "tensorboard")
+    starts = [e.step for e in events if e.HasField("session_log")]
+    scalars = [(e.step, [(v.tag, v.simple_value) for v in e.summary.value]) for e in events if e.HasField("summary")]
+    assert starts == [5]  # purge_step: the resumed run's first step
+    # no hparams after step 0; the final metrics at the last step logged
+    assert scalars == [(5, [("a", 1.5), ("d", 2.0)]), (6, [("test/accuracy", 0.5)])]
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_run_stopped_by_a_signal_has_every_row_in_the_event_file(tmp_path, monkeypatch):
+    import torch.utils.tensorboard
+
+    class SlowWriter(torch.utils.tensorboard.SummaryWriter):
+        def __init__(self, *a, **kw):
+            time.sleep(1.0)  # as a slow import would: the rows wait in the queue when the run stops
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", SlowWriter)
+
+    class Stop:
+        def on_step_end(self, trainer, values):
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    run = tmp_path / "run"
+    x, y = make_classification(64)
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(run), batch_size=8, epochs=2, log_every=1, plot=False,
+                               progress="none", tensorboard=True, callbacks=[Stop()])
+    with pytest.raises(RunStopped):
+        trainer.fit(TensorDataset(x, y))
+    # flushed when fit ended, before the tracker run is closed
+    assert [e.step for e in accumulator(run).Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    trainer.close()
 
 
 @pytest.mark.parametrize("asked", ["log.tensorboard", "log.trackers"])
@@ -219,20 +226,27 @@ def test_a_log_folder_that_is_a_file_stops_the_run_with_one_line(tmp_path, asked
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_full_disk_mid_run_switches_tensorboard_off_with_one_line(tmp_path, capsys):
+def test_a_full_disk_mid_run_switches_tensorboard_off_with_one_line(tmp_path, capsys, monkeypatch):
     class FillDisk:
-        """From step 3 on, the event file writes to /dev/full: every flush fails with ENOSPC."""
+        """From step 3 on, the event file's path leads to /dev/full: every write fails with ENOSPC."""
 
         def on_step_end(self, trainer, step):
             if trainer.global_step == 3:
                 (tracker,) = [t for t in trainer.logger.trackers.items if t.name == "tensorboard"]
-                tracker._writer._fh.close()
-                tracker._writer._fh = open("/dev/full", "wb")
+                tracker.flush()  # step 2's row is in the file
+                (path,) = (run / "tensorboard").glob("events.out.tfevents.*")
+                path.rename(path.with_name(path.name + ".kept"))
+                path.symlink_to("/dev/full")
+                links.append(path)
 
-    run = tmp_path / "run"
+    run, links, thread_errors = tmp_path / "run", [], []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)  # what would print a thread's traceback
     trainer = fit(run, callbacks=[FillDisk()])
     assert trainer.global_step == 8
+    err = capsys.readouterr().err
     assert ("torchrig: tracker 'tensorboard' failed at step 4 (OSError: [Errno 28] No space left on device); it is "
-            "off for the rest of this run, metrics.jsonl has every value") in capsys.readouterr().err
+            "off for the rest of this run, metrics.jsonl has every value") in err
+    assert thread_errors == []  # no traceback from tensorboard's own writer thread either
+    links[0].unlink()
     assert [e.step for e in accumulator(run).Scalars("train/loss")] == [2]
     assert max(s for s, _ in jsonl_points(run)["train/loss"]) == 8
