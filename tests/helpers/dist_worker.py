@@ -6,6 +6,7 @@
     python tests/helpers/dist_worker.py trackers OUT   # file:// pair: a CSV tracker, FLOP counting, the profiler
     python tests/helpers/dist_worker.py ema    OUT     # file:// pair: DDP and FSDP2 fits with an EMA of the weights, resumed
     python tests/helpers/dist_worker.py worlds OUT     # file:// pair: logged train values; resumes across world sizes
+    python tests/helpers/dist_worker.py syncbn_gpu OUT # file:// pair on one GPU (gloo): SyncBatchNorm's global statistics
     python tests/helpers/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/helpers/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
 
@@ -363,6 +364,33 @@ def worlds(out: Path) -> None:
     runtime.destroy_process_group()
 
 
+def batchnorm_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+
+def syncbn_gpu(out: Path) -> None:
+    """Both ranks on cuda:0 over gloo (NCCL refuses two ranks on one GPU; torch's SyncBatchNorm all-gathers its
+    statistics through gloo as well): a DDP fit with dist.sync_batchnorm=true; rank 0 saves the weights and
+    BatchNorm buffers, each rank what its model's layers became. fp32 matmuls in IEEE fp32 (no TF32), so the
+    comparison with one process is one of float rounding only."""
+    import torch.distributed as dist
+
+    from torchrig import Trainer, runtime
+
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # chosen here: torchrig leaves it as it is
+    t = Trainer(batchnorm_model(), **settings(out / "syncbn", strategy="ddp", device="cuda:0", sync_batchnorm=True,
+                                              metrics=[], **{"dist.backend": "gloo"}), **_pair_kwargs())
+    layers = [type(m).__name__ for m in t.wrapped.module]
+    t.fit(train_data())
+    rank = dist.get_rank()
+    (out / f"syncbn-{rank}.json").write_text(json.dumps({"layers": layers, "steps": t.global_step,
+                                                         "backend": str(dist.get_backend())}))
+    if rank == 0:
+        torch.save(params(t.wrapped.module), out / "syncbn.pt")
+    runtime.destroy_process_group()
+
+
 def ema(out: Path) -> None:
     """DDP and FSDP2 fits keeping an EMA; evaluation with and without it; the EMA a resume restores."""
     import torch.distributed as dist
@@ -438,4 +466,4 @@ if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
     {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema,
-     "worlds": worlds}[what](target)
+     "worlds": worlds, "syncbn_gpu": syncbn_gpu}[what](target)
