@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import torchrig
-from helpers import HELPERS, PYTHON, QUIET, TinyNet, make_classification, subprocess_env
+from helpers import HELPERS, PYTHON, QUIET, TinyNet, forkserver, make_classification, subprocess_env
 from torchrig.checkpoint import read_checkpoint, resolve
 from torchrig.runtime import RunStopped
 from torchrig.trainer import default_step
@@ -66,9 +66,12 @@ def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, na
     assert resumed.history == full.history[1:]  # the rows of epochs 2 and 3 alike, the restored sums in them
 
 
-def _start(run_dir: Path, *args: str, env=None, **popen) -> subprocess.Popen:
-    return subprocess.Popen([PYTHON, str(CHILD), str(run_dir), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=subprocess_env(**(env or {})), **popen)
+def _start(run_dir: Path, *args: str, env=None, start_new_session: bool = False) -> forkserver.Forked:
+    """signal_child.py, forked from the tests' fork server (a fork, not an interpreter start): the server has
+    installed no handler and started no thread, so the child's own fit installs torchrig's handlers as a fresh
+    interpreter would. The command-line windows (start-up, exit) and torchrig launch keep their own interpreter."""
+    return forkserver.popen([CHILD, run_dir, *args], env=subprocess_env(**(env or {})),
+                            start_new_session=start_new_session)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
