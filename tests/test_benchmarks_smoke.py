@@ -1,9 +1,9 @@
 """The benchmark scripts run (``--quick``: one short repetition) and report what they promise.
 
 Only the structure of their output is checked, never a timing: timings belong to the benchmarks
-themselves (see docs/performance.md), not to tests on shared machines. The four scripts run side
-by side to keep the wall time down; their quick results go to benchmarks/results/quick/, never over
-the published numbers.
+themselves (see docs/performance.md), not to tests on shared machines. The scripts run one after
+another: side by side on two shared cores they only queued behind each other (and behind the tests'
+own processes). Their quick results go to benchmarks/results/quick/, never over the published numbers.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run", "worker
 
 @pytest.fixture(scope="module")
 def quick_runs() -> dict:
-    procs = {name: subprocess.Popen([sys.executable, str(BENCH / f"{name}.py"), "--quick"], cwd=str(ROOT),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in SCRIPTS}
     out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"benchmarks/{name}.py --quick failed:\n{stderr[-3000:]}"
-        out[name] = (stdout, json.loads((QUICK / f"{name}.json").read_text()))
+    for name in SCRIPTS:
+        proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick"], cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, f"benchmarks/{name}.py --quick failed:\n{proc.stderr[-3000:]}"
+        out[name] = (proc.stdout, json.loads((QUICK / f"{name}.json").read_text()))
     return out
 
 

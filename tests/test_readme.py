@@ -45,3 +45,19 @@ def test_every_python_block_runs(tmp_path, monkeypatch, capsys):
     model, data = namespace["build_model"](cfg), namespace["build_data"](cfg)
     assert model(data[2][0]).shape == (100, 3)  # the command-line factories build what they promise
     torch.testing.assert_close(namespace["build_data"](cfg)[2][0], data[2][0])  # the same data when rebuilt
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs what the README tells a developer to run (its install and pytest command), plus
+    ``--durations=30``, with ``CI=true`` exported so that the two-machine test runs instead of skipping."""
+    text = README.read_text()
+    block = text[text.index("**Run the tests:**"):]
+    block = block[block.index("```bash\n") + 8:]
+    command = block[:block.index("\n```")].strip()
+    *install, pytest_cmd = [part.strip() for part in command.split("&&")]
+    ci = [line.strip() for line in (README.parent / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert "export CI=true" in ci
+    assert ci[-1] == f"{pytest_cmd} --durations=30"
+    pip = next(p for p in install if p.startswith("pip install"))
+    assert f"python -m {pip.replace('pip install', 'pip install --quiet')}" in ci

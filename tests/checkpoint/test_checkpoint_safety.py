@@ -16,15 +16,13 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import record_checksums
+from helpers import forkserver, record_checksums
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from torchrig import Trainer
@@ -61,9 +59,8 @@ def _env(**extra: str) -> dict:
 def built(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("safety")
     assert main(["train", *_sets(*QUICK, f"run_dir={root / 'plain'}")]) == 0
-    subprocess.run([sys.executable, "-c", BUILD_SHARDED, "train",
-                    *_sets(*QUICK, f"run_dir={root / 'sharded'}", "dist.strategy=fsdp")],
-                   env=_env(), check=True, capture_output=True, timeout=120)
+    forkserver.run(["-c", BUILD_SHARDED, "train", *_sets(*QUICK, f"run_dir={root / 'sharded'}", "dist.strategy=fsdp")],
+                   env=_env(), check=True, timeout=120)  # forked: its own process group, no interpreter start
     assert (root / "sharded" / "checkpoints" / STEP / "sharded" / ".metadata").exists()
     return root
 
@@ -400,8 +397,7 @@ def test_file_size_limit_while_saving_is_one_line_and_loses_nothing(tmp_path):
     """The kernel's own EFBIG (RLIMIT_FSIZE), no root needed, through the real command line in a child."""
     run = tmp_path / "run"
     argv = ["train", *_sets(*QUICK, "max_steps=4", "checkpoint.every_steps=2", f"run_dir={run}")]
-    proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, *argv], env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = forkserver.run(["-c", FILE_SIZE_LIMIT, *argv], env=_env(), timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"torchrig: error: no space left on device (EFBIG: File too large) while saving checkpoint step 4 to "
@@ -432,8 +428,7 @@ def test_shard_write_error_while_saving_is_one_line_and_loses_nothing(tmp_path):
     """FSDP: the shards are written by DCP on every rank; its failure is reported like any other."""
     run = tmp_path / "run"
     argv = ["train", *_sets(*QUICK, "max_steps=4", "checkpoint.every_steps=2", f"run_dir={run}", "dist.strategy=fsdp")]
-    proc = subprocess.run([sys.executable, "-c", SHARD_WRITE_FAILS, *argv], env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = forkserver.run(["-c", SHARD_WRITE_FAILS, *argv], env=_env(), timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"torchrig: error: no space left on device while saving checkpoint step 4 to {run / 'checkpoints'}; the "

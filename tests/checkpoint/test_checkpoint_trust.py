@@ -21,7 +21,7 @@ import yaml
 
 from torchrig.cli import main
 
-from helpers import one_line_error, record_checksums
+from helpers import forkserver, one_line_error, record_checksums
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "trustproj"  # a package name no other test uses
@@ -296,14 +296,12 @@ def _commands(root: Path, run: Path) -> dict[str, list[str]]:
 
 def _attack(root: Path, tmp_path: Path, port: int, command: list[str], *victim_extra: str):
     """Start the attacker on ``port``, then the victim's ``torchrig COMMAND``; (victim's result, marker, joined)."""
-    import subprocess
-
     marker, joined = tmp_path / "pwned", tmp_path / "joined"
-    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(marker), str(joined), str(port), *command],
-                                cwd=root, env=_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # both forked from the tests' fork server: real processes with their own sockets, no interpreter start
+    attacker = forkserver.popen(["-c", ATTACKER, marker, joined, port, *command], cwd=root, env=_subprocess_env())
     try:
-        victim = subprocess.run([sys.executable, "-m", "torchrig.cli", *command, *victim_extra], cwd=root,
-                                env=_subprocess_env(), capture_output=True, text=True, timeout=240)
+        victim = forkserver.run(["-m", "torchrig.cli", *command, *victim_extra], cwd=root, env=_subprocess_env(),
+                                timeout=240)
     finally:
         attacker.kill()
         attacker.wait()

@@ -12,12 +12,10 @@ import hashlib
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import drop_checksums, subprocess_env
+from helpers import drop_checksums, forkserver, subprocess_env
 
 from torchrig.checkpoint import CheckpointError, CorruptCheckpointError, load_weights_file, read_checkpoint
 from torchrig.cli import main
@@ -41,9 +39,8 @@ def _sets(*pairs: str) -> list[str]:
 def built(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("checksums")
     assert main(["train", *_sets(*QUICK, f"run_dir={root / 'plain'}")]) == 0
-    subprocess.run([sys.executable, "-c", BUILD_SHARDED, "train",
-                    *_sets(*QUICK, f"run_dir={root / 'sharded'}", "dist.strategy=fsdp")],
-                   env=subprocess_env(), check=True, capture_output=True, timeout=300)
+    forkserver.run(["-c", BUILD_SHARDED, "train", *_sets(*QUICK, f"run_dir={root / 'sharded'}", "dist.strategy=fsdp")],
+                   env=subprocess_env(), check=True, timeout=300)  # forked: its own process group, no interpreter start
     return root
 
 

@@ -10,13 +10,11 @@ a MemoryError, not eat the machine), and expects one line naming the file.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PYTHON, record_checksums, subprocess_env
+from helpers import forkserver, record_checksums, subprocess_env
 
 from torchrig.config import ConfigError, load_config
 
@@ -26,13 +24,11 @@ QUICK = ["--set", "epochs=1", "--set", "max_steps=2", "--set", "log.plot=false",
 OTHER = "use another checkpoint (RUN_DIR/checkpoints/)"
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
-
-
 def _torchrig(*args: str, cwd: Path) -> tuple[int, list[str]]:
-    r = subprocess.run([PYTHON, "-m", "torchrig", *args], cwd=cwd, env=subprocess_env(), capture_output=True,
-                       text=True, timeout=180, preexec_fn=_limit_memory)
+    """``python -m torchrig ARGS`` with a timeout and a 3 GiB data limit, forked from the tests' fork server (the
+    command's own main, in a process of its own, without an interpreter start)."""
+    r = forkserver.run(["-m", "torchrig", *args], cwd=cwd, env=subprocess_env(), timeout=180,
+                       rlimits={"RLIMIT_DATA": (3 << 30, 3 << 30)})
     return r.returncode, r.stderr.strip().splitlines()
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import (HELPERS, PYTHON, QUIET, AugmentedDataset, gan_models, gan_step, make_classification, read_jsonl,
+from helpers import (HELPERS, forkserver, QUIET, AugmentedDataset, gan_models, gan_step, make_classification, read_jsonl,
                      subprocess_env)
 from safetensors.torch import load_file
 from torch import nn
@@ -188,31 +187,32 @@ def test_resume_restores_best_tracking_and_skipped_steps(tmp_path):
 CHILD = str(HELPERS / "resume_child.py")
 
 
-def _start(run_dir: Path, opts: dict, **env) -> subprocess.Popen:
+def _start(run_dir: Path, opts: dict, **env) -> forkserver.Forked:
+    """resume_child.py, forked from the tests' fork server: a SIGKILL test needs a real process, not a fresh
+    interpreter (the child imports torchrig and the helpers itself)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "paused").unlink(missing_ok=True)
-    return subprocess.Popen([PYTHON, CHILD, str(run_dir), json.dumps(opts)], env=subprocess_env(**env),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return forkserver.popen([CHILD, run_dir, json.dumps(opts)], env=subprocess_env(**env))
 
 
-def _wait(proc: subprocess.Popen, until, timeout=120.0):
+def _wait(proc: forkserver.Forked, until, timeout=120.0):
     deadline = time.time() + timeout
     while not until():
         if proc.poll() is not None:
-            raise AssertionError(f"child exited ({proc.returncode}) early:\n{proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"child exited ({proc.returncode}) early:\n{proc.communicate()[1][-3000:]}")
         if time.time() > deadline:
             proc.kill()
             raise AssertionError("child took too long")
         time.sleep(0.02)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: forkserver.Forked) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
 
-def _finish(proc: subprocess.Popen) -> None:
+def _finish(proc: forkserver.Forked) -> None:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PYTHON, read_jsonl, subprocess_env
+from helpers import PYTHON, forkserver, read_jsonl, subprocess_env
 
 from torchrig.checkpoint import resolve
 from torchrig.checkpoint.rundir import LOCK_NAME, RunDirError, RunLock, numbered_run_dir, trim_metrics
@@ -39,8 +39,7 @@ def holder(tmp_path):
 
     def start(run_dir: Path) -> subprocess.Popen:
         ready = tmp_path / f"ready-{len(procs)}"
-        proc = subprocess.Popen([PYTHON, "-c", HOLDER, str(run_dir), str(ready)], env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = forkserver.popen(["-c", HOLDER, run_dir, ready], env=subprocess_env())  # a fork: a process, not an interpreter
         procs.append(proc)
         deadline = time.time() + 120
         while not ready.exists():
@@ -151,8 +150,7 @@ def test_simultaneous_starts_exactly_one_trains(tmp_path):
     procs = []
     for i in range(2):
         ready = tmp_path / f"ready-{i}"
-        procs.append((subprocess.Popen([PYTHON, "-c", RACER, str(run), str(ready), str(go)], env=subprocess_env(),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), ready))
+        procs.append((forkserver.popen(["-c", RACER, run, ready, go], env=subprocess_env()), ready))
     try:
         deadline = time.time() + 120
         while not all(ready.exists() for _, ready in procs):

@@ -5,6 +5,8 @@
     python tests/helpers/dist_worker.py features OUT   # file:// pair: DDP options, gradient syncs, metrics, SyncBatchNorm on CPU
     python tests/helpers/dist_worker.py trackers OUT   # file:// pair: a CSV tracker, FLOP counting, the profiler
     python tests/helpers/dist_worker.py ema    OUT     # file:// pair: DDP and FSDP2 fits with an EMA of the weights, resumed
+    python tests/helpers/dist_worker.py worlds OUT     # file:// pair: logged train values; resumes across world sizes
+    python tests/helpers/dist_worker.py syncbn_gpu OUT # file:// pair on one GPU (gloo): SyncBatchNorm's global statistics
     python tests/helpers/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/helpers/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
 
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 SEED = 0
-N_TRAIN, N_EVAL, FEATURES, CLASSES = 96, 37, 16, 4
+N_TRAIN, N_EVAL, FEATURES, CLASSES = 93, 37, 16, 4  # 93: the last global batch of 8 is short (5 = 3 + 2)
 QUIET = {"log.progress": "none", "log.tensorboard": False, "log.plot": False}
 
 
@@ -317,6 +319,78 @@ def features(out: Path) -> None:
     runtime.destroy_process_group()  # torchrig's: collects DDP wrappers in cycles, gives gloo's threads a moment
 
 
+def dropout_model() -> nn.Module:
+    """make_model with a dropout: what a resume restores includes every rank's random streams."""
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, CLASSES))
+
+
+def recording_step(rows: list):
+    """default_step that appends ``[epoch, optimizer step, first features of the batch's samples]`` per micro-batch
+    (feature 0 of train_data() tells the samples apart), fillers (weight 0) left out."""
+    from torchrig.trainer.step import default_step
+
+    def step_fn(step, batch):
+        if step.weight:
+            rows.append([step.epoch, step.global_step + 1, batch[0][:, 0].tolist()])
+        return default_step(step, batch)
+
+    return step_fn
+
+
+def worlds(out: Path) -> None:
+    """(1) a DDP fit logging every 4 steps, so rank 0's metrics.jsonl holds train/loss and train/accuracy to
+    compare with one process; (2) a DDP fit stopped by max_steps in epoch 2, whose checkpoint the test resumes in
+    one process; (3) the test's one-process checkpoint (``ONE_RUN``, stopped in epoch 2) resumed on two ranks,
+    recording the samples each rank trains on from there."""
+    import torch.distributed as dist
+
+    from torchrig import Trainer, runtime
+
+    x, y = train_data()
+    logged = Trainer(make_model(), **settings(out / "logged", strategy="ddp", **{"log.every_steps": 4}),
+                     **_pair_kwargs())
+    logged.fit((x, y))
+    cut = Trainer(dropout_model(), **settings(out / "cut", strategy="ddp", max_steps=14), **_pair_kwargs())
+    cut.fit((x, y))
+    rows: list = []
+    on = Trainer(dropout_model(), step_fn=recording_step(rows),
+                 **settings(Path(os.environ["ONE_RUN"]), strategy="ddp", resume="latest"), **_pair_kwargs())
+    on.fit((x, y))
+    rank = dist.get_rank()
+    (out / f"worlds-{rank}.json").write_text(json.dumps({"rows": rows, "step": on.global_step}))
+    if rank == 0:
+        torch.save(params(on.model), out / "worlds-resumed.pt")
+    runtime.destroy_process_group()
+
+
+def batchnorm_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+
+def syncbn_gpu(out: Path) -> None:
+    """Both ranks on cuda:0 over gloo (NCCL refuses two ranks on one GPU; torch's SyncBatchNorm all-gathers its
+    statistics through gloo as well): a DDP fit with dist.sync_batchnorm=true; rank 0 saves the weights and
+    BatchNorm buffers, each rank what its model's layers became. fp32 matmuls in IEEE fp32 (no TF32), so the
+    comparison with one process is one of float rounding only."""
+    import torch.distributed as dist
+
+    from torchrig import Trainer, runtime
+
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # chosen here: torchrig leaves it as it is
+    t = Trainer(batchnorm_model(), **settings(out / "syncbn", strategy="ddp", device="cuda:0", sync_batchnorm=True,
+                                              metrics=[], **{"dist.backend": "gloo"}), **_pair_kwargs())
+    layers = [type(m).__name__ for m in t.wrapped.module]
+    t.fit(train_data())
+    rank = dist.get_rank()
+    (out / f"syncbn-{rank}.json").write_text(json.dumps({"layers": layers, "steps": t.global_step,
+                                                         "backend": str(dist.get_backend())}))
+    if rank == 0:
+        torch.save(params(t.wrapped.module), out / "syncbn.pt")
+    runtime.destroy_process_group()
+
+
 def ema(out: Path) -> None:
     """DDP and FSDP2 fits keeping an EMA; evaluation with and without it; the EMA a resume restores."""
     import torch.distributed as dist
@@ -391,4 +465,5 @@ if __name__ == "__main__":
         sys.exit(cli(sys.argv[2:]))
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema}[what](target)
+    {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema,
+     "worlds": worlds, "syncbn_gpu": syncbn_gpu}[what](target)

@@ -203,26 +203,47 @@ def test_sync_batchnorm_on_cpu_warns_instead_of_failing_later():
     assert isinstance(model[1], nn.BatchNorm1d)
 
 
-@pytest.mark.gpu  # torch's SyncBatchNorm runs on GPUs only
-def test_sync_batchnorm_converts_batchnorm_layers_on_gpu(make_trainer, data, tmp_path):
-    import torch.distributed as dist
-
+@pytest.mark.gpu  # torch's SyncBatchNorm runs on GPUs only: no CPU stand-in (it refuses CPU input)
+@pytest.mark.slow
+def test_sync_batchnorm_on_two_ranks_of_one_gpu_equals_one_process_with_the_global_batch(tmp_path):
+    """Two ranks share the one GPU over gloo (NCCL refuses two ranks on one device; torch's SyncBatchNorm
+    all-gathers its statistics through gloo too). In a one-rank group SyncBatchNorm falls back to plain
+    batch_norm, so two ranks are the least that tests it. 93 samples, batch 4 per rank: each rank normalises
+    with the statistics of the global batch of 8 (3 + 2 in the short last one), so weights and running
+    statistics equal one process's plain BatchNorm at batch 8 (rank-local statistics over 4 samples would be
+    far off), and the checkpoint loads into the model with plain BatchNorm."""
+    from helpers import dist_procs
+    from helpers import dist_worker as W
+    from torchrig import Trainer
     from torchrig.checkpoint import load_weights
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:  # strategy=ddp wraps in an existing one-rank group
-        trainer = make_trainer(model, device="cuda", strategy="ddp", sync_batchnorm=True)
-        assert isinstance(trainer.wrapped, nn.parallel.DistributedDataParallel)
-        assert isinstance(trainer.wrapped.module[1], nn.SyncBatchNorm)
-        assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in trainer.wrapped.modules()) == 1
-        trainer.fit(data)
-        assert trainer.global_step == 5 and trainer.wrapped.module[1].num_batches_tracked.item() == 5
+    results = dist_procs.pair("syncbn_gpu", tmp_path, tmp_path / "init-store", timeout=300)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    import json
+
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"syncbn-{rank}.json").read_text())
+        assert report == {"layers": ["Linear", "SyncBatchNorm", "ReLU", "Linear"], "steps": 24, "backend": "gloo"}
+    matmul, threads = torch.backends.cuda.matmul, torch.get_num_threads()
+    before = (matmul.fp32_precision, torch.get_float32_matmul_precision())
+    try:
+        matmul.fp32_precision = "ieee"  # as in the workers: no TF32
+        one = Trainer(W.batchnorm_model(), **W.settings(tmp_path / "one", strategy="none", batch_size=8,
+                                                        device="cuda:0", metrics=[], threads=None))
+        one.fit(W.train_data())
     finally:
-        dist.destroy_process_group()
-    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    load_weights(plain, tmp_path / "run")  # the checkpoint still loads into the model with plain BatchNorm
-    assert torch.equal(plain[1].running_mean, trainer.wrapped.module[1].running_mean.cpu())
+        torch.set_float32_matmul_precision(before[1])
+        matmul.fp32_precision = before[0]
+        torch.set_num_threads(threads)
+    want, got = W.params(one.model), torch.load(tmp_path / "syncbn.pt")
+    assert want.keys() == got.keys() and "1.running_var" in got
+    assert int(got["1.num_batches_tracked"]) == 24
+    for k in want:
+        torch.testing.assert_close(got[k].double(), want[k].double(), rtol=0, atol=1e-4, msg=k)
+    plain = W.batchnorm_model()
+    load_weights(plain, tmp_path / "syncbn" / "checkpoints" / "latest")  # plain BatchNorm1d takes it as it is
+    assert torch.equal(plain[1].running_mean, got["1.running_mean"])
 
 
 def test_ddp_and_fsdp_need_a_process_group():

@@ -154,17 +154,58 @@ def test_pinned_fast_path_and_overlapped_copy():
     assert all(torch.equal(a.cpu(), b) for m, h in zip(moved, host) for a, b in zip(m, h))
 
 
-@pytest.mark.gpu
-def test_select_device_sets_the_current_device():
+SELECTIONS = [("cuda:{last}", None), ("cuda", "last"), ("auto", "last")]  # (device, local_rank)
+
+
+def _watch_set_device(monkeypatch, real) -> list:
+    """Record every torch.cuda.set_device call (and pass it on to ``real``): on one GPU the current device is cuda:0
+    whether or not it was set, so only the call shows that it was."""
+    calls: list = []
+
+    def set_device(d):
+        calls.append(torch.device("cuda", d) if isinstance(d, int) else torch.device(d))
+        real(d)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    return calls
+
+
+@pytest.mark.parametrize("name, local_rank", SELECTIONS)
+def test_select_device_makes_the_chosen_gpu_current_on_a_stand_in(monkeypatch, name, local_rank):
+    """On the CPU, a stand-in for two GPUs (torch.cuda's availability, count and current device): whichever way
+    cuda:1 is chosen (by name, by the local rank, by ``auto``), it becomes the current device."""
     from torchrig.runtime import select_device
 
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    calls = _watch_set_device(monkeypatch, lambda d: current.__setitem__(0, torch.device(d).index if not
+                                                                          isinstance(d, int) else d))
+    dev = select_device(name.format(last=1), 1 if local_rank else None)
+    assert dev == torch.device("cuda", 1)
+    assert calls == [dev] and torch.cuda.current_device() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, local_rank", SELECTIONS)
+def test_select_device_sets_the_current_device(monkeypatch, name, local_rank):
+    """The chosen GPU becomes the current device (collectives, NCCL barriers and torch.cuda calls without an index
+    use it). The current device starts at cuda:0 and the last GPU is chosen; on a one-GPU machine that is cuda:0
+    too, and the watched torch.cuda.set_device call is what can fail."""
+    from torchrig.runtime import select_device
+
+    real = torch.cuda.set_device
     last = torch.cuda.device_count() - 1
     before = torch.cuda.current_device()
     try:
-        assert select_device(f"cuda:{last}") == torch.device("cuda", last)
-        assert torch.cuda.current_device() == last
+        real(0)
+        calls = _watch_set_device(monkeypatch, real)
+        dev = select_device(name.format(last=last), last if local_rank else None)
+        assert dev == torch.device("cuda", last)
+        assert calls == [dev] and torch.cuda.current_device() == last
     finally:
-        torch.cuda.set_device(before)
+        real(before)
 
 
 def test_ddp_gets_the_buffer_switch(tmp_path):

@@ -207,12 +207,70 @@ def test_precision_aliases(alias, name):
     assert make_precision(alias, torch.device("cpu")).name == name
 
 
-@pytest.mark.gpu
-def test_fp16_on_cuda_uses_a_grad_scaler(make_trainer, data):
-    trainer = make_trainer(precision="fp16", device="cuda", epochs=2)
-    assert trainer.precision.scaler is not None
+class InfGradAtThirdBatch(TinyNet):
+    """TinyNet whose third forward's output gets an infinite gradient in backward: the overflow fp16 gradients
+    meet, with a finite loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.calls += 1
+        if self.calls == 3:
+            out.register_hook(lambda g: g * float("inf"))
+        return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp16_scales_the_loss_unscales_the_update_and_backs_off_after_an_overflow(make_trainer, data, monkeypatch,
+                                                                                   device):
+    """precision=fp16 (a GradScaler): the gradient backward puts on a weight is the loss's gradient times the scale;
+    the optimizer's update is that of the gradient divided back (SGD's first step: lr × the hand gradient); a window
+    whose gradients overflow changes no weight and halves the scale. precision=fp16 needs CUDA; on the CPU the
+    GradScaler torch has for it stands in (float16 autocast and a CPU scaler)."""
+    import torchrig
+    from helpers import fp16_precision
+
+    if device == "cpu":
+        monkeypatch.setattr(torchrig.runtime, "make_precision", lambda name, dev: fp16_precision(2.0 ** 16))
+    torch.manual_seed(0)
+    scales, weights = [], []
+
+    class Watch:  # after each window: the scale it left and the head's weight
+        def on_step_end(self, trainer, outputs):
+            scales.append(trainer.precision.scaler.get_scale())
+            weights.append(trainer.model.head.weight.detach().float().cpu().clone())
+
+    trainer = make_trainer(InfGradAtThirdBatch(), precision="fp16", device=device, batch_size=4, shuffle=False,
+                           log_every=1, callbacks=[Watch()])
+    scaler = trainer.precision.scaler
+    assert trainer.precision.dtype is torch.float16 and scaler is not None and scaler.is_enabled()
+    assert scaler.get_scale() == 2.0 ** 16  # torch's starting scale
+    # a scale at which this net's first gradients fit in fp16 (at 2^16 they may not, and the first window would
+    # be skipped too): set through the scaler's public state, as a checkpoint would
+    scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0 ** 10))
+    w = trainer.model.head.weight
+    w0 = w.detach().float().cpu().clone()
+    reference = TinyNet()  # the hand gradient of the first batch, in fp32 on the CPU
+    reference.load_state_dict({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()})
+    x, y = data.tensors[0][:4], data.tensors[1][:4]
+    hand = torch.autograd.grad(torch.nn.functional.cross_entropy(reference(x), y), reference.head.weight)[0]
+    in_backward = []
+    w.register_hook(lambda g: in_backward.append(g.detach().float().cpu().clone()))
     trainer.fit(data)
-    assert trainer.global_step == 10
+
+    def close(a, b):  # fp16 products: a few parts in a thousand
+        return (a - b).abs().max().item() <= 1e-2 * b.abs().max().item()
+
+    assert len(in_backward) == 10 and trainer.global_step == 10
+    assert close(in_backward[0], hand * 2.0 ** 10), "backward's gradient is not the loss's times the scale"
+    assert close((w0 - weights[0]) / 0.05, hand), "the update is not the unscaled gradient's (lr 0.05)"
+    assert not torch.isfinite(in_backward[2]).all() and torch.equal(weights[2], weights[1])  # the overflow: no update
+    assert not torch.equal(weights[3], weights[2])  # the next window updates again
+    assert scales == [2.0 ** 10] * 2 + [2.0 ** 9] * 8  # halved once (growth needs 1000 or more good windows)
+    assert trainer.skipped_steps == 1
 
 
 def _draws() -> tuple:

@@ -24,7 +24,7 @@ class Interrupted(Exception):
 
 
 def _data():
-    x, y = make_classification(n=40)
+    x, y = make_classification(n=38)  # batches of 8: 5 an epoch, the last of 6
     return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
 
 
@@ -62,9 +62,9 @@ def test_resume_with_ema_is_bitwise_equal_to_uninterrupted(tmp_path):
     part = _trainer(tmp_path / "part")
     real = part._save
 
-    def save(metrics=None, final=False):  # stop right after the checkpoint of step 6 (mid epoch 2)
+    def save(metrics=None, final=False):  # stop right after the checkpoint of step 10 (epoch 2's last, short window)
         path = real(metrics=metrics, final=final)
-        if part.global_step == 6:
+        if part.global_step == 10:
             raise Interrupted
         return path
 
@@ -73,7 +73,7 @@ def test_resume_with_ema_is_bitwise_equal_to_uninterrupted(tmp_path):
         part.fit(train, val_data=val)
     resumed = _trainer(tmp_path / "part")
     resumed.fit(train, val_data=val)
-    assert resumed.resumed_from.name == "step-00000006"
+    assert resumed.resumed_from.name == "step-00000010"
     assert resumed.ema.num_updates == whole.ema.num_updates == 15
     for a, b in zip(whole.ema.shadow, resumed.ema.shadow):
         assert torch.equal(a, b)
@@ -145,3 +145,71 @@ def test_ema_under_ddp_and_fsdp2_two_ranks(tmp_path):
     assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
     for kind in ("ema", "raw"):  # FSDP2 evaluates the EMA shards it swapped in, as DDP does the full weights
         assert reports[0]["fsdp"][kind]["loss"] == pytest.approx(reports[0]["ddp"][kind]["loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- skipped and accumulation windows
+
+
+def _nan_in(window: int, micro: int):
+    """A step function that feeds NaN features to micro-batch ``micro`` (0-based) of optimizer window ``window``
+    (1-based, counted over the whole run): that window's loss and gradients are NaN."""
+    from torchrig.trainer import default_step
+
+    def step_fn(step, batch):
+        if step.global_step + 1 == window and step.batch_index % step.window_size == micro:
+            x, y = batch
+            batch = (x * float("nan"), y)
+        return default_step(step, batch)
+
+    return step_fn
+
+
+def _hand_ema(applied: list, skipped: set, windows: int, decay: float) -> list:
+    """The average with warm-up over ``windows`` optimizer windows, from the parameters after each applied update
+    (``applied``, in order): a skipped window leaves the average as it is but counts for the warm-up."""
+    e, it = None, iter(applied)
+    current = None
+    for n in range(windows):
+        if n + 1 not in skipped:
+            current = next(it)
+        if e is None:
+            e = [p.clone() for p in current]  # the first update starts from the weights
+            continue
+        if n + 1 in skipped:
+            continue
+        d = min(decay, (1 + n) / (10 + n))
+        e = [a + (1 - d) * (p - a) for a, p in zip(e, current)]
+    return e
+
+
+@pytest.mark.parametrize("accumulate, skip_micro", [(1, 0), (3, 1)], ids=["whole_batches", "accumulation"])
+def test_ema_stands_still_on_a_skipped_window_and_moves_once_per_window(tmp_path, accumulate, skip_micro):
+    """38 samples in micro-batches of 4 (the last of 2): with accumulate=3 an epoch is windows of 3, 3, 3 and 1
+    micro-batches. A NaN micro-batch in window 6 (epoch 2; with accumulation its middle micro-batch) skips that
+    window: the EMA must not move there, and must move once per window, never per micro-batch."""
+    x, y = make_classification(n=38)
+    per_epoch = 10 if accumulate == 1 else 4
+    bad = 6 if accumulate == 3 else per_epoch + 4
+    class Snapshots:  # after the EMA's own on_step_end: the average at the end of each window
+        def __init__(self):
+            self.rows = []
+
+        def on_step_end(self, trainer, outputs):
+            self.rows.append([s.clone() for s in trainer.ema.shadow])
+
+    snaps = Snapshots()
+    t = _trainer(tmp_path / "run", batch_size=4, epochs=2, accumulate=accumulate, optimizer="sgd", lr=0.1,
+                 on_nonfinite="skip", checkpoint_every=0, resume=None, step_fn=_nan_in(bad, skip_micro),
+                 callbacks=[snaps])
+    applied = []  # the parameters after every update the optimizer really made
+    t.optimizers["default"].register_step_post_hook(
+        lambda *a: applied.append([p.detach().clone() for p in t.model.parameters()]))
+    t.fit(TensorDataset(x, y))
+    windows = 2 * per_epoch
+    assert t.global_step == windows and t.skipped_steps == 1 and len(applied) == windows - 1
+    assert t.ema.num_updates == windows and len(snaps.rows) == windows  # one update per window
+    before, after = snaps.rows[bad - 2], snaps.rows[bad - 1]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the EMA moved on a skipped window"
+    want = _hand_ema(applied, {bad}, windows, 0.8)
+    for got, w in zip(t.ema.shadow, want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-6)

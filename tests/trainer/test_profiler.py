@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 
 import pytest
 import torch
@@ -58,7 +60,27 @@ def test_the_command_line_flag_sets_the_default_window():
     assert build_parser().parse_args(["train"]).profile is False
 
 
-@pytest.mark.gpu
+class PlainData(pickle.Unpickler):
+    """Reads a pickle of plain data only (dicts, lists, strings, numbers): any class or function it names is refused,
+    so reading it can run nothing."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"the pickle names {module}.{name}: not plain data")
+
+
+@pytest.mark.gpu  # the snapshot records the CUDA allocator: no CPU stand-in
 def test_memory_snapshot_on_gpu(tmp_path):
+    """The snapshot is plain data (read without running anything) and holds the allocator's records of the profiled
+    steps: allocations whose Python stack runs through torchrig's training step into TinyNet's forward."""
     fit(tmp_path, [1, 2], memory_snapshot=True, device="cuda")
-    assert (tmp_path / "profile" / "memory_snapshot.pickle").stat().st_size > 0
+    with open(tmp_path / "profile" / "memory_snapshot.pickle", "rb") as f:
+        snap = PlainData(f).load()
+    assert {"segments", "device_traces"} <= set(snap)
+    allocs = [e for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"]
+    assert allocs and all(e["size"] > 0 for e in allocs)
+    stacks = [[fr["filename"].replace(os.sep, "/") for fr in e.get("frames", [])] for e in allocs]
+    model = TinyNet.forward.__code__.co_filename.replace(os.sep, "/")
+    package = os.path.dirname(torchrig.__file__).replace(os.sep, "/") + "/"
+    ours = [s for s in stacks if model in s and any(f.startswith(package) for f in s)]
+    assert ours, f"no allocation made in TinyNet.forward under the training step among {len(allocs)}"
+    assert any(b["allocated_size"] > 0 for b in snap["segments"])  # the run's memory, still held at the dump

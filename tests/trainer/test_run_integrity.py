@@ -155,14 +155,33 @@ def test_resume_best_without_a_best_checkpoint_fails(tmp_path):
                               f"or a checkpoint directory")
 
 
-def test_state_without_counters_refuses(tmp_path):
+def _drop(key: str):
+    def drop(state: dict) -> None:
+        del state[key]
+    return drop
+
+
+def _drop_optimizer(state: dict) -> None:
+    del state["optimizers"]["default"]  # the entry is there, the run's optimizer is not in it
+
+
+@pytest.mark.parametrize("edit, lacks", [(_drop("counters"), "counters"), (_drop("rng"), "rng"),
+                                         (_drop("optimizers"), "optimizers"),
+                                         (_drop_optimizer, "the state of optimizer 'default'")],
+                         ids=["counters", "rng", "optimizers", "one_optimizer"])
+def test_state_without_counters_rng_or_optimizer_refuses(tmp_path, edit, lacks):
+    """Without any one of them a resume would silently start that part afresh (step 0, new random
+    streams, an optimizer without momentum): refused, the checkpoint left as it was."""
     run = tmp_path / "run"
     _trainer(run, max_steps=3).fit(_data())
     latest = resolve("latest", run)
     state, _, _ = read_checkpoint(latest)
-    del state["rng"]
+    edit(state)
     torch.save(state, latest / "state.pt")
-    record_checksums(latest)  # a whole checkpoint, only without RNG states
-    with pytest.raises(CheckpointError, match=r"state.pt lacks rng, so it cannot resume exactly; set "
-                                              r"resume_weights_only=true to load its weights only"):
+    record_checksums(latest)  # a whole checkpoint, only without that part
+    before = (latest / "state.pt").read_bytes()
+    with pytest.raises(CheckpointError) as err:
         _trainer(run, resume="latest", max_steps=5).fit(_data())
+    assert str(err.value) == (f"checkpoint '{latest}' state.pt lacks {lacks}, so it cannot resume exactly; set "
+                              f"resume_weights_only=true to load its weights only")
+    assert (latest / "state.pt").read_bytes() == before and resolve("latest", run) == latest

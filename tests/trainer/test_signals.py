@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import torchrig
-from helpers import HELPERS, PYTHON, QUIET, TinyNet, make_classification, subprocess_env
+from helpers import HELPERS, PYTHON, QUIET, TinyNet, forkserver, make_classification, subprocess_env
 from torchrig.checkpoint import read_checkpoint, resolve
 from torchrig.runtime import RunStopped
 from torchrig.trainer import default_step
@@ -28,18 +28,21 @@ def _fit(run_dir, step_fn=None, **kw):
                 checkpoint_every_epochs=0)
     opts.update(kw)
     trainer = torchrig.Trainer(TinyNet(dropout=0.2), step_fn=step_fn, **opts)
-    x, y = make_classification(40)
+    x, y = make_classification(38)  # 10 batches an epoch, the last of 2 samples
     trainer.fit(TensorDataset(x, y))
     return trainer
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGUSR1"])
-def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, name):
+@pytest.mark.parametrize("name, at", [("SIGTERM", 14), ("SIGINT", 14), ("SIGUSR1", 14), ("SIGTERM", 20)],
+                         ids=["SIGTERM", "SIGINT", "SIGUSR1", "SIGTERM-last-window"])
+def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, name, at):
+    """Mid-epoch 2 (step 14), and in epoch 2's last, short window (step 20): the resume then starts by ending
+    epoch 2 (its row, its metrics) before epoch 3, as the uninterrupted run did."""
     full = _fit(tmp_path / "full")
 
     def step_with_signal(step, batch):
         out = default_step(step, batch)
-        if step.sync_gradients and step.global_step == 13:  # during optimizer step 14
+        if step.sync_gradients and step.global_step == at - 1:  # during optimizer step `at`
             os.kill(os.getpid(), getattr(signal, name))
         return out
 
@@ -47,22 +50,28 @@ def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, na
     with pytest.raises(RunStopped) as stop:
         _fit(run, step_fn=step_with_signal)
     assert stop.value.code == CODES[name]
-    line = f"stopped by {name} at step 14; checkpoint {run}/checkpoints/step-00000014; continue with --set resume=latest"
+    line = (f"stopped by {name} at step {at}; checkpoint {run}/checkpoints/step-{at:08d}; continue with "
+            f"--set resume=latest")
     assert str(stop.value) == line
     assert line in capsys.readouterr().err
-    assert resolve("latest", run).name == "step-00000014"
+    assert resolve("latest", run).name == f"step-{at:08d}"
     state, meta, _ = read_checkpoint(resolve("latest", run))
-    assert state["counters"]["global_step"] == 14 and state["counters"]["batch_in_epoch"] == 4  # mid-epoch 2
+    assert state["counters"]["global_step"] == at
+    assert (state["counters"]["epoch"], state["counters"]["batch_in_epoch"]) == (1, at - 10)  # in epoch 2
     assert signal.getsignal(getattr(signal, name)) in (signal.SIG_DFL, signal.default_int_handler)  # restored
     resumed = _fit(run, resume="latest")
     assert resumed.global_step == full.global_step == 30
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+    assert resumed.history == full.history[1:]  # the rows of epochs 2 and 3 alike, the restored sums in them
 
 
-def _start(run_dir: Path, *args: str, env=None, **popen) -> subprocess.Popen:
-    return subprocess.Popen([PYTHON, str(CHILD), str(run_dir), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=subprocess_env(**(env or {})), **popen)
+def _start(run_dir: Path, *args: str, env=None, start_new_session: bool = False) -> forkserver.Forked:
+    """signal_child.py, forked from the tests' fork server (a fork, not an interpreter start): the server has
+    installed no handler and started no thread, so the child's own fit installs torchrig's handlers as a fresh
+    interpreter would. The command-line windows (start-up, exit) and torchrig launch keep their own interpreter."""
+    return forkserver.popen([CHILD, run_dir, *args], env=subprocess_env(**(env or {})),
+                            start_new_session=start_new_session)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -299,7 +299,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint '{path}' state.pt lacks {', '.join(missing)}, so it cannot resume "
                                   f"exactly; set resume_weights_only=true to load its weights only")
         model, optimizers = states["model"], states["optimizers"]
-        if self.sharded or (path / "sharded").exists():
+        sharded_dir = self.sharded or (path / "sharded").exists()  # its optimizers live in sharded/, checked there
+        lost = [] if sharded_dir else [k for k in optimizers if k not in state["optimizers"]]
+        if lost:  # loading the others would leave this one fresh (no momentum, no Adam moments): not exact
+            raise CheckpointError(f"checkpoint '{path}' state.pt lacks the state of optimizer "
+                                  f"{', '.join(repr(k) for k in lost)}, so it cannot resume exactly; set "
+                                  f"resume_weights_only=true to load its weights only")
+        if sharded_dir:
             from . import sharded
 
             sharded.load(model, optimizers, path, print_fn)

@@ -19,7 +19,9 @@ def select_device(name: str = "auto", local_rank: Optional[int] = None) -> torch
     name = (name or "auto").lower()
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", (local_rank or 0) % max(1, torch.cuda.device_count()))
+            dev = torch.device("cuda", (local_rank or 0) % max(1, torch.cuda.device_count()))
+            use_device(dev)  # as for an explicit cuda:N: this rank's GPU, not cuda:0, is the current device
+            return dev
         mps = getattr(torch.backends, "mps", None)
         if mps is not None and mps.is_available():
             return torch.device("mps")

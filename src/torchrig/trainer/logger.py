@@ -50,8 +50,8 @@ class MetricsLogger:
     def record(self, out: Optional[dict], n: int, weight: Any = 1, batch: Any = None) -> None:
         """Add one micro-batch's values, weighted by ``weight``: the items its loss is a mean over (samples
         or valid tokens, a tensor that stays on the device), so that a logged mean is the mean over the
-        items of this rank, as the optimizer step's loss is (the ranks' means are then averaged). ``batch``
-        gives the token count of token data."""
+        items of every rank, as the optimizer step's loss is (sums and counts are added over the ranks at a
+        row). ``batch`` gives the token count of token data."""
         self.count = self.count + weight
         self.samples += n
         if batch is not None:
@@ -86,8 +86,7 @@ class MetricsLogger:
         """An interval row: means since the last row, throughput, and ``extra`` (metrics, lr …)."""
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
-        values = {f"train/{k}": v / max(1e-12, float(self.count)) for k, v in self._fold().items()}
-        values = _mean_over_ranks(values, self.world_size, self.device)
+        values = _mean_over_items(self._fold(), float(self.count), self.world_size, self.device)
         values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
                             self.peak_flops))
         values["data_wait"] = self.wait / elapsed
@@ -100,8 +99,7 @@ class MetricsLogger:
         """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
         self._fold()
         self.sums, self.count = {}, 0
-        values = {f"train/{k}": v / max(1e-12, self.epoch_count) for k, v in self.epoch_sums.items()}
-        return _mean_over_ranks(values, self.world_size, self.device)
+        return _mean_over_items(self.epoch_sums, self.epoch_count, self.world_size, self.device)
 
     def log_epoch(self, step: int, epoch: int, row: dict) -> None:
         self.out.log(step, row, epoch=epoch, kind="epoch")
@@ -116,18 +114,33 @@ class MetricsLogger:
 
     # -- Stateful ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Logged-value sums for a checkpoint, averaged over ranks (collective: every rank calls it)."""
+        """Logged-value sums and their counts for a checkpoint, averaged over ranks (collective: every rank calls
+        it). Every rank of the resumed run loads the averages, so their sum over the ranks is the saved total
+        again, and a mean is right whatever the new number of ranks (sums and counts scale alike)."""
         flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
         flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
+        flat.update({"count": float(self.count), "epoch_count": float(self.epoch_count)})
         flat = _mean_over_ranks(flat, self.world_size, self.device)
-        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": float(self.count),
+        return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": flat["count"],
                 "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
-                "epoch_count": float(self.epoch_count)}
+                "epoch_count": flat["epoch_count"]}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state:
             self.sums, self.count = dict(state["sums"]), float(state["count"])
             self.epoch_sums, self.epoch_count = dict(state["epoch_sums"]), float(state["epoch_count"])
+
+
+def _mean_over_items(sums: dict, count: float, world_size: int, device: Optional[torch.device]) -> dict:
+    """``{"train/k": mean}`` over the items (samples, tokens) of every rank: the weighted sums and their counts are
+    added over the ranks, then divided, so a rank with a short last batch weighs by its items, as in the step's
+    loss (a mean of the ranks' means would not); all ranks must call it."""
+    keys = sorted(sums)
+    if world_size > 1 and keys:
+        total = runtime.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(count)],
+                                                    dtype=torch.float64, device=device)).tolist()
+        sums, count = dict(zip(keys, total[:-1])), total[-1]
+    return {f"train/{k}": v / max(1e-12, float(count)) for k, v in sums.items()}
 
 
 def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:
