@@ -36,6 +36,11 @@ class DataConfig:
     """How batches are loaded; sizes are per process."""
 
     batch_size: int = key(64, integer(1), "samples per loaded batch, per process", alias="batch_size")
+    global_batch_size: Optional[int] = key(
+        None, optional(integer(1)),
+        "samples per optimizer step over all processes; set: data.batch_size and accumulate are derived from it, "
+        "the world size and data.micro_batch_size, and stay the same mathematics on any number of processes",
+        alias="global_batch_size")
     micro_batch_size: Union[int, str, None] = key(
         None, optional(or_auto(integer(1), "an integer >= 1 or 'auto'")),
         "rows per forward/backward: each loaded batch is cut into pieces of this size, accumulated into the same "

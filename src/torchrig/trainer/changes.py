@@ -78,9 +78,13 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
     old, new = _flat(saved), _flat(now)
     declared = set(_flat(C.to_dict(C.Config())))
     refused, length = [], []
+    # the same data.global_batch_size: the per-process batch and accumulation are derived from the world size
+    global_batch = old.get("data.global_batch_size") or None
+    derived = {"data.batch_size", "accumulate"} if global_batch and global_batch == new.get("data.global_batch_size") \
+        else set()
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
-        if a == b or key in NOT_COMPARED or (key in declared and _MISSING in (a, b)):
+        if a == b or key in NOT_COMPARED or key in derived or (key in declared and _MISSING in (a, b)):
             continue
         if key == "model.python_class" and (a is None or b is None or str(a).startswith("torch.distributed.fsdp")):
             continue  # one side built from the config (a recipe, --model), the other in Python: maybe the same;

@@ -22,6 +22,7 @@ from .. import runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
+from ..data.split import describe as describe_split, split_global_batch
 from ..metrics import Metric, get_metrics
 from . import build, inference, losses, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
@@ -106,6 +107,9 @@ class Trainer:
         self.precision = runtime.make_precision(cfg.precision, self.device)
         self.strategy = runtime.resolve_strategy(d.strategy, self.world_size, self.device)
         self.state.world_size = self.world_size
+        if cfg.data.global_batch_size:  # per-process batch and accumulation follow the world size
+            cfg.data.batch_size, cfg.accumulate = split_global_batch(cfg.data.global_batch_size, self.world_size,
+                                                                     cfg.data.micro_batch_size)
 
     # ------------------------------------------------------------------------------ helpers
     run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
@@ -270,8 +274,8 @@ class Trainer:
                                          start_step=self.global_step, config=cfg)  # and the trackers
         A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
-                   f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
-                   f"{A} accumulation = {cfg.data.batch_size * self.world_size * A} global · "
+                   f"precision {self.precision.name} · "
+                   f"{describe_split(cfg.data.batch_size, self.world_size, A, cfg.data.global_batch_size)} · "
                    f"{plan.steps_per_epoch} steps/epoch"
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
                       if self.device.type == "cuda" else "")
