@@ -169,6 +169,13 @@ class IterableBatches:
         """Every streamed batch is real: ranks stop together instead of running filler batches."""
         return 1
 
+    def samples_before(self, batch: int) -> int:
+        """-1: a stream's position is each rank's own (its ``state_dict``), not a place in one global order."""
+        return -1
+
+    def batch_after(self, samples: int, accumulate: int = 1) -> Optional[int]:
+        return None
+
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
         saved, self._pending = self._pending, None

@@ -180,6 +180,27 @@ class Batches:
             return None
         return sum(self.sampler.global_batch_samples(i) for i in range(first, first + count))
 
+    def samples_before(self, batch: int) -> int:
+        """Samples of the epoch's order consumed over all ranks once batches ``0 … batch - 1`` are done; -1 when
+        torchrig does not sample (a user's loader, a stream)."""
+        known = self.global_samples(0, batch)
+        return -1 if known is None else known
+
+    def batch_after(self, samples: int, accumulate: int = 1) -> Optional[int]:
+        """The batch of the epoch that starts after ``samples`` samples of its order (over all ranks), at the start
+        of an accumulation window of ``accumulate`` batches (or at the epoch's end); None when no batch starts there (another global
+        batch cut the order elsewhere) or torchrig does not sample."""
+        if self.sampler is None or not self.sampler.pad:
+            return None
+        done, batch = 0, 0
+        while done < samples:
+            size = self.sampler.global_batch_samples(batch)
+            if size == 0:
+                return None
+            done, batch = done + size, batch + 1
+        at_window = batch % accumulate == 0 or self.sampler.global_batch_samples(batch) == 0  # or the epoch's end
+        return batch if done == samples and at_window else None
+
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)
 

@@ -78,9 +78,10 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
     old, new = _flat(saved), _flat(now)
     declared = set(_flat(C.to_dict(C.Config())))
     refused, length = [], []
-    # the same data.global_batch_size: the per-process batch and accumulation are derived from the world size
+    # the same data.global_batch_size: how each process makes its share (batch, micro-batches, accumulation) is
+    # derived from the world size and changes nothing computed
     global_batch = old.get("data.global_batch_size") or None
-    derived = {"data.batch_size", "accumulate"} if global_batch and global_batch == new.get("data.global_batch_size") \
+    derived = {"data.batch_size", "accumulate", "data.micro_batch_size"} if global_batch and global_batch == new.get("data.global_batch_size") \
         else set()
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)

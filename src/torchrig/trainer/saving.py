@@ -47,6 +47,7 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
             f"the model's parameters hold NaN or inf at step {c.state.global_step}; no checkpoint was written"
             + (f" (the last one, step {last}, is intact)" if last is not None else "")
             + ". Lower optim.lr, set clip_grad_norm, or check a custom step function that changes the weights")
+    c.state.samples_in_epoch = c.data.samples_before(c.state.batch_in_epoch)  # the position, in any world size
     meta = {"step": c.state.global_step, "epoch": c.state.epoch, "batch_in_epoch": c.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
     factories = provenance.factory_files(c.cfg)
@@ -80,7 +81,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     c.checkpoints.load(path, restored, print_fn=c.say)
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-    epoch, batch, note = c.state.resume_at(c.world_size)
+    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate))
     for line in (note, restored["rng"].note):
         if line:
             c.say(line)

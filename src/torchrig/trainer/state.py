@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,7 +24,8 @@ class TrainState:
     epoch: int = 0             # 0-based epoch of the next micro-batch
     batch_in_epoch: int = 0    # micro-batches of that epoch already consumed
     skipped_steps: int = 0     # windows not applied: non-finite values, or fp16 overflow
-    world_size: int = 1        # processes when saved: a mid-epoch position depends on it
+    world_size: int = 1        # processes when saved
+    samples_in_epoch: int = -1  # samples of the epoch's order consumed over all ranks (-1: not known, a stream)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -34,13 +35,28 @@ class TrainState:
             if f.name in state:
                 setattr(self, f.name, int(state[f.name]))
 
-    def resume_at(self, world_size: int) -> tuple[int, int, str]:
-        """Where a resumed run goes on: (epoch, micro-batch, a note when that moved to the epoch's start)."""
+    def resume_at(self, world_size: int, locate: Callable[[int], Optional[int]]) -> tuple[int, int, str]:
+        """Where a resumed run goes on: (epoch, micro-batch, a note when that moved to the epoch's start).
+
+        The position is the number of samples of the epoch's order consumed over all ranks; ``locate`` turns it
+        into this run's micro-batch (None when it falls inside one of this run's optimizer steps), so a run on
+        another number of processes goes on with the next sample. A checkpoint without it (a stream's) keeps
+        its micro-batch on the same number of processes, else starts the epoch over."""
         saved, self.world_size = self.world_size, world_size
-        if self.batch_in_epoch and saved != world_size:
-            return self.epoch, 0, (f"torchrig: checkpoint was saved with {saved} process(es), now {world_size}; "
-                                   f"resuming at the start of epoch {self.epoch + 1} (mid-epoch position depends "
-                                   f"on world size)")
+        if not self.batch_in_epoch:
+            return self.epoch, 0, ""
+        if self.samples_in_epoch >= 0:
+            batch = locate(self.samples_in_epoch)
+            if batch is not None:
+                return self.epoch, batch, ""
+            return self.epoch, 0, (f"torchrig: the checkpoint stopped after {self.samples_in_epoch} samples of epoch "
+                                   f"{self.epoch + 1}, inside an optimizer step of this run (its global batch "
+                                   f"differs); resuming at the start of epoch {self.epoch + 1}: keep "
+                                   f"data.global_batch_size the same to resume mid-epoch")
+        if saved != world_size:
+            return self.epoch, 0, (f"torchrig: checkpoint was saved with {saved} process(es), now {world_size}, "
+                                   f"and holds no position in samples; resuming at the start of epoch "
+                                   f"{self.epoch + 1}")
         return self.epoch, self.batch_in_epoch, ""
 
 

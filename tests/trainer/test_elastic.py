@@ -1,0 +1,127 @@
+"""Elastic runs: one global batch on 1, 2 and 3 processes, and a mid-epoch checkpoint resumed on another number.
+
+``data.global_batch_size`` 12 over 93 samples: 8 optimizer steps per epoch, the last of 9 samples, on 1 process
+(micro-batches of 6: 2 accumulated per step), 2 processes (micro-batches of 3: 2 per step, the short last global
+batch dealt 2 + 1 and a filler) and 3 processes (4 each). Each run also saves a checkpoint at step 11: epoch 2,
+3 of its 8 steps (36 samples) done. Resumed on another number of processes (2 → 1, 1 → 2, 3 → 2; real gloo
+process groups), it goes on with sample 37 of the epoch's order: the parameters equal the uninterrupted run's
+(1e-6), and every sample is trained exactly once in each epoch (counted from the samples each rank trained).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import dist_procs
+from helpers import dist_worker as W
+from helpers import elastic_worker as E
+
+pytestmark = pytest.mark.slow
+
+ATOL = 1e-6
+CUT = f"step-{E.CUT:08d}"
+MICRO = {1: 6, 2: 3, 3: None}  # 1 × 6 × 2 accumulated, 2 × 3 × 2, 3 × 4 × 1
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _one_process(out, name, checkpoint=None) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        E.fit(out, name, checkpoint, micro=MICRO[1])
+    finally:
+        torch.set_num_threads(threads)
+    return _read(out, name, 1)
+
+
+def _read(out, name, world) -> dict:
+    ranks = [json.loads((out / f"{name}-rows-{r}.json").read_text()) for r in range(world)]
+    return {"params": torch.load(out / f"{name}.pt"), "rows": [r["rows"] for r in ranks],
+            "steps": {r["step"] for r in ranks}, "run": out / name}
+
+
+def _group(out, world, specs) -> list:
+    for spec in specs:  # every rank must find the checkpoint it resumes from: copied before they start
+        name, _, checkpoint = spec.partition("=")
+        if checkpoint:
+            shutil.copytree(checkpoint, out / name / "checkpoints" / CUT)
+    results = dist_procs.group([str(out), *specs], world, out, out / "store", timeout=240,
+                               env={"MICRO": MICRO[world] or ""}, worker=dist_procs.HELPERS / "elastic_worker.py")
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} of {world} failed:\n{r.output[-4000:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted runs on 1, 2 and 3 processes and the resumed ones: 1 → 2 and 3 → 2 in one 2-process
+    group, 2 → 1 in this process."""
+    out = tmp_path_factory.mktemp("elastic")
+    got = {"one": _one_process(out, "one")}
+    said = {3: _group(out, 3, ["three"])[0].output}
+    said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}"])[0].output
+    got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
+    got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
+                "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2)})
+    return got, said
+
+
+def test_one_global_batch_is_the_same_mathematics_on_any_number_of_processes(runs):
+    got, said = runs
+    assert "batch 4/process × 3 × 1 accumulation = 12 global (data.global_batch_size)" in said[3]
+    assert "batch 3/process × 2 × 2 accumulation = 12 global (data.global_batch_size)" in said[2]
+    for name in ("one", "two", "three"):
+        assert got[name]["steps"] == {16}, name
+    assert _max_diff(got["two"]["params"], got["one"]["params"]) < ATOL
+    assert _max_diff(got["three"]["params"], got["one"]["params"]) < ATOL
+
+
+def _trained(rows_of_ranks: list, after: int = 0, upto: int = 10 ** 9) -> dict:
+    """{epoch: Counter of sample indices} over every rank's rows of the steps in (after, upto]."""
+    index = {v: i for i, v in enumerate(W.train_data()[0][:, 0].tolist())}
+    seen: dict = {}
+    for rows in rows_of_ranks:
+        for epoch, step, firsts in rows:
+            if after < step <= upto:
+                seen.setdefault(epoch, Counter()).update(index[v] for v in firsts)
+    return seen
+
+
+@pytest.mark.parametrize("resumed, original", [("two_to_one", "two"), ("one_to_two", "one"),
+                                               ("three_to_two", "three")])
+def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_processes_exactly(runs, resumed, original):
+    got, said = runs
+    run, before = got[resumed], got[original]
+    assert run["steps"] == {16}
+    assert _max_diff(run["params"], before["params"]) < ATOL  # the uninterrupted run at the original size
+    first = min(step for rows in run["rows"] for _, step, _ in rows)
+    assert first == E.CUT + 1, "it goes on with the step after the checkpoint's"
+    # every sample once per epoch: epoch 1 and the first 3 steps of epoch 2 before the checkpoint, the rest after
+    seen = _trained(before["rows"], upto=E.CUT)
+    for epoch, counts in _trained(run["rows"]).items():
+        seen.setdefault(epoch, Counter()).update(counts)
+    assert sorted(seen) == [0, 1]
+    for epoch, counts in seen.items():
+        assert sorted(counts) == list(range(W.N_TRAIN)) and set(counts.values()) == {1}, epoch
+    # and in the uninterrupted run's order, step by step
+    assert _order(run["rows"]) == _order(before["rows"], after=E.CUT)
+    assert "resuming at the start of epoch" not in said[2]
+
+
+def _order(rows_of_ranks: list, after: int = 0) -> list:
+    index = {v: i for i, v in enumerate(W.train_data()[0][:, 0].tolist())}
+    steps: dict = {}
+    for rows in rows_of_ranks:
+        for _, step, firsts in rows:
+            if step > after:
+                steps.setdefault(step, set()).update(index[v] for v in firsts)
+    return [sorted(steps[s]) for s in sorted(steps)]
