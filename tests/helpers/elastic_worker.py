@@ -55,7 +55,9 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
                  **kw) as t:
         t.fit(W.train_data())
         rank = t.rank
-        (out / f"{name}-rows-{rank}.json").write_text(json.dumps({"rows": rows, "step": t.global_step}))
+        sched = t.schedulers["default"]  # the one-cycle schedule: its horizon and where it stands
+        (out / f"{name}-rows-{rank}.json").write_text(json.dumps(
+            {"rows": rows, "step": t.global_step, "schedule": [sched.total_steps, sched.last_epoch, t._lr()]}))
         if rank == 0:
             torch.save(W.params(t.model), out / f"{name}.pt")
     return {"rows": rows, "step": t.global_step}

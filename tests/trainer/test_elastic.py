@@ -45,7 +45,7 @@ def _one_process(out, name, checkpoint=None) -> dict:
 def _read(out, name, world) -> dict:
     ranks = [json.loads((out / f"{name}-rows-{r}.json").read_text()) for r in range(world)]
     return {"params": torch.load(out / f"{name}.pt"), "rows": [r["rows"] for r in ranks],
-            "steps": {r["step"] for r in ranks}, "run": out / name}
+            "steps": {r["step"] for r in ranks}, "run": out / name, "schedule": {tuple(r["schedule"]) for r in ranks}}
 
 
 def _group(out, world, specs) -> list:
@@ -103,6 +103,8 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_processes_exactly(r
     run, before = got[resumed], got[original]
     assert run["steps"] == {16}
     assert _max_diff(run["params"], before["params"]) < ATOL  # the uninterrupted run at the original size
+    # the one-cycle schedule kept its horizon (16 steps), stepped 16 times, and ended at the same learning rate
+    assert run["schedule"] == before["schedule"] and {s[:2] for s in run["schedule"]} == {(16, 16)}
     first = min(step for rows in run["rows"] for _, step, _ in rows)
     assert first == E.CUT + 1, "it goes on with the step after the checkpoint's"
     # every sample once per epoch: epoch 1 and the first 3 steps of epoch 2 before the checkpoint, the rest after

@@ -49,3 +49,38 @@ def test_one_process_accumulating_micro_batches_equals_one_batch(make_trainer, d
     assert split.global_step == whole.global_step
     for a, b in zip(whole.model.parameters(), split.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+class _StopAt:
+    """Stops a fit right after the checkpoint of optimizer step ``step`` (as a killed process would)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, trainer, path, metrics):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_step_schedule_keeps_its_horizon_when_the_steps_per_epoch_change(make_trainer, data, capfd,
+                                                                          restore_threads):
+    """A one-cycle schedule planned for 4 epochs of batch 16 (the checkpoint's run), resumed mid-epoch with batch 8
+    (forced with resume_changes=allow): torch's OneCycleLR would raise past its total steps; the run keeps the
+    horizon its checkpoint planned and says so in one line."""
+    first = make_trainer(batch_size=16, epochs=4, scheduler="onecycle", checkpoint_every=1,
+                         callbacks=[_StopAt(5)])
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(data)
+    first.close()
+    planned = first.state.total_steps
+    assert first.global_step == 5 and planned == 12 and first.state.batch_in_epoch == 2  # 40 samples: 3 steps/epoch
+    resumed = make_trainer(batch_size=8, epochs=4, scheduler="onecycle", resume="latest", resume_changes="allow")
+    resumed.fit(data)
+    said = "".join(capfd.readouterr())
+    assert resumed.global_step == planned
+    sched = resumed.schedulers["default"]
+    assert sched.total_steps == sched.last_epoch == planned
+    steps_per_epoch = -(-len(data) // 8)
+    assert (f"torchrig: the run keeps the length its checkpoint planned, {planned} optimizer steps (this run's "
+            f"{steps_per_epoch} steps per epoch alone would make it {4 * steps_per_epoch}), so that step-based "
+            f"schedules keep their horizon") in said

@@ -26,6 +26,8 @@ class TrainState:
     skipped_steps: int = 0     # windows not applied: non-finite values, or fp16 overflow
     world_size: int = 1        # processes when saved
     samples_in_epoch: int = -1  # samples of the epoch's order consumed over all ranks (-1: not known, a stream)
+    total_steps: int = 0       # the global step at which the run ends: its schedules' horizon (0: not known)
+    run_length: int = 0        # epochs × 1_000_003 + max_steps + 1 that horizon was planned for (0: not known)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -58,6 +60,27 @@ class TrainState:
                                    f"and holds no position in samples; resuming at the start of epoch "
                                    f"{self.epoch + 1}")
         return self.epoch, self.batch_in_epoch, ""
+
+
+def keep_horizon(state: TrainState, plan: "FitPlan", length: int) -> str:
+    """After a resume: the run ends at the step the checkpoint's run planned when its length settings (``length``,
+    see :func:`run_length`) are unchanged, whatever the steps per epoch here (a stream split over another number of
+    processes, a global batch changed with ``resume_changes=allow``). Schedules restore their own horizon from the
+    checkpoint (``OneCycleLR``'s total steps, ``CosineAnnealingLR``'s ``T_max``), so the run's end must not move
+    past it. Returns a line to say when it differs from what this run alone would plan, else ""."""
+    saved, note = state.total_steps, ""
+    if saved and state.run_length == length and saved != plan.total_steps:
+        note = (f"torchrig: the run keeps the length its checkpoint planned, {saved} optimizer steps (this run's "
+                f"{plan.steps_per_epoch} steps per epoch alone would make it {plan.total_steps}), so that step-based "
+                f"schedules keep their horizon")
+        plan.total_steps = saved
+    state.total_steps, state.run_length = plan.total_steps, length
+    return note
+
+
+def run_length(cfg: Any) -> int:
+    """The settings a run's planned length comes from (``epochs``, ``max_steps``) as one number."""
+    return cfg.epochs * 1_000_003 + (cfg.max_steps if cfg.max_steps is not None else -1) + 1
 
 
 class RNGState:

@@ -32,7 +32,7 @@ from .logger import MetricsLogger
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .progress import RunLogger
-from .state import FitPlan, MetricStates, TrainState
+from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
 from .step import ModelCalls, Step, StepOptions, default_step
 from .context import FitContext
 from .throughput import FlopCount, fit_callbacks
@@ -217,6 +217,7 @@ class Trainer:
         if note:
             self.print(note)
         plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+        self.state.total_steps, self.state.run_length = plan.total_steps, run_length(self.cfg)  # saved: the horizon
 
     def _set_up_run(self, val_data: Any) -> None:
         """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
@@ -262,6 +263,8 @@ class Trainer:
             runtime.barrier()  # no rank resolves `latest` while rank 0 finishes such a swap
         if resume:
             plan.start = self._resume(resume)
+            if self.resumed_from is not None and (note := keep_horizon(self.state, plan, run_length(cfg))):
+                self.print(note)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
         if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
