@@ -311,7 +311,7 @@ def test_a_second_fit_of_one_trainer_logs_into_the_same_mlflow_run(runs):
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    from torchrig.trainer import trackers
+    from torchrig.observe import trackers
 
     class FullDisk(trackers.CSVTracker):
         def log(self, values, step):
