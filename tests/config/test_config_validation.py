@@ -26,7 +26,7 @@ EXAMPLES = [
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
     ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, log, model, optim, "
-                  "pix2pix, profile, scheduler, text"),
+                  "pix2pix, profile, scheduler, spike, text"),
 ]
 
 
@@ -71,6 +71,13 @@ BAD_VALUES = [
     ('label_smoothing=1.5', 'a number in [0, 1], got 1.5'),
     ('metrics={a: 1}', "a list of metric names, got {'a': 1}"),
     ('on_nonfinite=ignore', "one of error, skip, got 'ignore'"),
+    ('on_spike=restart', "one of off, rollback, got 'restart'"),
+    ('data.global_batch_size=0', "an integer >= 1 or null, got 0"),
+    ('spike.factor=1', "a finite number > 1, got 1"),
+    ('spike.window=0', "an integer >= 1, got 0"),
+    ('spike.warmup_steps=0', "an integer >= 1, got 0"),
+    ('spike.snapshot_every=-1', "an integer >= 0, got -1"),
+    ('spike.max_rollbacks=0', "an integer >= 1, got 0"),
     ('eval_every_epochs=0', 'an integer >= 1, got 0'),
     ('early_stop_patience=0', 'an integer >= 1 or null, got 0'),
     ('data.batch_size=-8', 'an integer >= 1, got -8'),
@@ -172,7 +179,7 @@ def test_every_core_key_has_a_rule_and_a_bad_value_here():
         value = getattr(Config(), f.name)
         if not dataclasses.is_dataclass(value):
             core.add(f.name)
-        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist"):
+        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist", "spike"):
             core |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
     assert set(RULES) == core
     assert {o.split("=", 1)[0] for o, _ in BAD_VALUES} == core

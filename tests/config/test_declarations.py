@@ -21,7 +21,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 TRAINER_KEYWORDS = {
     "lr": "optim.lr", "weight_decay": "optim.weight_decay", "momentum": "optim.momentum",
     "nesterov": "optim.nesterov", "betas": "optim.betas", "group_lr": "optim.group_lr", "optimizer": "optim.name",
-    "batch_size": "data.batch_size", "eval_batch_size": "data.eval_batch_size",
+    "batch_size": "data.batch_size", "global_batch_size": "data.global_batch_size", "eval_batch_size": "data.eval_batch_size",
     "micro_batch_size": "data.micro_batch_size", "num_workers": "data.num_workers", "pin_memory": "data.pin_memory",
     "shuffle": "data.shuffle", "drop_last": "data.drop_last", "fast_path": "data.fast_path",
     "steps_per_epoch": "data.steps_per_epoch", "persistent_workers": "data.persistent_workers",

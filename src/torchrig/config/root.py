@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integer, is_int, list_of, number, optional,
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
-from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
+from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig, SpikeConfig,
                        ProfileConfig, SchedulerConfig)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
@@ -80,6 +80,10 @@ class Config:
                         "accuracy, topK (top5), precision, recall, f1 (macro), *_weighted, mse, mae")
     on_nonfinite: str = key("error", choice("error", "skip"), "a non-finite loss or gradient: error stops naming "
                                                               "the step; skip skips the update and counts it")
+    on_spike: str = key("off", choice("off", "rollback"), "a loss or gradient-norm spike (see spike.*) or a non-finite "
+                                                          "value: rollback returns to the last snapshot, leaves the "
+                                                          "step's samples out (RUN_DIR/skipped_samples.jsonl) and "
+                                                          "replays")
     eval_every_epochs: int = key(1, integer(1), "validate every N epochs")
     early_stop_patience: Optional[int] = key(None, optional(integer(1)), "stop after this many epochs without "
                                                                          "improvement of checkpoint.monitor")
@@ -95,6 +99,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

@@ -246,3 +246,18 @@ class DistConfig:
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
            "ProfileConfig", "SchedulerConfig"]
+
+
+@dataclass
+class SpikeConfig:
+    """What counts as a loss spike under ``on_spike: rollback``, and how far back a rollback goes."""
+
+    factor: float = key(10.0, number(1, lo_open=True), "a step's loss or gradient norm above this multiple of its "
+                                                        "mean over the last spike.window steps is a spike")
+    window: int = key(50, integer(1), "optimizer steps whose mean loss and gradient norm a step is compared with")
+    warmup_steps: int = key(10, integer(1), "steps of the run watched before any comparison (the statistics settle)")
+    snapshot_every: int = key(10, integer(0), "optimizer steps between in-memory snapshots of the run (a copy of the "
+                                              "weights and optimizer state) a rollback returns to; 0: the last "
+                                              "checkpoint on disk")
+    max_rollbacks: int = key(3, integer(1), "rollbacks in a row (without passing the spike's step) before the run "
+                                            "stops")

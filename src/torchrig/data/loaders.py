@@ -200,11 +200,29 @@ class Batches:
     def __len__(self) -> int:
         return len(self.source) - (self._skip_next if self.sampler is None else 0)
 
+    def window_indices(self, first: int, count: int) -> list:
+        """The data set indices of batches ``first … first + count - 1`` of the epoch over all ranks (one optimizer
+        step's samples), known on every rank from the sampler; [] when torchrig does not sample."""
+        if self.sampler is None or not self.sampler.pad:
+            return []
+        start = self.samples_before(first)
+        return self.sampler.order()[start:start + self.global_samples(first, count)].tolist()
+
+    def exclude(self, indices: list) -> None:
+        """Leave ``indices`` out of every epoch from now on (see ``ResumableSampler.exclude``)."""
+        if self.sampler is not None:
+            self.sampler.exclude(indices)
+            self._filler = self.sampler.filler_batch
+
     def state_dict(self) -> dict:
-        return {}  # the position is the counters' (epoch, micro-batch) with the sampler's (seed, epoch) order
+        # the position is the counters' (samples of the epoch's order) with the sampler's (seed, epoch) order
+        excluded = self.sampler.excluded.tolist() if self.sampler is not None else []
+        return {"excluded": excluded} if excluded else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.sampler is not None:
+            self.sampler.excluded = torch.empty(0, dtype=torch.long)
+            self.exclude(list((state or {}).get("excluded", [])))
 
     def __iter__(self):
         it = iter(self.source)

@@ -38,6 +38,17 @@ class ResumableSampler(Sampler[int]):
         self.batch_size = max(1, batch_size)
         self.epoch = 0
         self.skip = 0  # samples of this rank's shard already consumed (resume)
+        self.excluded = torch.empty(0, dtype=torch.long)  # indices left out of every order (a rolled-back spike)
+
+    @property
+    def count(self) -> int:
+        """Samples an epoch's order holds: the data set's, less the excluded ones."""
+        return self.n - len(self.excluded)
+
+    def exclude(self, indices: list) -> None:
+        """Leave ``indices`` out of every epoch's order from now on: the order of the others is kept, so a position
+        before the first of them means the same samples as before."""
+        self.excluded = torch.tensor(sorted(set(self.excluded.tolist()) | {int(i) for i in indices}), dtype=torch.long)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -45,7 +56,7 @@ class ResumableSampler(Sampler[int]):
     def _split(self) -> tuple[int, int, int]:
         """(full global batches, start of this rank's slice of the short one, its size) of a training shard."""
         per_step = self.world_size * self.batch_size
-        full, rest = divmod(self.n, per_step)
+        full, rest = divmod(self.count, per_step)
         if rest == 0 or self.drop_last:
             return full, 0, 0
         q, extra = divmod(rest, self.world_size)
@@ -55,7 +66,7 @@ class ResumableSampler(Sampler[int]):
         """Samples of training batch ``index`` of the epoch over all ranks together (the one-process batch):
         ``world_size × batch_size``, or what is left for the last, short one (0 past the end)."""
         per_step = self.world_size * self.batch_size
-        full, rest = divmod(self.n, per_step)
+        full, rest = divmod(self.count, per_step)
         if index < full:
             return per_step
         return rest if index == full and not self.drop_last else 0
@@ -66,14 +77,14 @@ class ResumableSampler(Sampler[int]):
         if not self.pad:
             return None
         full, _, size = self._split()
-        short = self.n % (self.world_size * self.batch_size) and not self.drop_last
+        short = self.count % (self.world_size * self.batch_size) and not self.drop_last
         return full if short and size == 0 else None
 
     def _shard_size(self) -> int:
         if not self.pad:
-            return len(range(self.rank, self.n, self.world_size))
+            return len(range(self.rank, self.count, self.world_size))
         full, _, size = self._split()
-        return full * self.batch_size + (max(size, 1) if self.n % (self.world_size * self.batch_size)
+        return full * self.batch_size + (max(size, 1) if self.count % (self.world_size * self.batch_size)
                                          and not self.drop_last else 0)
 
     def _positions(self) -> torch.Tensor:
@@ -85,14 +96,19 @@ class ResumableSampler(Sampler[int]):
             return torch.cat([pos, torch.tensor([full * per_step])])  # weighed 0 by the loop
         return torch.cat([pos, torch.arange(start, start + size)]) if size else pos
 
-    def indices(self) -> torch.Tensor:
-        """This rank's indices for the current epoch, after the resume skip, as an int64 tensor."""
+    def order(self) -> torch.Tensor:
+        """The current epoch's order of every sample (over all ranks): from (seed, epoch) alone, less the excluded."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
+        return order[~torch.isin(order, self.excluded)] if len(self.excluded) else order
+
+    def indices(self) -> torch.Tensor:
+        """This rank's indices for the current epoch, after the resume skip, as an int64 tensor."""
+        order = self.order()
         shard = order[self._positions()] if self.pad else order[self.rank::self.world_size]
         return shard[self.skip:]
 

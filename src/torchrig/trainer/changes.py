@@ -23,7 +23,7 @@ HARMLESS = frozenset({
     # how long (see RUN_LENGTH_SCHEDULES), where, with how many threads and processes (the world size is
     # handled by the resume itself)
     "epochs", "max_steps", "early_stop_patience", "run_dir", "device", "threads", "interop_threads",
-    "deterministic", "cudnn_benchmark", "on_nonfinite",
+    "deterministic", "cudnn_benchmark", "on_nonfinite", "on_spike", "spike.",
     "dist.strategy", "dist.backend", "dist.init_method", "dist.rank", "dist.world_size", "dist.timeout",
     "dist.find_unused_parameters", "dist.static_graph", "dist.bucket_cap_mb", "dist.gradient_as_bucket_view",
     "dist.fsdp_wrap", "dist.fsdp_min_params", "dist.fsdp_cpu_offload", "dist.fsdp_reshard_after_forward",

@@ -61,7 +61,8 @@ class StepOptions:
     @classmethod
     def from_config(cls, cfg: Any, grad_ranks: int, scheduler_interval: str = "step") -> "StepOptions":
         return cls(clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=cfg.clip_norm_type,
-                   clip_grad_value=cfg.clip_grad_value, on_nonfinite=cfg.on_nonfinite,
+                   clip_grad_value=cfg.clip_grad_value,
+                   on_nonfinite="skip" if cfg.on_spike == "rollback" else cfg.on_nonfinite,  # rolled back
                    loss_normalization=cfg.loss_normalization, scheduler_interval=scheduler_interval,
                    grad_ranks=grad_ranks, count_unit=float(cfg.data.batch_size))
 

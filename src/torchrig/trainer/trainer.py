@@ -36,6 +36,7 @@ from .context import FitContext
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
+from .spikes import Rollback, SpikeGuard, replan
 from .step import ModelCalls, Step, StepOptions, default_step
 
 
@@ -77,6 +78,7 @@ class Trainer:
         self.plots: list = []  # the end-of-run plot's PNG paths
         self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built, its length)
         self._signals = runtime.StopSignal()
+        self._spikes: Optional[SpikeGuard] = None  # on_spike: rollback, during fit
         self._owns_group = False
         self._run = RunDir()
         try:
@@ -250,6 +252,7 @@ class Trainer:
             config_builds_model=self.config_builds_model, say=self.print,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
+        self._spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -287,7 +290,16 @@ class Trainer:
         return False
 
     def _loop(self, plan: FitPlan) -> tuple[dict, str]:
-        """Epochs until the end, ``max_steps``, early stop or a signal; returns (last val metrics, why stopped)."""
+        """Epochs until the end, ``max_steps``, early stop or a signal; returns (last val metrics, why stopped).
+        ``on_spike: rollback`` may send the loop back to a snapshot, from where it goes on (trainer/spikes.py)."""
+        while True:
+            try:
+                return self._epochs(plan)
+            except Rollback as back:
+                plan.start = (back.epoch, back.batch)
+                replan(plan, self.cfg)
+
+    def _epochs(self, plan: FitPlan) -> tuple[dict, str]:
         val_metrics: dict = {}
         start_epoch, start_batch = plan.start
         for epoch in range(start_epoch, self.cfg.epochs):
@@ -299,6 +311,8 @@ class Trainer:
                 for m in self.train_metrics:
                     m.reset()
             self.metrics_log.start_epoch(resumed=bool(skip))
+            if self._spikes is not None:
+                self._spikes.maybe_snapshot()
             stopped = self._run_epoch(plan, epoch, skip)
             if stopped:  # max_steps reached mid-epoch, or a signal
                 return val_metrics, stopped
@@ -361,6 +375,8 @@ class Trainer:
             out.advance()
             if values is None:  # inside an accumulation window
                 continue
+            if self._spikes is not None:  # a spike: back to the snapshot, leaving Rollback for _loop
+                self._spikes.check(*self._window)
             if ema is not None:
                 ema.update(self.step.window_skipped)
             for fn in on_step_end:
@@ -369,6 +385,8 @@ class Trainer:
                 self._log_interval(epoch, i)
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
+            if self._spikes is not None:
+                self._spikes.maybe_snapshot()
             signalled = signals.check()
             if state.global_step >= plan.total_steps or signalled:
                 out.end_epoch()
@@ -409,10 +427,13 @@ class Trainer:
             # several micro-batches or ranks, not a whole batch on one process
             known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
             step.begin_window(size, plan.batches.global_samples(w_start, size) if known else None)
-            step.want_grad_norm = self.metrics_log.should_log(self.state.global_step + 1)
+            step.want_grad_norm = self.metrics_log.should_log(self.state.global_step + 1) or self._spikes is not None
+            self._window = (w_start, size)
         step.sync_gradients = i == w_start + step.window_size - 1
         step.epoch, step.batch_index = epoch, i
         values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
+        if self._spikes is not None:
+            self._spikes.observe(values)
         if not step.sync_gradients or not step.end_window():
             return None
         return values if values is not None else {}  # a step function may return nothing to log

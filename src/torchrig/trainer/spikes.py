@@ -1,0 +1,172 @@
+"""``on_spike: rollback``: a loss spike returns the run to a snapshot and replays it without the step's samples.
+
+After every optimizer step the ranks agree (one all-reduce of two numbers, then one host read) on the step's
+largest micro-batch loss and its gradient norm. A value that is not finite, or above ``spike.factor`` × its
+mean over the last ``spike.window`` accepted steps (once ``spike.warmup_steps`` steps were watched), is a
+spike: every rank restores the last snapshot (kept in memory every ``spike.snapshot_every`` steps and at
+every epoch start, or the last checkpoint on disk), leaves the spiking step's samples out of every epoch's
+order from then on (``Batches.exclude``; the order of the others is kept), appends them to
+``RUN_DIR/skipped_samples.jsonl`` and replays. A spike found again before the run passed the last one's step
+is a rollback "in a row"; after ``spike.max_rollbacks`` of them the run stops with one line.
+
+A snapshot is the checkpoint's own ``{name: Stateful}`` mapping (``saving.states``), copied: what a resume
+restores, a rollback restores, so the replay computes what a run on the remaining samples computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import runtime
+from ..checkpoint import find_checkpoint
+from ..errors import TorchrigError
+from . import saving
+from .context import FitContext
+from .state import FitPlan
+
+
+class SpikeError(TorchrigError, RuntimeError):
+    """Loss spikes that rolling back did not cure; the message names the steps and what to try."""
+
+
+class Rollback(Exception):
+    """Raised by the loop's step end to leave the epoch; the loop goes on from ``(epoch, batch)``."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__(f"rollback to epoch {epoch + 1}, batch {batch}")
+        self.epoch, self.batch = epoch, batch
+
+
+class SpikeGuard:
+    """Watches each optimizer step of a fit and rolls the run back on a spike (see the module's text)."""
+
+    def __init__(self, c: FitContext):
+        s = c.cfg.spike
+        self.c = c
+        self.factor, self.window, self.warmup = s.factor, s.window, s.warmup_steps
+        self.every, self.most = s.snapshot_every, s.max_rollbacks
+        self.history: list[tuple[int, float, float]] = []  # (step, loss, grad norm) of the accepted steps
+        self.largest: Optional[torch.Tensor] = None  # the current window's largest micro-batch loss, on the device
+        self.snapshot: Optional[dict] = None
+        self.snapshot_step = -1
+        self.in_a_row, self.last_spike = 0, -1
+
+    # -- during a window -------------------------------------------------------------------------
+    def observe(self, values: Optional[dict]) -> None:
+        """A micro-batch's values (its ``loss``): the largest of the window is kept on the device, no read."""
+        loss = (values or {}).get("loss")
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().reshape(-1).max()
+            self.largest = loss if self.largest is None else torch.maximum(self.largest, loss)
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def maybe_snapshot(self) -> None:
+        """At a step boundary (and at each epoch's start): copy the run's state every ``snapshot_every`` steps."""
+        step = self.c.state.global_step
+        if self.every and (self.snapshot is None or self.c.state.batch_in_epoch == 0 or step % self.every == 0) \
+                and step != self.snapshot_step:
+            self.snapshot = {name: copy.deepcopy(_state_of(obj)) for name, obj in saving.states(self.c).items()}
+            self.snapshot_step = step
+
+    def _restore(self) -> None:
+        c = self.c
+        if self.every:
+            for name, obj in saving.states(c).items():
+                _load_into(obj, copy.deepcopy(self.snapshot[name]))
+            return
+        c.checkpoints.wait()  # the save in flight is the latest
+        path = find_checkpoint("latest", c.run_dir)
+        if path is None:
+            raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {c.state.global_step} but no "
+                             f"checkpoint to return to (spike.snapshot_every=0); set spike.snapshot_every, or "
+                             f"checkpoint.every_steps")
+        c.checkpoints.load(path, saving.states(c), print_fn=lambda line: None)
+
+    # -- after a window --------------------------------------------------------------------------
+    def check(self, first_batch: int, batches: int) -> None:
+        """After the optimizer step made of the epoch's batches ``first_batch …``: raise :class:`Rollback` on a
+        spike (every rank alike), after restoring the snapshot and leaving the step's samples out."""
+        c, step = self.c, self.c.state.global_step
+        grad = c.step.grad_norm
+        numbers = torch.stack([
+            (self.largest if self.largest is not None else torch.zeros((), device=c.device)).float(),
+            (grad.detach().float() if isinstance(grad, torch.Tensor) else torch.zeros((), device=c.device))])
+        numbers = torch.nan_to_num(numbers, nan=math.inf)  # a NaN anywhere is a spike everywhere (max keeps inf)
+        self.largest = None
+        if c.world_size > 1:
+            numbers = runtime.all_reduce_max(numbers)
+        loss, norm = (float(v) for v in numbers.tolist())  # the one host read of the step
+        why = self._why(loss, norm)
+        if why is None:
+            self.history.append((step, loss, norm))
+            del self.history[:-self.window]
+            if step > self.last_spike:
+                self.in_a_row = 0
+            return
+        self._roll_back(step, why, first_batch, batches)
+
+    def _why(self, loss: float, norm: float) -> Optional[str]:
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return f"a non-finite value (loss {loss:.4g}, gradient norm {norm:.4g})"
+        if len(self.history) < self.warmup:
+            return None
+        mean_loss = sum(h[1] for h in self.history) / len(self.history)
+        mean_norm = sum(h[2] for h in self.history) / len(self.history)
+        if loss > self.factor * mean_loss > 0:
+            return f"loss {loss:.4g} > {self.factor:g} × its mean {mean_loss:.4g}"
+        if norm > self.factor * mean_norm > 0:
+            return f"gradient norm {norm:.4g} > {self.factor:g} × its mean {mean_norm:.4g}"
+        return None
+
+    def _roll_back(self, step: int, why: str, first_batch: int, batches: int) -> None:
+        c = self.c
+        epoch = c.state.epoch
+        samples = c.data.window_indices(first_batch, batches)
+        self.in_a_row = self.in_a_row + 1 if step <= self.last_spike else 1
+        self.last_spike = max(self.last_spike, step)
+        if self.in_a_row > self.most:
+            raise SpikeError(f"torchrig: on_spike=rollback: {self.in_a_row} spikes in a row, the last at step {step} "
+                             f"({why}); leaving samples out does not cure them: lower optim.lr, set clip_grad_norm, "
+                             f"or raise spike.factor or spike.max_rollbacks")
+        self._restore()
+        c.data.exclude(samples)
+        back = c.state.global_step
+        self.history = [h for h in self.history if h[0] <= back]
+        if c.rank == 0 and c.run_dir is not None:
+            with open(c.run_dir / "skipped_samples.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch + 1, "reason": why, "rolled_back_to": back,
+                                    "samples": sorted(samples)}) + "\n")
+        c.say(f"torchrig: spike at step {step} ({why}): rolled back to step {back}; its {len(samples)} samples are "
+              f"left out from now on (listed in {c.run_dir / 'skipped_samples.jsonl'})")
+        raise Rollback(c.state.epoch, c.state.batch_in_epoch)
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, dict):  # the optimizers, by name
+        return {k: v.state_dict() for k, v in obj.items()}
+    return obj.state_dict()
+
+
+def _load_into(obj: Any, state: Any) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            v.load_state_dict(state[k])
+    else:
+        obj.load_state_dict(state)
+
+
+def replan(plan: FitPlan, cfg: Any) -> None:
+    """After samples were left out: the epoch's batches and steps from ``plan.start`` on, and where the run ends."""
+    before = plan.steps_per_epoch
+    plan.batches.set_epoch(plan.start[0])
+    epoch_len = len(plan.batches)
+    if cfg.data.steps_per_epoch:
+        epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
+    plan.epoch_len, plan.steps_per_epoch = epoch_len, math.ceil(epoch_len / cfg.accumulate)
+    if cfg.max_steps is None:
+        plan.total_steps += (plan.steps_per_epoch - before) * (cfg.epochs - plan.start[0])

@@ -1,0 +1,89 @@
+"""``on_spike: rollback``: a poisoned sample's spike is rolled back and the run replays without its step's samples.
+
+93 samples, not shuffled, a global batch of 12: the sample at index 50 is scaled by 1000, so step 5 (samples
+48 … 59) makes a loss far above its mean. The rollback returns to the snapshot of step 4, leaves those 12 samples
+out of every epoch and replays: the final parameters equal (1e-6) those of a run whose data set never held them,
+and ``skipped_samples.jsonl`` names them. A second poisoned sample right after makes a second spike before the
+run passed the first one's step: with ``spike.max_rollbacks=1`` the run stops with one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from torchrig.trainer.spikes import SpikeError
+
+N, POISON, WINDOW = 93, 50, list(range(48, 60))
+ATOL = 1e-6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))  # logits grow with the input
+
+
+def _data(poison=(POISON,)):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
+    for i in poison:
+        x[i] *= 1000.0
+    return x, y
+
+
+def _fit(make_trainer, data, **kw):
+    opts = dict(global_batch_size=12, epochs=2, shuffle=False, momentum=0.9, checkpoint_every=0)
+    opts.update(kw)
+    t = make_trainer(_model(), **opts)
+    t.fit(data)
+    t.close()
+    return t
+
+
+SPIKE = {"on_spike": "rollback", "spike.warmup_steps": 3, "spike.snapshot_every": 2}
+
+
+@pytest.mark.parametrize("back_to", [{}, {"spike.snapshot_every": 0, "checkpoint_every": 2}],
+                         ids=["snapshot", "checkpoint"])
+def test_a_rolled_back_spike_equals_a_run_without_its_samples(make_trainer, run_dir, capfd, restore_threads, back_to):
+    """To the in-memory snapshot of step 4, or to the checkpoint of step 4 on disk."""
+    rolled = _fit(make_trainer, _data(), **dict(SPIKE, **back_to))
+    said = "".join(capfd.readouterr())
+    ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
+    assert len(ledger) == 1 and ledger[0]["samples"] == WINDOW and POISON in ledger[0]["samples"]
+    assert (ledger[0]["step"], ledger[0]["epoch"], ledger[0]["rolled_back_to"]) == (5, 1, 4)
+    assert ledger[0]["reason"].startswith("gradient norm ") and "> 10 × its mean" in ledger[0]["reason"]
+    assert "torchrig: spike at step 5 (gradient norm " in said and "rolled back to step 4; its 12 samples are left out" in said
+
+    x, y = _data()
+    keep = [i for i in range(N) if i not in WINDOW]
+    clean = _fit(make_trainer, (x[keep], y[keep]), run_dir=str(run_dir.parent / "clean"))
+    assert rolled.global_step == clean.global_step == 14  # 81 samples: 7 steps per epoch
+    for a, b in zip(rolled.model.parameters(), clean.model.parameters()):
+        assert (a - b).abs().max().item() < ATOL
+    untouched = _fit(make_trainer, _data(), run_dir=str(run_dir.parent / "off"))  # off by default: the spike stays
+    assert not (run_dir.parent / "off" / "skipped_samples.jsonl").exists()
+    assert max((a - b).abs().max().item() for a, b in zip(untouched.model.parameters(), clean.model.parameters())) > 0.1
+
+
+def test_rollbacks_in_a_row_stop_the_run_in_one_line(make_trainer, run_dir, restore_threads):
+    with pytest.raises(SpikeError) as err:
+        _fit(make_trainer, _data(poison=(POISON, 62)), **SPIKE, **{"spike.max_rollbacks": 1})
+    assert str(err.value).startswith("torchrig: on_spike=rollback: 2 spikes in a row, the last at step 5 (")
+    assert "lower optim.lr, set clip_grad_norm, or raise spike.factor or spike.max_rollbacks" in str(err.value)
+    assert "\n" not in str(err.value)
+    ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
+    assert [e["samples"] for e in ledger] == [WINDOW]
+
+
+def test_a_non_finite_loss_is_rolled_back(make_trainer, run_dir, restore_threads):
+    x, y = _data(poison=())
+    x[50] = float("inf")
+    t = _fit(make_trainer, (x, y), **SPIKE)
+    ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
+    assert ledger[0]["samples"] == WINDOW and ledger[0]["reason"].startswith("a non-finite value")
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
