@@ -7,7 +7,9 @@ Started by ``dist_procs.group`` (``TEST_INIT``, ``TEST_RANK``, ``TEST_WORLD``: a
 samples) under DDP, with a one-cycle schedule and a checkpoint at step 11 (epoch 2, 3 of its 8 steps done);
 ``NAME=CHECKPOINT`` resumes from a copy of CHECKPOINT in the fit's run directory (made by the caller, or
 here by rank 0 when the fit runs in one process).
-``MICRO`` (environment) sets ``data.micro_batch_size``. Each rank writes the samples of each step it trained
+``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``spike…`` trains on data whose sample 50 is
+scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``clean…`` on the data without the 12 samples
+of that sample's step, not shuffled. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
 
@@ -26,6 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import dist_worker as W  # noqa: E402
 
 GLOBAL_BATCH, CUT = 12, 11
+
+
+POISON, POISONED_STEP = 50, list(range(48, 60))  # not shuffled: sample 50 is in step 5 (samples 48 … 59);
+# scaled by -1000, so that its loss is huge from the first epoch on (× 1000 it is classified right, loss 0)
+SPIKE = {"on_spike": "rollback", "spike.warmup_steps": 3, "spike.snapshot_every": 2, "shuffle": False,
+         "scheduler": None}
+
+
+def relu_model() -> torch.nn.Module:
+    """Its logits and gradients grow with the input (a tanh layer would saturate): a scaled sample spikes."""
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(W.FEATURES, 32), torch.nn.ReLU(), torch.nn.Linear(32, W.CLASSES))
+
+
+def poisoned():
+    x, y = W.train_data()
+    x = x.clone()
+    x[POISON] *= -1000.0
+    return x, y
 
 
 def settings(run_dir: Path, **extra) -> dict:
@@ -49,15 +70,25 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
     micro = micro or int(os.environ.get("MICRO") or 0)
     if micro:
         extra["micro_batch_size"] = micro
+    data = W.train_data()
+    if name.startswith("spike"):  # a poisoned sample, rolled back (see SPIKE)
+        data = poisoned()
+        extra.update(SPIKE)
+    if name.startswith("clean"):  # the data set without the poisoned step's samples
+        keep = [i for i in range(W.N_TRAIN) if i not in POISONED_STEP]
+        data = tuple(t[keep] for t in data)
+        extra.update(shuffle=False, scheduler=None)
     rows: list = []
     strategy = "ddp" if kw.get("world_size", 1) > 1 else "none"
-    with Trainer(W.make_model(), step_fn=W.recording_step(rows), **settings(run, strategy=strategy, **extra),
+    model = relu_model() if name.startswith(("spike", "clean")) else W.make_model()
+    with Trainer(model, step_fn=W.recording_step(rows), **settings(run, strategy=strategy, **extra),
                  **kw) as t:
-        t.fit(W.train_data())
+        t.fit(data)
         rank = t.rank
-        sched = t.schedulers["default"]  # the one-cycle schedule: its horizon and where it stands
+        sched = t.schedulers.get("default")  # the one-cycle schedule: its horizon and where it stands
+        schedule = [sched.total_steps, sched.last_epoch, t._lr()] if sched is not None else []
         (out / f"{name}-rows-{rank}.json").write_text(json.dumps(
-            {"rows": rows, "step": t.global_step, "schedule": [sched.total_steps, sched.last_epoch, t._lr()]}))
+            {"rows": rows, "step": t.global_step, "schedule": schedule}))
         if rank == 0:
             torch.save(W.params(t.model), out / f"{name}.pt")
     return {"rows": rows, "step": t.global_step}

@@ -68,8 +68,10 @@ def runs(tmp_path_factory):
     got = {"one": _one_process(out, "one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}"])[0].output
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
+    got["clean"] = _one_process(out, "clean")
+    got["spike"] = _read(out, "spike", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2)})
     return got, said
@@ -127,3 +129,15 @@ def _order(rows_of_ranks: list, after: int = 0) -> list:
             if step > after:
                 steps.setdefault(step, set()).update(index[v] for v in firsts)
     return [sorted(steps[s]) for s in sorted(steps)]
+
+
+def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs):
+    """on_spike: rollback under DDP (2 processes of 3, 2 accumulated): the sample scaled by -1000 makes step 5's
+    loss spike; both ranks return to the snapshot of step 4, leave the step's 12 samples out and end with
+    the parameters of one process trained on the 81 others (1e-6)."""
+    got, said = runs
+    ledger = [json.loads(line) for line in (got["spike"]["run"] / "skipped_samples.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["rolled_back_to"], e["samples"]) for e in ledger] == [(5, 4, E.POISONED_STEP)]
+    assert "torchrig: spike at step 5 (loss " in said[2]
+    assert got["spike"]["steps"] == got["clean"]["steps"] == {14}
+    assert _max_diff(got["spike"]["params"], got["clean"]["params"]) < ATOL
