@@ -8,7 +8,7 @@ samples) under DDP, with a one-cycle schedule and a checkpoint at step 11 (epoch
 ``NAME=CHECKPOINT`` resumes from a copy of CHECKPOINT in the fit's run directory (made by the caller, or
 here by rank 0 when the fit runs in one process).
 ``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``spike…`` trains on data whose sample 50 is
-scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``clean…`` on the data without the 12 samples
+scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``stream…`` on them as a stream (``Stream``); one named ``clean…`` on the data without the 12 samples
 of that sample's step, not shuffled. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
@@ -34,6 +34,29 @@ POISON, POISONED_STEP = 50, list(range(48, 60))  # not shuffled: sample 50 is in
 # scaled by -1000, so that its loss is huge from the first epoch on (× 1000 it is classified right, loss 0)
 SPIKE = {"on_spike": "rollback", "spike.warmup_steps": 3, "spike.snapshot_every": 2, "shuffle": False,
          "scheduler": None}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """``dist_worker``'s 93 training samples as a stream that reports its position (``state_dict``)."""
+
+    def __init__(self):
+        self.x, self.y = W.train_data()
+        self.pos, self.start = 0, 0
+
+    def __iter__(self):
+        self.pos, self.start = self.start, 0
+        while self.pos < len(self.x):
+            self.pos += 1
+            yield self.x[self.pos - 1], self.y[self.pos - 1]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = int(state["pos"])
 
 
 def relu_model() -> torch.nn.Module:
@@ -74,6 +97,9 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
     if name.startswith("spike"):  # a poisoned sample, rolled back (see SPIKE)
         data = poisoned()
         extra.update(SPIKE)
+    if name.startswith("stream"):  # a stream: its position cannot be re-split over another number of processes
+        data = Stream()
+        extra.update(scheduler=None)
     if name.startswith("clean"):  # the data set without the poisoned step's samples
         keep = [i for i in range(W.N_TRAIN) if i not in POISONED_STEP]
         data = tuple(t[keep] for t in data)

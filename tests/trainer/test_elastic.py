@@ -42,6 +42,16 @@ def _one_process(out, name, checkpoint=None) -> dict:
     return _read(out, name, 1)
 
 
+def _said(fn) -> str:
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        fn()
+    return text.getvalue()
+
+
 def _read(out, name, world) -> dict:
     ranks = [json.loads((out / f"{name}-rows-{r}.json").read_text()) for r in range(world)]
     return {"params": torch.load(out / f"{name}.pt"), "rows": [r["rows"] for r in ranks],
@@ -68,9 +78,11 @@ def runs(tmp_path_factory):
     got = {"one": _one_process(out, "one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike"])[0].output
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
     got["clean"] = _one_process(out, "clean")
+    said["stream"] = _said(lambda: _one_process(out, "stream_to_one", out / "stream" / "checkpoints" / CUT))
+    got["stream_to_one"] = _read(out, "stream_to_one", 1)
     got["spike"] = _read(out, "spike", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2)})
@@ -141,3 +153,16 @@ def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs):
     assert "torchrig: spike at step 5 (loss " in said[2]
     assert got["spike"]["steps"] == got["clean"]["steps"] == {14}
     assert _max_diff(got["spike"]["params"], got["clean"]["params"]) < ATOL
+
+
+def test_a_stream_on_another_number_of_processes_starts_its_epoch_over_in_one_line(runs):
+    """A stream is read by every process, sample i going to reader i mod the number of readers: its position on 2
+    processes is no position on 1. Resumed there from step 11 (3 steps into epoch 2), it says in one line that the
+    epoch starts over and why, and ends where the run was planned to end."""
+    got, said = runs
+    assert ("torchrig: epoch 2 starts over: the checkpoint stopped 6 batches into it on 2 process(es), now 1, and a "
+            "stream's position is each process's own reader (sample i goes to reader i mod the number of readers), "
+            "which cannot be re-split over another number of processes; the run still ends at step 16") \
+        in said["stream"]
+    assert got["stream_to_one"]["steps"] == {16}
+    assert min(step for rows in got["stream_to_one"]["rows"] for _, step, _ in rows) == E.CUT + 1

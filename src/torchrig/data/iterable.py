@@ -167,6 +167,9 @@ class IterableBatches:
         """Every streamed batch is real: ranks stop together instead of running filler batches."""
         return 1
 
+    why_not_elsewhere = ("a stream's position is each process's own reader (sample i goes to reader i mod the "
+                         "number of readers), which cannot be re-split over another number of processes")
+
     def samples_before(self, batch: int) -> int:
         """-1: a stream's position is each rank's own (its ``state_dict``), not a place in one global order."""
         return -1

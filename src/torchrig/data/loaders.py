@@ -176,6 +176,8 @@ class Batches:
             return None
         return sum(self.sampler.global_batch_samples(i) for i in range(first, first + count))
 
+    why_not_elsewhere = "a DataLoader with its own sampler keeps no position torchrig can re-split"
+
     def samples_before(self, batch: int) -> int:
         """Samples of the epoch's order consumed over all ranks once batches ``0 … batch - 1`` are done; -1 when
         torchrig does not sample (a user's loader, a stream)."""

@@ -81,7 +81,8 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     c.checkpoints.load(path, restored, print_fn=c.say)
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate))
+    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate),
+                                           getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
         if line:
             c.say(line)

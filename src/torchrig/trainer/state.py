@@ -37,13 +37,15 @@ class TrainState:
             if f.name in state:
                 setattr(self, f.name, int(state[f.name]))
 
-    def resume_at(self, world_size: int, locate: Callable[[int], Optional[int]]) -> tuple[int, int, str]:
+    def resume_at(self, world_size: int, locate: Callable[[int], Optional[int]],
+                  why_not: str = "") -> tuple[int, int, str]:
         """Where a resumed run goes on: (epoch, micro-batch, a note when that moved to the epoch's start).
 
         The position is the number of samples of the epoch's order consumed over all ranks; ``locate`` turns it
         into this run's micro-batch (None when it falls inside one of this run's optimizer steps), so a run on
         another number of processes goes on with the next sample. A checkpoint without it (a stream's) keeps
-        its micro-batch on the same number of processes, else starts the epoch over."""
+        its micro-batch on the same number of processes, else starts the epoch over (``why_not``: why the data
+        cannot say where)."""
         saved, self.world_size = self.world_size, world_size
         if not self.batch_in_epoch:
             return self.epoch, 0, ""
@@ -56,9 +58,10 @@ class TrainState:
                                    f"differs); resuming at the start of epoch {self.epoch + 1}: keep "
                                    f"data.global_batch_size the same to resume mid-epoch")
         if saved != world_size:
-            return self.epoch, 0, (f"torchrig: checkpoint was saved with {saved} process(es), now {world_size}, "
-                                   f"and holds no position in samples; resuming at the start of epoch "
-                                   f"{self.epoch + 1}")
+            end = f"; the run still ends at step {self.total_steps}" if self.total_steps else ""
+            return self.epoch, 0, (f"torchrig: epoch {self.epoch + 1} starts over: the checkpoint stopped "
+                                   f"{self.batch_in_epoch} batches into it on {saved} process(es), now "
+                                   f"{world_size}, and {why_not or 'holds no position in samples'}{end}")
         return self.epoch, self.batch_in_epoch, ""
 
 
