@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers import dist_worker as W  # noqa: E402
 
+import torchrig.recipes  # noqa: E402,F401  (their config sections, as in a test process that imported them: a
+# checkpoint's config.yaml then holds the same sections whichever process wrote it)
+
 GLOBAL_BATCH, CUT = 12, 11
 
 
