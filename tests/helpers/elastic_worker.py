@@ -8,7 +8,7 @@ samples) under DDP, with a one-cycle schedule and a checkpoint at step 11 (epoch
 ``NAME=CHECKPOINT`` resumes from a copy of CHECKPOINT in the fit's run directory (made by the caller, or
 here by rank 0 when the fit runs in one process).
 ``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``spike…`` trains on data whose sample 50 is
-scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``stream…`` on them as a stream (``Stream``); one named ``clean…`` on the data without the 12 samples
+scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
 of that sample's step, not shuffled. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
@@ -100,9 +100,9 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
     if name.startswith("spike"):  # a poisoned sample, rolled back (see SPIKE)
         data = poisoned()
         extra.update(SPIKE)
-    if name.startswith("stream"):  # a stream: its position cannot be re-split over another number of processes
+    if name.startswith("stream"):  # a stream, read here (re-split exactly) or by a worker process (it cannot be)
         data = Stream()
-        extra.update(scheduler=None)
+        extra.update(scheduler=None, num_workers=1 if name.startswith("streamw") else 0)
     if name.startswith("clean"):  # the data set without the poisoned step's samples
         keep = [i for i in range(W.N_TRAIN) if i not in POISONED_STEP]
         data = tuple(t[keep] for t in data)

@@ -78,11 +78,13 @@ def runs(tmp_path_factory):
     got = {"one": _one_process(out, "one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream"])[0].output
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
     got["clean"] = _one_process(out, "clean")
     said["stream"] = _said(lambda: _one_process(out, "stream_to_one", out / "stream" / "checkpoints" / CUT))
-    got["stream_to_one"] = _read(out, "stream_to_one", 1)
+    said["streamw"] = _said(lambda: _one_process(out, "streamw_to_one", out / "streamw" / "checkpoints" / CUT))
+    got.update({name: _read(out, name, 1) for name in ("stream_to_one", "streamw_to_one")})
+    got["stream"] = _read(out, "stream", 2)
     got["spike"] = _read(out, "spike", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2)})
@@ -155,14 +157,27 @@ def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs):
     assert _max_diff(got["spike"]["params"], got["clean"]["params"]) < ATOL
 
 
-def test_a_stream_on_another_number_of_processes_starts_its_epoch_over_in_one_line(runs):
-    """A stream is read by every process, sample i going to reader i mod the number of readers: its position on 2
-    processes is no position on 1. Resumed there from step 11 (3 steps into epoch 2), it says in one line that the
-    epoch starts over and why, and ends where the run was planned to end."""
+def test_a_stream_read_in_order_resumes_on_another_number_of_processes_exactly(runs):
+    """A stream read by each process itself (data.num_workers=0): sample i goes to rank i mod W, so after 6 batches
+    of 3 on 2 ranks the first 36 samples are used. Resumed in one process (batches of 6) it re-reads them and goes
+    on with sample 37: the parameters of the uninterrupted 2-process run, every sample once in epoch 2."""
+    got, said = runs
+    run, before = got["stream_to_one"], got["stream"]
+    assert "torchrig: resuming in epoch 2 re-reads the 6 batches already used" in said["stream"]
+    assert "starts over" not in said["stream"]
+    assert run["steps"] == before["steps"] == {16}
+    assert _max_diff(run["params"], before["params"]) < ATOL
+    seen = _trained(before["rows"], upto=E.CUT)[1] + _trained(run["rows"])[1]
+    assert sorted(seen) == list(range(W.N_TRAIN)) and set(seen.values()) == {1}
+
+
+def test_a_stream_read_by_workers_starts_its_epoch_over_in_one_line(runs):
+    """Read by DataLoader workers, a stream's readers hold no prefix of it: resumed on another number of processes
+    its epoch starts over, said in one line with why, and the run ends where it was planned to end."""
     got, said = runs
     assert ("torchrig: epoch 2 starts over: the checkpoint stopped 6 batches into it on 2 process(es), now 1, and a "
-            "stream's position is each process's own reader (sample i goes to reader i mod the number of readers), "
-            "which cannot be re-split over another number of processes; the run still ends at step 16") \
-        in said["stream"]
-    assert got["stream_to_one"]["steps"] == {16}
-    assert min(step for rows in got["stream_to_one"]["rows"] for _, step, _ in rows) == E.CUT + 1
+            "stream read by DataLoader workers or split by its shards keeps a position per reader, which cannot be "
+            "re-split over another number of processes (with data.num_workers=0 it can); the run still ends at step "
+            "16") in said["streamw"]
+    assert got["streamw_to_one"]["steps"] == {16}
+    assert min(step for rows in got["streamw_to_one"]["rows"] for _, step, _ in rows) == E.CUT + 1

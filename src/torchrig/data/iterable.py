@@ -167,15 +167,28 @@ class IterableBatches:
         """Every streamed batch is real: ranks stop together instead of running filler batches."""
         return 1
 
-    why_not_elsewhere = ("a stream's position is each process's own reader (sample i goes to reader i mod the "
-                         "number of readers), which cannot be re-split over another number of processes")
+    why_not_elsewhere = ("a stream read by DataLoader workers or split by its shards keeps a position per reader, "
+                         "which cannot be re-split over another number of processes (with data.num_workers=0 it can)")
+
+    @property
+    def _in_order(self) -> bool:
+        """Read by this process alone (no worker) through ShardedIterable: sample i goes to rank i mod W, so after
+        k batches on every rank the ranks together have used exactly the stream's first k × batch × W samples."""
+        return self.loader.num_workers == 0 and isinstance(self.loader.dataset, ShardedIterable)
 
     def samples_before(self, batch: int) -> int:
-        """-1: a stream's position is each rank's own (its ``state_dict``), not a place in one global order."""
-        return -1
+        """Samples of the stream's epoch used over all ranks once ``batch`` batches are done; -1 when the readers'
+        positions are no prefix of the stream (workers, a Hugging Face data set split by shards)."""
+        return batch * self.batch_size * self.world_size if self._in_order else -1
 
     def batch_after(self, samples: int, accumulate: int = 1) -> Optional[int]:
-        return None
+        """The batch that starts after ``samples`` samples of the stream here (at a window's start), or None. The
+        resumed epoch re-reads the stream up to there (``__iter__``), each rank keeping its new share after it."""
+        per = self.batch_size * self.world_size
+        if not self._in_order or samples % per:
+            return None
+        batch = samples // per
+        return batch if batch % accumulate == 0 or batch >= self.length else None  # a window's start, or the end
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0

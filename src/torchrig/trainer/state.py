@@ -53,6 +53,8 @@ class TrainState:
             batch = locate(self.samples_in_epoch)
             if batch is not None:
                 return self.epoch, batch, ""
+            if saved == world_size:  # the same split as when saved (another one is refused): its own count
+                return self.epoch, self.batch_in_epoch, ""
             return self.epoch, 0, (f"torchrig: the checkpoint stopped after {self.samples_in_epoch} samples of epoch "
                                    f"{self.epoch + 1}, inside an optimizer step of this run (its global batch "
                                    f"differs); resuming at the start of epoch {self.epoch + 1}: keep "
