@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "torchrig"
 # layer -> the layers it may import, as the design's table lists them. What those may import comes
 # with them ("dependencies point down only"): recipes may use runtime and checkpoint through trainer.
 TABLE: dict[str, set[str]] = {
-    "cli": {"recipes", "trainer", "checkpoint", "metrics", "data", "models", "runtime", "config"},
+    "cli": {"tune", "recipes", "trainer", "checkpoint", "metrics", "data", "models", "runtime", "config"},
+    "tune": {"recipes", "trainer"},  # hyperparameter search: its trials are the recipes' runs
     "recipes": {"trainer", "models", "data", "config"},
     "trainer": {"runtime", "checkpoint", "metrics", "data", "config"},
     "checkpoint": {"runtime", "config"},
@@ -101,7 +102,7 @@ def test_every_import_points_down_the_layer_table():
 
 
 def test_the_table_is_a_stack():
-    order = ["config", "runtime", "models", "data", "metrics", "checkpoint", "trainer", "recipes", "cli"]
+    order = ["config", "runtime", "models", "data", "metrics", "checkpoint", "trainer", "recipes", "tune", "cli"]
     assert set(order) == set(TABLE)
     for i, layer in enumerate(order):
         assert allowed(layer) - ANYONE_MAY_IMPORT <= set(order[:i + 1]), layer

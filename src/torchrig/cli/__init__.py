@@ -1,4 +1,4 @@
-"""The ``torchrig`` command: train, evaluate, predict, plot, doctor, launch, data, config.
+"""The ``torchrig`` command: train, evaluate, predict, plot, doctor, launch, data, config, tune.
 
 Every error ends in one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
 """
@@ -91,7 +91,7 @@ def register_command(fn: Callable) -> Callable:
 
 
 def _register_extra(sub) -> None:
-    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config"):
+    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.tune"):
         try:
             __import__(module)
         except ImportError:
@@ -201,7 +201,9 @@ def _stop_signal(command: str):
         return None
     from ..runtime.signals import STARTING, StopSignal
 
-    return StopSignal(where=STARTING if command == "train" else f"during torchrig {command}; run it again").install()
+    where = {"train": STARTING, "tune": "during torchrig tune, between trials; continue the study with "
+                                        "torchrig tune --study-dir DIR --resume"}
+    return StopSignal(where=where.get(command, f"during torchrig {command}; run it again")).install()
 
 
 def _quiet_stdout() -> None:
