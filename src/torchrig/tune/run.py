@@ -60,7 +60,14 @@ def tune(config: Union[None, str, Path, C.Config] = None, space: Union[None, str
             raise TuneError(f"--parallel {parallel}: under torchrun each trial uses every process, one trial at a time; "
                             f"run parallel trials without torchrun (each trial then uses one process)")
         folder = _study_dir(study_dir, resume, out)
-        session = _open(folder, base, space, trials, sampler, pruner, storage, resume, out, parallel)
+        try:
+            session = _open(folder, base, space, trials, sampler, pruner, storage, resume, out, parallel)
+        except BaseException:
+            if study_dir is None and runtime.get_rank() == 0 and not (folder / "study.json").exists():
+                from ..checkpoint.rundir import discard_unused
+
+                discard_unused(folder)  # a study that never started leaves no numbered directory behind
+            raise
         try:
             if parallel > 1:
                 run_workers(session, parallel)

@@ -159,7 +159,8 @@ def _flatten(mapping: dict, source: str, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, spec in mapping.items():
         full = f"{prefix}{key}"
-        if isinstance(spec, dict) and spec and not any(k in KINDS for k in spec) and "step" not in spec:
+        # a section of keys (optim: {lr: {...}}) holds mappings only; a key's spec holds a list or a number
+        if isinstance(spec, dict) and spec and all(isinstance(v, dict) for v in spec.values()):
             out.update(_flatten(spec, source, f"{full}."))
         else:
             out[full] = spec

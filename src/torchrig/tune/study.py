@@ -90,7 +90,8 @@ def _per_trial_seed_class() -> type:
             self._inner = make(seed)
 
         def before_trial(self, study: Any, trial: Any) -> None:
-            self._inner = self._make((self._seed * 1_000_003 + trial.number) % 2 ** 32)
+            if not isinstance(self._inner, optuna.samplers.GridSampler):  # a grid's order is the seed's, once
+                self._inner = self._make((self._seed * 1_000_003 + trial.number) % 2 ** 32)
             self._inner.before_trial(study, trial)
 
         def infer_relative_search_space(self, study: Any, trial: Any) -> dict:

@@ -48,7 +48,8 @@ class PruningCallback:
                 if epoch not in self.values:
                     self.trial.report(value, epoch)
                     self.trial.set_user_attr("seconds", round(self.clock.seconds(), 3))
-                prune = self.trial.should_prune()
+                # after the last epoch pruning saves nothing: the trial completes with its value
+                prune = epoch < trainer.cfg.epochs and self.trial.should_prune()
             self.values[epoch] = value
         if runtime.agree_max([float(prune)], trainer.device)[0]:  # rank 0's answer, on every rank
             raise Pruned(epoch, value)
