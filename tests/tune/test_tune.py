@@ -178,7 +178,7 @@ def test_two_ddp_ranks_prune_together_without_a_hang(tmp_path):
     assert r.returncode == 0, r.output[-4000:]
     rows = trials_of(tmp_path / "ddp")
     assert [r["state"] for r in rows] == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"]  # and a trial after it
-    assert r.stdout.count("2 process(es) on cpu · strategy ddp") == 4
+    assert r.output.count("2 process(es) on cpu · strategy ddp") == 4
     assert (tmp_path / "ddp" / "trials" / "2" / "PRUNED").exists()
 
 
