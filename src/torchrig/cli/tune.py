@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _add_common, _set_arg, register_command
+from . import add_common, set_arg, register_command
 
 
 def cmd_tune(args) -> int:
@@ -44,6 +44,6 @@ def _add(sub) -> None:
     p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
     p.add_argument("--model", metavar="MODULE:FN", help="your model, as for torchrig train")
     p.add_argument("--data", metavar="MODULE:FN", help="your data, as for torchrig train")
-    _set_arg(p)
-    _add_common(p)
+    set_arg(p)
+    add_common(p)
     p.set_defaults(handler=cmd_tune)
