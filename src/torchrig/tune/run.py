@@ -20,7 +20,7 @@ from .. import config as C
 from .. import runtime
 from .space import TuneError
 from .study import Session, open_study, require_optuna
-from .trial import Outcome, PruningCallback, run_trial
+from .trial import PruningCallback, run_trial
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .. import recipes as _recipes  # noqa: F401  (their config sections: a stud
 from ..checkpoint.io import write_bytes_atomic
 from ..checkpoint.rundir import RunLock, reached_step
 from .space import Space, TuneError, load_space, value_of
-from .trial import Clock, Outcome, PruningCallback, best_of, run_trial
+from .trial import Clock, Outcome, best_of
 
 MANIFEST = "study.json"
 DATABASE = "study.db"
