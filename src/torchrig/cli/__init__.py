@@ -91,7 +91,8 @@ def register_command(fn: Callable) -> Callable:
 
 
 def _register_extra(sub) -> None:
-    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.tune"):
+    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.tune",
+                   "torchrig.cli.summary"):
         try:
             __import__(module)
         except ImportError:

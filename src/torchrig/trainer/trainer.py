@@ -147,6 +147,15 @@ class Trainer:
     def _lr(self) -> float:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
 
+    def summary(self) -> str:
+        """The model summary: each top-level module's parameters (trainable, frozen) and size, and the memory of
+        the weights, gradients and optimizer state one process holds (``fit`` prints it unless log.summary=false)."""
+        from ..observe.summary import model_summary
+
+        shards = self.world_size if self.strategy == "fsdp" else 1
+        return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
+                             self.ema is not None)
+
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
         if self.metrics_log is not None and self.metrics_log.out.enabled:
@@ -269,6 +278,8 @@ class Trainer:
             return True
         self.metrics_log.out = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
                                          start_step=self.global_step, config=cfg)  # and the trackers
+        if cfg.log.summary:
+            self.print(self.summary())
         A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
