@@ -15,10 +15,11 @@ from typing import Any, Optional
 
 from .. import config as C
 from .. import runtime
+from ..errors import TorchrigError
 
 
-class Pruned(Exception):
-    """Raised on every rank when the study prunes the trial at the end of ``epoch``."""
+class Pruned(TorchrigError, RuntimeError):
+    """Raised on every rank when the study prunes the trial at the end of ``epoch`` (caught by ``run_trial``)."""
 
     def __init__(self, epoch: int, value: Optional[float]):
         super().__init__(f"pruned after epoch {epoch}")
