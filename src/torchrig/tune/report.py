@@ -35,11 +35,11 @@ def rows(study: Any) -> list[dict]:
     return out
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.{digits}g}"
     return str(v)
 
 
@@ -64,7 +64,7 @@ def table(trial_rows: list[dict], keys: list[str], monitor: str, best: Optional[
     for r in trial_rows:
         mark = "*" if r["trial"] == best else ""
         body.append([f"{r['trial']}{mark}", r["state"], _fmt(r["value"])]
-                    + [_fmt(r["params"].get(k)) for k in keys]
+                    + [_fmt(r["params"].get(k), 3) for k in keys]  # full precision: trials.csv
                     + [str(r["epochs"]), f"{r['seconds']:.1f} s" if r["seconds"] is not None else "-"])
     widths = [max(len(str(row[i])) for row in [head] + body) for i in range(len(head))]
     lines = ["  ".join(str(c).rjust(w) if i > 1 else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -154,6 +154,9 @@ def plot(path: Path, trial_rows: list[dict], weights: dict[str, float], monitor:
         xs.append(r["trial"])
         ys.append(best)
     if xs:
+        last = max(r["trial"] for r in trial_rows)
+        if last > xs[-1]:  # the best so far holds to the last trial
+            xs, ys = xs + [last], ys + [ys[-1]]
         history.step(xs, ys, where="post", color="tab:red", label="best so far")
     from matplotlib.ticker import MaxNLocator
 

@@ -141,10 +141,12 @@ def _open(folder: Path, base: Optional[C.Config], space: Any, trials: Optional[i
 
 def drive(session: Optional[Session]) -> None:
     """Run trials until the study has its number: every rank trains each trial; rank 0 (``session``) asks
-    and tells the study."""
+    and tells the study. An error on rank 0 alone (the storage, the study's end of a trial) reaches the other
+    ranks with the next trial's plan, so none waits for a trial that never comes."""
+    error: Optional[BaseException] = None
     while True:
-        plan, error = None, None
-        if session is not None:
+        plan = None
+        if session is not None and error is None:
             try:
                 plan = session.next_plan()
             except Exception as exc:
@@ -156,10 +158,11 @@ def drive(session: Optional[Session]) -> None:
             return
         if "error" in plan:
             raise TuneError(plan["error"])
-        run_planned(session, plan)
+        error = run_planned(session, plan)
 
 
-def run_planned(session: Optional[Session], plan: dict) -> None:
+def run_planned(session: Optional[Session], plan: dict) -> Optional[BaseException]:
+    """Train the planned trial on this rank; rank 0 then tells the study (its error, if any, is returned)."""
     number = plan["number"]
     cfg = C.from_dict(plan["config"])
     trial = session.live[number] if session is not None else None
@@ -177,7 +180,11 @@ def run_planned(session: Optional[Session], plan: dict) -> None:
                         f"--study-dir {session.dir} --resume")
         raise
     if session is not None:
-        session.finish(number, outcome)
+        try:
+            session.finish(number, outcome)
+        except Exception as exc:
+            return exc
+    return None
 
 
 # ----------------------------------------------------------------------------- --parallel K

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -149,6 +150,7 @@ class Session:
         self.live: dict[int, Any] = {}  # trial number -> optuna Trial, for the trials this process runs
         self.pending: list[int] = []  # running trials to continue first (a resumed study)
         self.clocks: dict[int, Clock] = {}
+        self.summarised = False  # the model summary was printed by a trial of this process
 
     # -- the next trial ----------------------------------------------------------------------------
     def next_plan(self) -> Optional[dict]:
@@ -177,8 +179,9 @@ class Session:
             seconds = float(frozen.user_attrs.get("seconds", 0.0))
             self.clocks[number] = Clock(seconds)
             resumed = cfg.resume is not None
-            self.out(f"tune: trial {number} ({number + 1} of {self.target})" + (" resumed" if resumed else "") + " · "
-                     + " · ".join(f"{k}={_short(value_of(trial.params[k]))}" for k in self.space.keys))
+            line = (f"tune: trial {number} ({number + 1} of {self.target})" + (" resumed" if resumed else "") + " · "
+                    + " · ".join(f"{k}={_short(value_of(trial.params[k]))}" for k in self.space.keys))
+            self.out("\n".join(textwrap.wrap(line, 80, subsequent_indent="  ", break_on_hyphens=False)))
             return {"number": number, "config": C.to_dict(cfg), "reported": dict(frozen.intermediate_values)}
 
     def found_config(self, params: dict) -> C.Config:
@@ -194,6 +197,9 @@ class Session:
         cfg.resume = "latest" if reached_step(cfg.run_dir) is not None else None
         if self.parallel > 1:
             cfg.log.progress = "none"  # trials side by side: their summary lines, not interleaved bars
+        if self.summarised and not any(k.startswith("model.") for k in self.space.keys):
+            cfg.log.summary = False  # the same model each trial: its summary once
+        self.summarised = True
         return C.validate(cfg)
 
     # -- the end of a trial ------------------------------------------------------------------------
