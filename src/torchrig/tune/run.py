@@ -94,6 +94,9 @@ def _base_config(config: Any, overrides: Optional[list[str]], recipe: Optional[s
             key, _, raw = item.partition("=")
             C.set_key(cfg, key.strip(), raw)
         return C.validate(cfg)
+    if config is not None and not isinstance(config, (str, Path)):
+        raise TuneError(f"the study's config must be a YAML file, a torchrig.Config or None (the default job), got "
+                        f"a {type(config).__name__}")
     if config is None and not overrides and recipe is None:
         return None
     return build_config(str(config) if config is not None else None, list(overrides or []), recipe)
