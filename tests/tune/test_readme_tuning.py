@@ -26,10 +26,13 @@ def tuning_block() -> str:
 
 
 def shortened(block: str) -> str:
-    """The block with the same commands made quick (the comments dropped)."""
+    """The block with the same commands made quick (the comments dropped). The ``torchrig launch`` line is left
+    out here: test_tune.py runs that command (two DDP ranks, four trials, a pruned one) on its own."""
     lines = []
     for line in block.splitlines():
         command = line.split("  #")[0].rstrip()
+        if command.startswith("torchrig launch "):
+            continue
         if command.startswith("torchrig "):
             command = command.replace("--trials 12", "--trials 2")
             if " tune " in f"{command} " or command.startswith("torchrig train"):
@@ -58,12 +61,11 @@ def test_the_tuning_commands_run(tmp_path):
     out = r.stdout
     assert out.startswith("torchrig: model DigitsCNN")  # torchrig summary
     assert "torchrig: suggested lr " in out and (tmp_path / "lr_find.png").exists()  # torchrig lr-find
-    for study in ("digits", "par", "ddp"):
+    for study in ("digits", "par"):
         folder = tmp_path / "runs" / "tune" / study
         assert (folder / "best.yaml").exists() and (folder / "tune.png").exists(), study
         assert sorted(p.name for p in (folder / "trials").iterdir()) == ["0", "1"], study
-    assert out.count("tune: 2 trials") == 4  # the study, its resume (nothing left to run), parallel, DDP
-    assert "tune: 2 workers" in out and out.count("2 process(es) on cpu · strategy ddp") == 0  # (DDP's on stderr)
-    assert r.stderr.count("2 process(es) on cpu · strategy ddp") == 2
+    assert out.count("tune: 2 trials") == 3  # the study, its resume (nothing left to run), parallel
+    assert "tune: 2 workers" in out
     assert "test: loss" in out  # torchrig train took best.yaml as it is
     assert Path(tmp_path / "space.yaml").read_text().startswith("optim.lr: {log_uniform: [1e-4, 3e-2]}")
