@@ -101,8 +101,6 @@ def _train(cfg: C.Config, out) -> dict:
             out(f"logs:        {run / 'metrics.jsonl'}")
             if (run / "tensorboard").exists():  # a line of its own: paths are never cut to fit a terminal
                 out(f"tensorboard: {run / 'tensorboard'}")
-            for line in trainer.logger.trackers.where():
-                out(f"tracker:     {line}")
             plots = getattr(trainer, "plots", [])
             if plots:
                 out(f"plots:       {', '.join(str(p) for p in plots)}")
