@@ -32,6 +32,11 @@ def _check_steplr(ns):
     assert ns["opt"].param_groups[0]["lr"] == pytest.approx(0.0125)
 
 
+def _check_onecycle(ns):
+    sch = ns["trainer"].schedulers["default"]
+    assert ns["trainer"].total_steps == sch.total_steps == sch.last_epoch == 24
+
+
 def _check_stream(ns):
     assert ns["trainer"].global_step == 62
 
@@ -46,7 +51,7 @@ def _check_dict_batches(ns):
 
 
 CHECKS = {"BertForSequenceClassification": _check_bert, "TwoInputs": _check_two_inputs,
-          "StepLR": _check_steplr, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
+          "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
           "input_keys=": _check_dict_batches}
 
 

@@ -161,3 +161,14 @@ class FitPlan:
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
         return cls(batches, epoch_len, steps_per_epoch, total, val_data)
+
+    def describe(self, cfg: Any, world: int = 1) -> str:
+        """How ``total_steps`` comes about: `` (2 epochs × 24 steps/epoch on 2 processes)``, for messages."""
+        if cfg.max_steps is not None and cfg.max_steps == self.total_steps:
+            return f" (max_steps={cfg.max_steps})"
+        parts = [f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''} × {self.steps_per_epoch} steps/epoch"]
+        if world > 1:
+            parts.append(f"on {world} processes")
+        if cfg.accumulate > 1:
+            parts.append(f"accumulating {cfg.accumulate} batches per step")
+        return f" ({' '.join(parts)})"

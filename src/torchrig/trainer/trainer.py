@@ -64,6 +64,7 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict] = []
         self.schedulers: dict[str, Any] = {}
+        self.total_steps: Optional[int] = None  # the optimizer steps of the fit under way (set before its schedulers)
         self.sched_interval = "step"
         self.train_metrics: list[Metric] = []
         self.step: Optional[Step] = None
@@ -208,8 +209,11 @@ class Trainer:
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
+        """The schedulers; a factory gets ``total_steps``, this fit's optimizer steps (also ``self.total_steps``)."""
+        self.total_steps = plan.total_steps
         self.schedulers, self.sched_interval, note = build.build_schedulers(
-            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
+            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps,
+            plan.describe(self.cfg, self.world_size))
         if note:
             self.print(note)
         plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
