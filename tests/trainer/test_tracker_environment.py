@@ -109,7 +109,7 @@ def test_mlflow_run_id_and_experiment_id_from_the_environment(mlflow_server, tmp
     from mlflow.tracking import MlflowClient
     from test_trackers import by_name, jsonl_values
 
-    from torchrig.trainer.trackers import TrackerError
+    from torchrig.observe.trackers import TrackerError
 
     _clear(monkeypatch, "MLFLOW_")
     client = MlflowClient(tracking_uri=mlflow_server)
