@@ -20,7 +20,8 @@ def blocks() -> list[tuple[int, str]]:
 
 def _check_bert(ns):
     assert ns["trainer"].global_step == 8
-    assert ns["trainer"].predict(ns["data"])["logits"].shape == (64, 2)
+    pred = ns["trainer"].predict(ns["data"])
+    assert pred.shape == (64, 2) and torch.allclose(pred, ns["trainer"].predict(ns["data"], outputs="all")["logits"])
 
 
 def _check_two_inputs(ns):

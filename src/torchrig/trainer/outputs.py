@@ -314,6 +314,22 @@ def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
 # ----------------------------------------------------------------------------- predict
 
 
+PREDICT_OUTPUTS = ("prediction", "all")
+
+
+def predict_prediction(output: Any, key: Any, activation: Callable) -> torch.Tensor:
+    """One batch's prediction field on the CPU, the activation applied: what ``predict`` returns by default,
+    whatever the output's structure (the field the loss and the metrics use, see :func:`unpack`)."""
+    if isinstance(output, torch.Tensor):
+        return activation(output.float()).cpu()
+    prediction, _ = unpack(output, key)
+    if not isinstance(prediction, torch.Tensor):
+        raise OutputError(f"predict: the model's {type(output).__name__} output holds no prediction tensor (only "
+                          f"{describe(output)}); set output_key to the prediction's index or key, or call "
+                          f"predict(data, outputs=\"all\") for the whole output")
+    return activation(prediction.float()).detach().cpu()
+
+
 def predict_fields(output: Any, key: Any, activation: Callable, n: int) -> Any:
     """One batch's prediction on the CPU: the activation applied to the prediction, and for tuple /
     dict outputs the same structure with every per-sample tensor (first dimension ``n``); other fields

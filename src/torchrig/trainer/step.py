@@ -87,6 +87,7 @@ class ModelCalls:
         self._tensor_loss = tensor_loss(loss_fn) if loss_fn is not None else None
         self._loss_checked = False  # check_loss_fit runs on the first batch only
         self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
+        self.predict_outputs = "prediction"  # in predict: "prediction" or "all" (see inference.predict)
 
     def autocast(self):
         return self.precision.autocast()

@@ -475,16 +475,21 @@ class Trainer:
         return results
 
     @runtime.explain_collective_errors
-    def predict(self, data: Any, activation: str = "auto") -> Any:
-        """Model outputs for every sample, in data order, on every rank (CPU tensors): a tensor, or a
-        tuple / dict of per-sample fields for tuple / dict / ``ModelOutput`` outputs.
+    def predict(self, data: Any, activation: str = "auto", outputs: str = "prediction") -> Any:
+        """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
-        ``activation="auto"`` turns the prediction into probabilities for the classification losses,
+        ``outputs="prediction"``: one tensor, the prediction (the field the loss and the metrics use: a
+        tuple's element ``output_key``, a dict's or ``ModelOutput``'s ``logits``) whatever the output's
+        structure. ``outputs="all"``: a tuple / dict of per-sample fields for tuple / dict / ``ModelOutput``
+        outputs. ``activation="auto"`` turns the prediction into probabilities for the classification losses,
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
         bce_with_logits); ``"none"`` keeps raw outputs.
         """
+        if outputs not in ("prediction", "all"):  # the parameter hides the outputs module here
+            raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
+                             f"default) or \"all\" (the model's whole output, field by field)")
         act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
-        return inference.predict(self._eval_run(data, []), act, self.predict_fn)
+        return inference.predict(self._eval_run(data, []), act, self.predict_fn, outputs)
 
     def _eval_run(self, data: Any, metrics: list) -> inference.EvalRun:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
