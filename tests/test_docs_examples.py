@@ -39,7 +39,8 @@ def _check_onecycle(ns):
 
 
 def _check_stream(ns):
-    assert ns["trainer"].global_step == 62
+    assert ns["trainer"].global_step == 64 and [h["step"] for h in ns["trainer"].history] == [32, 64]
+    assert ns["capped"].global_step == 62 and ns["capped"].total_steps == 62
 
 
 def _check_lossnorm(ns):

@@ -52,7 +52,39 @@ def horizon(out: Path) -> None:
         "factory_stepped": f.schedulers["default"].last_epoch}))
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """``(x, y, id)`` samples in order, with no ``__len__``."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __iter__(self):
+        for i in range(len(self.x)):
+            yield self.x[i], self.y[i], i
+
+
+def stream(out: Path) -> None:
+    """40 samples without a length, batch 4 per process, 2 epochs, no data.steps_per_epoch: each rank records
+    the sample ids it trains on per epoch."""
+    from torchrig.trainer.step import default_step
+
+    seen: dict = {}
+
+    def step_fn(step, batch):
+        x, y, ids = batch
+        seen.setdefault(step.epoch, []).extend(ids.tolist())
+        return default_step(step, [x, y])
+
+    torch.manual_seed(0)
+    t = torchrig.Trainer(nn.Linear(8, 3), epochs=2, batch_size=4, run_dir=str(out / "run"), step_fn=step_fn,
+                         num_workers=0, **QUIET, **_pair())
+    t.fit(Stream(40))
+    (out / f"stream-{t.rank}.json").write_text(json.dumps({"seen": seen, "steps": t.global_step,
+                                                           "history": [h["step"] for h in t.history]}))
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"horizon": horizon}[sys.argv[1]](target)
+    {"horizon": horizon, "stream": stream}[sys.argv[1]](target)

@@ -78,7 +78,8 @@ class DataConfig:
                                  "a dict (torchrig train --data)")
     steps_per_epoch: Optional[int] = key(
         None, optional(integer(1)),
-        "optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data",
+        "optimizer steps per epoch; null: the data's length, or for a stream without one, until it runs out; "
+        "caps the epoch of other data",
         alias="steps_per_epoch")
 
 

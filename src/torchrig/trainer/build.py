@@ -73,7 +73,7 @@ PER_STEP = ("OneCycleLR", "CyclicLR")
 
 
 def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: Optional[int],
-                     run: str = "") -> tuple[dict, str, str]:
+                     run: str = "", unknown: str = "") -> tuple[dict, str, str]:
     """``({name: scheduler}, interval, note)``: the user's schedulers, or the configured one per optimizer.
 
     ``given``: a scheduler object, a factory ``f(optimizer, total_steps=N)`` called here with the optimizer
@@ -81,15 +81,27 @@ def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: O
     stepped at the interval its class implies (``scheduler.interval`` overrides); for a class that implies none,
     ``note`` is one line naming the interval used. A given scheduler whose horizon (``total_steps``,
     ``T_max``, ``total_iters``) is not the run's gets one line too (``run`` says how that count comes about),
-    or an error when PyTorch would refuse to step it to the end."""
+    or an error when PyTorch would refuse to step it to the end. ``total_steps`` None: not known before
+    the run (``unknown`` says why); a schedule that needs it asks for ``data.steps_per_epoch`` or ``max_steps``."""
     s = cfg.scheduler
+    fix = "set data.steps_per_epoch (optimizer steps per epoch) or max_steps"
     if given is not None:
+        if total_steps is None and any(callable(v) and not _is_scheduler(v) for v in (
+                given.values() if isinstance(given, dict) else [given])):
+            raise ConfigError(f"the scheduler factory is built with the run's optimizer steps (total_steps), but "
+                              f"{unknown}, so their number is not known before the run; {fix}, or pass a "
+                              f"scheduler object")
         schedulers = {k: _built(v, optimizers, k, total_steps)
                       for k, v in (given.items() if isinstance(given, dict) else [("default", given)])}
         interval, note = _interval_of(schedulers, s.interval)
         horizon = check_horizons(schedulers, interval, total_steps, cfg.epochs, run)
         return schedulers, interval, "\n".join(n for n in (note, horizon) if n)
     interval = s.interval or "step"
+    name = str(s.name).lower().replace("-", "_") if s.name is not None else None
+    if total_steps is None and name in optim.OVER_THE_RUN and (s.interval or optim.DEFAULT_INTERVAL[name]) == "step":
+        raise ConfigError(f"config key 'scheduler.name': {s.name!r} runs over the run's optimizer steps, but "
+                          f"{unknown}, so their number is not known before the run; {fix}, or step it per epoch "
+                          f"(scheduler_interval=\"epoch\")")
     schedulers = {}
     for k, opt in optimizers.items():
         sch, interval = optim.build_scheduler(

@@ -214,10 +214,11 @@ class Trainer:
         self.total_steps = plan.total_steps
         self.schedulers, self.sched_interval, note = build.build_schedulers(
             self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps,
-            plan.describe(self.cfg, self.world_size))
+            plan.describe(self.cfg, self.world_size), unknown=plan.unknown)
         if note:
             self.print(note)
-        plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+        if plan.total_steps is not None:
+            plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
 
     def _set_up_run(self, val_data: Any) -> None:
         """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
@@ -265,7 +266,7 @@ class Trainer:
             plan.start = self._resume(resume)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
+        if self.resumed_from is not None and (plan.ends_by(self.global_step) or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
                        f"({self.resumed_from.name}); nothing to train. To train further, raise epochs or "
@@ -277,7 +278,8 @@ class Trainer:
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
                    f"{A} accumulation = {cfg.data.batch_size * self.world_size * A} global · "
-                   f"{plan.steps_per_epoch} steps/epoch"
+                   + (f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch is not None else
+                      "epochs end with the stream")
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
                       if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
@@ -304,7 +306,7 @@ class Trainer:
                 return val_metrics, "early_stop"
             if self._signals.check_now():
                 return val_metrics, "signal"
-            if self.global_step >= plan.total_steps:
+            if plan.ends_by(self.global_step):
                 break
         return val_metrics, "signal" if self._signals.check_now() else ""
 
@@ -336,7 +338,7 @@ class Trainer:
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
-        while i < plan.epoch_len:
+        while plan.epoch_len is None or i < plan.epoch_len:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -367,9 +369,10 @@ class Trainer:
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
             signalled = signals.check()
-            if state.global_step >= plan.total_steps or signalled:
+            if plan.ends_by(state.global_step) or signalled:
                 out.end_epoch()
-                return "signal" if signalled else ("" if i >= plan.epoch_len else "max_steps")
+                return "signal" if signalled else ("" if plan.epoch_len is not None and i >= plan.epoch_len
+                                                   else "max_steps")
         out.end_epoch()
         return ""
 
@@ -401,7 +404,7 @@ class Trainer:
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
         w_start = i - i % A
         if i == w_start:
-            size = min(A, epoch_len - w_start)
+            size = A if epoch_len is None else min(A, epoch_len - w_start)  # a stream yields whole windows
             # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
             # several micro-batches or ranks, not a whole batch on one process
             known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
