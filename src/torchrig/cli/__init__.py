@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Callable, Optional
 
+from ..errors import command_line
+
 EXIT_USAGE = 2
 EXIT_ERROR = 1
 
@@ -171,7 +173,8 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
     stop = _stop_signal(args.command)
     try:
-        return int(handler(args) or 0)
+        with command_line():  # messages name settings as --set does
+            return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("torchrig: interrupted", file=sys.stderr)
         return 130

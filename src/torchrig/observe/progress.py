@@ -17,6 +17,7 @@ from typing import Any, Optional
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 from ..config import to_dict
 from ..config.files import file_kind
+from ..errors import setting
 from . import terminal
 from .trackers import TrackerSet, check_installed, tracker_names
 
@@ -24,7 +25,7 @@ from .trackers import TrackerSet, check_installed, tracker_names
 def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
     """One line naming the file, the OS error and its errno, and that the checkpoints are safe."""
     return RunDirError(f"{describe_os_error(exc)} while {doing} '{path}'; the checkpoints are intact: "
-                       f"once it can be written, continue with --set resume=latest")
+                       f"once it can be written, continue with {setting('resume', 'latest')}")
 
 
 class RunLogger:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from .. import config as C
 from ..errors import suggest
 from . import factory, get_recipe
-from .base import RecipeError
+from .base import RecipeError, check_output_kind
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -219,6 +219,8 @@ def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
         raise RecipeError(f"predict --all-outputs --output '{output}': the whole output is written field by field "
                           f"as .npz (numpy) or .safetensors; name the file e.g. predictions.npz")
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
+    if not all_outputs and recipe.output_kinds:
+        check_output_kind(out, recipe.output_kinds)  # before any prediction is computed
     x, names = recipe.load_inputs(cfg, Path(inputs).expanduser())
     with _inference_trainer(recipe, cfg, model, {}) as trainer, FeatureHooks(model, features or []) as hooks:
         if features and trainer.world_size > 1:

@@ -309,6 +309,13 @@ def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
         return model(*args, **kwargs)
     except RuntimeError as exc:
         raise explain_forward_error(exc, model, inputs) or exc
+    except TypeError as exc:
+        if not (isinstance(inputs, tuple) and "forward() takes" in str(exc)):
+            raise
+        raise BatchError(f"the batch's inputs are {len(inputs)} tensors {describe(inputs)}, each passed to forward "
+                         f"as one argument, but {type(runtime.unwrap(model)).__name__}.forward() does not take "
+                         f"{len(inputs)} ({str(exc).strip()}); a tuple or list of tensors is read as columns "
+                         f"(inputs…, target): give (x, y), or a forward taking each input") from None
 
 
 # ----------------------------------------------------------------------------- predict
