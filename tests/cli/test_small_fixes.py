@@ -110,3 +110,18 @@ def test_doctor_lists_what_the_extras_install(capsys):
     missing = next((line for line in out.splitlines() if line.startswith("missing")), "")
     for name, extra in listed.items():  # a package is called missing only with the extra that installs it
         assert (name in missing) == (f'{name} (pip install "torchrig[{extra}]")' in missing)
+
+
+def test_doctors_own_list_is_the_extras_of_pyproject():
+    """What doctor says without torchrig's metadata (a source checkout on PYTHONPATH) is pyproject's extras."""
+    import re
+    import tomllib
+
+    from torchrig.cli.doctor import EXTRAS
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for extra, packages in project["optional-dependencies"].items():
+        for spec in packages if extra not in ("all", "test") else []:
+            declared.setdefault(re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower(), extra)
+    assert EXTRAS == declared

@@ -11,7 +11,8 @@ REQUIRED = ("numpy", "pyyaml", "safetensors", "tqdm", "scikit-learn", "matplotli
 # package -> the extra that installs it, when torchrig's own metadata cannot say (a source checkout on PYTHONPATH)
 EXTRAS = {"torchvision": "vision", "pillow": "vision", "tensorboard": "tensorboard", "tokenizers": "text",
           "transformers": "text", "timm": "timm", "datasets": "hf", "torchdata": "torchdata", "mlflow": "mlflow",
-          "wandb": "wandb"}
+          "wandb": "wandb", "optuna": "tune", "onnx": "export", "onnxscript": "export", "onnxruntime": "export",
+          "torchmetrics": "metrics", "ipywidgets": "notebook", "ray": "ray"}
 
 
 def extras() -> dict[str, str]:
