@@ -39,10 +39,11 @@ def test_a_trainer_keyword_is_suggested_as_python_writes_it(given, meant):
 
 def test_run_dir_expands_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     trainer = torchrig.Trainer(TinyNet(), **dict(QUIET, run_dir="~/runs/x", epochs=1, num_workers=0))
     trainer.fit(make_classification(16))
     assert trainer.run_dir == tmp_path / "runs" / "x" and (tmp_path / "runs" / "x" / "checkpoints").is_dir()
-    assert not Path("~").exists()
+    assert not (tmp_path / "~").exists()  # not a folder named ~ in the current directory
     cfg = torchrig.load_config(overrides=["run_dir=~/y"])
     assert cfg.run_dir == str(tmp_path / "y")
 

@@ -134,8 +134,17 @@ def test_mlflow_run_id_and_experiment_id_from_the_environment(mlflow_server, tmp
         tracked_fit(tmp_path / "t", trackers=["mlflow"], tensorboard=False, epochs=1)
 
 
-def test_wandb_reads_its_own_variables_and_a_key_wins(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("wandb")
+@pytest.fixture
+def fresh_wandb():
+    """wandb reads its environment once per process (its setup singleton): set up anew before and after, so
+    that these variables neither come from nor leak into another test."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_reads_its_own_variables_and_a_key_wins(tmp_path, monkeypatch, capsys, fresh_wandb):
     from test_trackers import wandb_run
 
     _clear(monkeypatch, "WANDB_")
@@ -159,6 +168,7 @@ def test_wandb_reads_its_own_variables_and_a_key_wins(tmp_path, monkeypatch, cap
 
     # log.project and log.run_name, set, win over WANDB_PROJECT and WANDB_NAME
     monkeypatch.setenv("WANDB_NAME", "from-env")
+    __import__("wandb").teardown()  # WANDB_NAME is read when wandb sets up
     tracked_fit(tmp_path / "other", trackers=["wandb"], tensorboard=False, epochs=1,
                 log={"project": "mine", "run_name": "named"})
     newest = max((tmp_path / "wandb-home" / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
