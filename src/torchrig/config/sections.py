@@ -188,6 +188,9 @@ class LogConfig:
                                                         "directory's name")
     flops: bool = key(False, BOOL, "count FLOPs per sample once; rows get flops_per_s, and mfu on a known GPU",
                       alias="flops")
+    summary: bool = key(True, BOOL, "print the model summary at the start of fit: top-level modules, parameters "
+                                    "(trainable, frozen), sizes, memory of weights + gradients + optimizer state",
+                        alias="summary")
 
 
 @dataclass
