@@ -163,10 +163,12 @@ def _load_into(obj: Any, state: Any) -> None:
 def replan(plan: FitPlan, cfg: Any) -> None:
     """After samples were left out: the epoch's batches and steps from ``plan.start`` on, and where the run ends."""
     before = plan.steps_per_epoch
+    if before is None:  # a stream's epochs end when it runs out: nothing planned to change
+        return
     plan.batches.set_epoch(plan.start[0])
     epoch_len = len(plan.batches)
     if cfg.data.steps_per_epoch:
         epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
     plan.epoch_len, plan.steps_per_epoch = epoch_len, math.ceil(epoch_len / cfg.accumulate)
-    if cfg.max_steps is None:
+    if cfg.max_steps is None and plan.total_steps is not None:
         plan.total_steps += (plan.steps_per_epoch - before) * (cfg.epochs - plan.start[0])
