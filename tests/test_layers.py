@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "torchrig"
 TABLE: dict[str, set[str]] = {
     "cli": {"recipes", "trainer", "checkpoint", "metrics", "data", "models", "runtime", "config"},
     "recipes": {"trainer", "models", "data", "config"},
-    "trainer": {"runtime", "checkpoint", "metrics", "data", "config"},
+    "trainer": {"parallel", "runtime", "checkpoint", "metrics", "data", "config"},
+    "parallel": {"runtime", "config"},
     "checkpoint": {"runtime", "config"},
     "metrics": {"runtime"},
     "data": {"runtime"},
@@ -101,7 +102,7 @@ def test_every_import_points_down_the_layer_table():
 
 
 def test_the_table_is_a_stack():
-    order = ["config", "runtime", "models", "data", "metrics", "checkpoint", "trainer", "recipes", "cli"]
+    order = ["config", "runtime", "models", "data", "metrics", "checkpoint", "parallel", "trainer", "recipes", "cli"]
     assert set(order) == set(TABLE)
     for i, layer in enumerate(order):
         assert allowed(layer) - ANYONE_MAY_IMPORT <= set(order[:i + 1]), layer

@@ -1,0 +1,155 @@
+"""The ``parallel`` section: degrees on one device mesh, tensor-parallel plans, and exactness against one process.
+
+The multi-process runs are real gloo process groups on the CPU (tests/helpers/parallel_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import torchrig
+from torchrig.config import Config, ConfigError, set_key, validate
+from torchrig.parallel import ParallelConfigError, resolve_degrees, tensor_parallel
+
+from helpers import dist_procs
+from helpers import parallel_worker as W
+
+
+def degrees(world: int, strategy: str = "auto", **given) -> dict:
+    p = types.SimpleNamespace(**{"dp_replicate": "auto", "dp_shard": "auto", "tp": 1, "pp": 1, **given})
+    return resolve_degrees(p, strategy, world)
+
+
+def test_degrees_take_the_rest_of_the_ranks():
+    assert degrees(4, tp=2) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert degrees(4, "fsdp", tp=2) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert degrees(8, dp_shard=2, tp=2) == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert degrees(8, dp_replicate=1, tp=-1) == {"dp_replicate": 1, "dp_shard": 1, "tp": 8, "pp": 1}
+    assert degrees(2, "ddp") == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}  # dist.strategy alone
+    assert degrees(2, "fsdp") == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+
+
+@pytest.mark.parametrize("world, given, words", [
+    (3, dict(tp=2), "config key 'parallel': tp=2 needs a multiple of 2 processes, but the job has 3"),
+    (4, dict(dp_replicate=1, dp_shard=1, tp=2), "config key 'parallel': dp_replicate × dp_shard × tp × pp = 1 × 1 × 2 × 1 = 2 "
+                                       "processes, but the job has 4; set one degree to -1"),
+])
+def test_degrees_that_do_not_fit_the_world_name_the_key(world, given, words):
+    with pytest.raises(ParallelConfigError) as err:
+        degrees(world, **given)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("sets, words", [
+    ({"parallel.tp": -1, "parallel.dp_shard": -1}, "config key 'parallel.tp': -1 (the rest of the ranks) is "
+                                                    "already given to parallel.dp_shard"),
+    ({"parallel.tp": 2, "parallel.tp_plan": "auto", "dist.strategy": "dp"}, "config key 'dist.strategy': 'dp'"),
+    ({"parallel.dp_shard": 2, "dist.strategy": "ddp"}, "config key 'parallel.dp_shard': 2 shards the model, but "
+                                                        "dist.strategy=ddp replicates it"),
+    ({"parallel.tp": 2}, "config key 'parallel.tp_plan': parallel.tp=2 splits the layers a plan names, and no "
+                         "plan is set"),
+    ({"parallel.pp": 2}, "config key 'parallel.pp': 2: pipeline parallelism is not available"),
+])
+def test_bad_combinations_are_one_line_naming_the_key(sets, words):
+    cfg = Config()
+    for k, v in sets.items():
+        set_key(cfg, k, v)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def test_plans_are_checked_against_the_model():
+    block = W.Block()
+    assert tensor_parallel.resolve(block, {"attn.*": "colwise"}, 2) == {
+        "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "colwise"}
+    cases = [
+        ({"attn.qq": "colwise"}, "config key 'parallel.tp_plan': 'attn.qq' matches no module of Block; did you mean "
+                                 "'attn.q'"),
+        ({"attn.q": "columnwise"}, "config key 'parallel.tp_plan': style 'columnwise' of 'attn.q' is not one of"),
+        ({"norm1": "colwise"}, "config key 'parallel.tp_plan': module 'norm1' is a LayerNorm; the style 'colwise' "
+                               "splits nn.Linear and nn.Embedding layers only"),
+    ]
+    for plan, words in cases:
+        with pytest.raises(ParallelConfigError, match="^" + words):
+            tensor_parallel.resolve(block, plan, 2)
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp_plan': module 'head' \(rowwise\) has 16 "
+                                                  r"input features, which parallel.tp=3 does not divide"):
+        tensor_parallel.resolve(block, {"head": "rowwise"}, 3)
+    with pytest.raises(ParallelConfigError, match="^config key 'parallel.tp_plan': auto, but Block declares no "
+                                                  "tensor-parallel plan"):
+        tensor_parallel.resolve(block, "auto", 2)
+
+
+def test_auto_plans_of_torchrig_models_and_hugging_face_models():
+    from torchrig.models.small import MLP
+    from torchrig.models.text import BertClassifier
+
+    assert tensor_parallel.resolve(MLP(depth=2, dropout=0.1), "auto", 2) == {"net.1": "colwise", "net.4": "rowwise"}
+    bert = BertClassifier(vocab_size=50, num_classes=3, layers=2)
+    assert tensor_parallel.resolve(bert, "auto", 2) == {
+        "encoder.0.mlp.0": "colwise", "encoder.0.mlp.2": "rowwise", "encoder.1.mlp.0": "colwise",
+        "encoder.1.mlp.2": "rowwise"}
+    if not W.has_transformers():
+        return
+    plan = tensor_parallel.resolve(W.llama(), "auto", 2)
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise" and plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_gather_output"
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp': 4 does not divide the model's 2 "
+                                                  r"attention heads \(num_key_value_heads\)"):
+        tensor_parallel.resolve(W.llama(), "auto", 4)
+
+
+def one_process(tmp_path, name: str, dp: int) -> dict:
+    """The parameters of one process trained on every rank's samples of each step (a batch ``dp`` times larger)."""
+    make_model, data, plan = W.runs(W.BATCH * W.STEPS * dp)[name]
+    t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp))
+    t.fit(data)
+    return W.params(t.model)
+
+
+def check_against_one_process(tmp_path, scenario: str) -> None:
+    degrees_, world = W.SCENARIOS[scenario]
+    out = tmp_path / scenario
+    results = dist_procs.group(scenario, out, tmp_path / "store", world, timeout=400, worker=dist_procs.HELPERS / "parallel_worker.py")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    seen = json.loads((out / "seen.json").read_text())
+    dp = world // degrees_["parallel.tp"]
+    for name in W.runs(1, scenario):
+        assert seen[name]["dp"] == dp
+        assert seen[name]["local"] < 0.9  # the model was split: this rank holds a part of the planned layers
+        ref, got = one_process(tmp_path, name, dp), torch.load(out / f"{name}.pt")
+        assert ref.keys() == got.keys()
+        worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
+        assert worst < 1e-5, f"{scenario} {name}: parameters differ from one process by {worst:.3g}"
+        start = W.params(W.build(W.runs(1)[name][0]))
+        assert max((start[k] - got[k]).abs().max().item() for k in ref) > 1e-3  # 20 steps changed them
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_one_process(tmp_path):
+    """tp=2 on two processes: an MLP (its own plan), a transformer block with attention and a Hugging Face
+    Llama (``tp_plan: auto``) after 20 AdamW steps hold the parameters one process gets, within 1e-5."""
+    check_against_one_process(tmp_path, "tp")
+
+
+@pytest.mark.slow
+def test_fsdp_times_tensor_parallel_matches_one_process(tmp_path):
+    """dp_shard=2 × tp=2 on four processes: FSDP2 over the data-parallel sub-mesh, TP inside; loss counts and
+    metrics reduced over the two data-parallel ranks only, so one process with a batch twice as large agrees."""
+    check_against_one_process(tmp_path, "fsdp_tp")
+
+
+def test_a_model_without_a_group_is_left_whole(tmp_path):
+    """One process: the layout is one process, no mesh, and the model is neither split nor moved."""
+    model = nn.Linear(4, 2)
+    t = torchrig.Trainer(model, **W.settings(tmp_path / "one"))
+    assert t.layout.mesh is None and t.layout.describe() == "one process" and t.wrapped is model
+    assert torchrig.runtime.data_parallel_size() == 1
+    t.close()
