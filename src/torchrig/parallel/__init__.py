@@ -1,6 +1,7 @@
 """How one model is spread over the processes: the device mesh of the run (``parallel`` config section),
-tensor-parallel plans, and the data-parallel wrapper applied after them, the way PyTorch documents
-composing them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
+tensor-parallel plans, and the data-parallel wrapper (DDP / FSDP2 / DataParallel, SyncBatchNorm, gradient
+synchronisation across an accumulation window), applied after the split the way PyTorch documents composing
+them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import runtime
 from . import tp as tensor_parallel
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
+from .wrap import no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
-__all__ = ["DEGREES", "Layout", "ParallelConfigError", "build_layout", "resolve_degrees", "split_model",
-           "data_parallel_mesh", "tensor_parallel"]
+__all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
+           "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel"]
 
 
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,
@@ -27,5 +28,5 @@ def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device
                                       "models (a GAN's networks) is not supported")
         tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
     if layout.strategy == "fsdp":
-        return runtime.wrap.shard_model(model, device, cfg.dist, dtype, mesh=data_parallel_mesh(layout))
+        return shard_model(model, device, cfg.dist, dtype, mesh=data_parallel_mesh(layout))
     return model

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..runtime import RuntimeSetupError
+from .wrap import resolve_strategy
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
@@ -92,7 +93,7 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     d = resolve_degrees(p, strategy_name, world_size)  # parallel.pp > 1 is refused by config.validate
     layout = Layout(**d)
     if d["tp"] == 1 and (d["dp_replicate"] == 1 or d["dp_shard"] == 1):
-        strategy = runtime.resolve_strategy(strategy_name, world_size, device)
+        strategy = resolve_strategy(strategy_name, world_size, device)
         if strategy == "ddp" and d["dp_shard"] > 1:  # auto with parallel.dp_shard: shards
             strategy = "fsdp"
         layout.strategy = strategy
