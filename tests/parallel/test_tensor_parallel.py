@@ -105,10 +105,11 @@ def test_auto_plans_of_torchrig_models_and_hugging_face_models():
         tensor_parallel.resolve(W.llama(), "auto", 4)
 
 
-def one_process(tmp_path, name: str, dp: int) -> dict:
+def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:
     """The parameters of one process trained on every rank's samples of each step (a batch ``dp`` times larger)."""
-    make_model, data, plan = W.runs(W.BATCH * W.STEPS * dp)[name]
-    t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp))
+    make_model, data, plan = W.runs(W.BATCH * W.STEPS * dp, scenario)[name]
+    extra.update({k: v for k, v in plan.items() if not k.startswith("parallel.")})  # the loss
+    t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp, **extra))
     t.fit(data)
     return W.params(t.model)
 
@@ -124,11 +125,12 @@ def check_against_one_process(tmp_path, scenario: str) -> None:
     for name in W.runs(1, scenario):
         assert seen[name]["dp"] == dp
         assert seen[name]["local"] < 0.9  # the model was split: this rank holds a part of the planned layers
-        ref, got = one_process(tmp_path, name, dp), torch.load(out / f"{name}.pt")
+        extra = {k: v for k, v in degrees_.items() if not k.startswith("parallel.")}
+        ref, got = one_process(tmp_path, scenario, name, dp, **extra), torch.load(out / f"{name}.pt")
         assert ref.keys() == got.keys()
         worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
         assert worst < 1e-5, f"{scenario} {name}: parameters differ from one process by {worst:.3g}"
-        start = W.params(W.build(W.runs(1)[name][0]))
+        start = W.params(W.build(W.runs(1, scenario)[name][0]))
         assert max((start[k] - got[k]).abs().max().item() for k in ref) > 1e-3  # 20 steps changed them
 
 
