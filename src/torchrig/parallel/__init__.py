@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from . import tp as tensor_parallel
+from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
 from .wrap import no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
-           "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel"]
+           "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel", "devices_of",
+           "placed_device", "to_output_device"]
 
 
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,

@@ -17,7 +17,8 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
                 dtype: Any, layout: Optional[parallel.Layout] = None) -> tuple[nn.Module, dict[str, nn.Module]]:
     """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module, or the
     layout's split (tensor parallel, then FSDP2 over the data-parallel sub-mesh) when it has a mesh."""
-    model = model.to(device)
+    if parallel.placed_device(model) is None:  # a model the user spread over several devices stays where it is
+        model = model.to(device)
     if runtime.wants_channels_last(model, cfg.model.channels_last, device):
         model = model.to(memory_format=torch.channels_last)
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)

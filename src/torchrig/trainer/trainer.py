@@ -80,6 +80,7 @@ class Trainer:
         self._run = RunDir()
         try:
             self._setup_runtime()
+            self._place(model)
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
                                                           self.precision.dtype, self.layout)
@@ -109,6 +110,21 @@ class Trainer:
         self.strategy = self.layout.strategy
         self.dp_rank, self.dp_size = runtime.data_parallel_rank(), runtime.data_parallel_size()
         self.state.world_size = self.world_size
+
+    def _place(self, model: nn.Module) -> None:
+        """A model the user spread over several devices is trained where it is: its inputs go to the device of
+        its first parameter (``parallel/placement.py``)."""
+        placed = parallel.placed_device(model)
+        if placed is None:
+            return
+        if self.world_size > 1:
+            raise parallel.ParallelConfigError(
+                f"the model's parameters are on {', '.join(map(str, parallel.devices_of(model)))}: a model spread over "
+                f"several devices trains in one process; start one process, or put the model on one device and use "
+                f"parallel.tp / dist.strategy=fsdp")
+        self.device = placed
+        self.print(f"torchrig: the model is spread over {', '.join(map(str, parallel.devices_of(model)))}; it stays "
+                   f"where it is, inputs go to {placed} and targets to the device of its output")
 
     # ------------------------------------------------------------------------------ helpers
     run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
