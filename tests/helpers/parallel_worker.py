@@ -194,7 +194,30 @@ def train(scenario: str, out: Path) -> None:
     first.close()
 
 
+def resume(out: Path) -> None:
+    """tp=2: the block trained 20 steps with a checkpoint every 5 (sharded through DCP), then again from the
+    checkpoint of step 10 (mid-epoch) in the same layout; both final parameter sets saved (rank 0)."""
+    from torchrig import Trainer
+
+    rank = int(os.environ["TEST_RANK"])
+    group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": 2}
+    kw = {"parallel.tp": 2, "parallel.tp_plan": BLOCK_PLAN, "checkpoint.save_final": True,
+          "checkpoint.every_steps": 7, "checkpoint.keep_last": 4, "checkpoint.async_save": True, "epochs": 2}
+    data = features(BATCH * STEPS // 2, SEQ, 16)  # 10 steps an epoch
+    t = Trainer(build(Block), **settings(out / "whole", **kw), **group)
+    t.fit(data)
+    whole = params(t.model)
+    ckpt = out / "whole" / "checkpoints" / "step-00000007"
+    kw.update({"checkpoint.every_steps": 0, "resume": str(ckpt)})
+    t2 = Trainer(build(Block), **settings(out / "resumed", **kw), **group)
+    t2.fit(data)
+    resumed = params(t2.model)
+    if rank == 0:
+        torch.save({"whole": whole, "resumed": resumed, "steps": (t.global_step, t2.global_step)}, out / "resume.pt")
+    t.close()
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    train(sys.argv[1], target)
+    resume(target) if sys.argv[1] == "resume" else train(sys.argv[1], target)

@@ -155,3 +155,32 @@ def test_a_model_without_a_group_is_left_whole(tmp_path):
     assert t.layout.mesh is None and t.layout.describe() == "one process" and t.wrapped is model
     assert torchrig.runtime.data_parallel_size() == 1
     t.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoints_resume_exactly_and_load_in_one_process(tmp_path):
+    """tp=2 saves through DCP (every rank its shards) beside a whole model.safetensors: resumed mid-epoch in the
+    same layout it ends bitwise where the uninterrupted run ended, and one process evaluates its weights."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "resume"
+    results = dist_procs.group("resume", out, tmp_path / "store", 2, timeout=300,
+                               worker=dist_procs.HELPERS / "parallel_worker.py")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    saved = torch.load(out / "resume.pt")
+    assert saved["steps"] == (20, 20)
+    whole, resumed = saved["whole"], saved["resumed"]
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole), "resumed at step 7 of tp=2: not bitwise equal"
+    final = out / "whole" / "checkpoints" / "step-00000020"
+    assert (final / "sharded" / ".metadata").is_file()
+    weights = load_file(str(final / "model.safetensors"))
+    assert weights.keys() == whole.keys() and all(torch.equal(weights[k], whole[k]) for k in whole)
+    bare = W.Block()
+    bare.load_state_dict(weights)  # plain PyTorch, one process
+    t = torchrig.Trainer(W.Block(), **W.settings(tmp_path / "eval"))
+    torchrig.load_weights(t.model, final)  # what torchrig evaluate / predict do with a checkpoint
+    metrics = t.evaluate(W.features(16, W.SEQ, 16))
+    assert all(torch.equal(p, q) for p, q in zip(t.model.state_dict().values(), whole.values()))
+    x = W.features(16, W.SEQ, 16).tensors[0]
+    assert torch.equal(t.predict(x), torch.softmax(bare(x), dim=1).detach()) and metrics["loss"] > 0
