@@ -184,3 +184,17 @@ def test_tensor_parallel_checkpoints_resume_exactly_and_load_in_one_process(tmp_
     assert all(torch.equal(p, q) for p, q in zip(t.model.state_dict().values(), whole.values()))
     x = W.features(16, W.SEQ, 16).tensors[0]
     assert torch.equal(t.predict(x), torch.softmax(bare(x), dim=1).detach()) and metrics["loss"] > 0
+
+
+def test_the_documented_plan_is_a_valid_config(tmp_path):
+    """The tensor-parallel example of docs/scaling-out.md loads and validates as written."""
+    import re
+
+    from torchrig.config import load_config
+
+    text = (dist_procs.HELPERS.parents[1] / "docs" / "scaling-out.md").read_text()
+    section = text[text.index("### Tensor parallelism"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "tp.yaml").write_text(block)
+    cfg = load_config(tmp_path / "tp.yaml")
+    assert cfg.parallel.tp == 2 and cfg.parallel.tp_plan["layers.*.attn.o"] == "rowwise"
