@@ -370,7 +370,8 @@ def test_this_runs_keys_are_never_taken_from_a_checkpoint(tmp_path):
                        "project": "theirs", "run_name": "theirs", "tensorboard": True, "plot": True},
                "profile": {"steps": [1, 2], "memory_snapshot": True}, "resume": "/home/victim/other_run",
                "resume_weights_only": True, "overwrite": True, "run_dir": "/home/victim/important",
-               "model": {"weights": "/home/victim/secret.pt"}}
+               "model": {"weights": "/home/victim/secret.pt"},
+               "parallel": {"tp": 2, "dp_shard": 2, "tp_plan": "auto"}}
     notes: list[str] = []
     cfg = inference_config(crafted, ckpt, say=notes.append)
     default = C.Config()

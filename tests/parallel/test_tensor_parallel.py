@@ -114,12 +114,24 @@ def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:
     return W.params(t.model)
 
 
-def check_against_one_process(tmp_path, scenario: str) -> None:
+def run_scenario(tmp_path, scenario: str):
     degrees_, world = W.SCENARIOS[scenario]
     out = tmp_path / scenario
-    results = dist_procs.group(scenario, out, tmp_path / "store", world, timeout=400, worker=dist_procs.HELPERS / "parallel_worker.py")
+    results = dist_procs.group(scenario, out, tmp_path / "store", world, timeout=400,
+                               worker=dist_procs.HELPERS / "parallel_worker.py")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """One pair of processes for every tp=2 test: the three models, then the checkpoint runs."""
+    return run_scenario(tmp_path_factory.mktemp("tp"), "tp")
+
+
+def check_against_one_process(tmp_path, out, scenario: str) -> None:
+    degrees_, world = W.SCENARIOS[scenario]
     seen = json.loads((out / "seen.json").read_text())
     dp = world // degrees_["parallel.tp"]
     for name in W.runs(1, scenario):
@@ -135,17 +147,18 @@ def check_against_one_process(tmp_path, scenario: str) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process(tmp_path):
-    """tp=2 on two processes: an MLP (its own plan), a transformer block with attention and a Hugging Face
-    Llama (``tp_plan: auto``) after 20 AdamW steps hold the parameters one process gets, within 1e-5."""
-    check_against_one_process(tmp_path, "tp")
+def test_tensor_parallel_matches_one_process(tmp_path, tp_run):
+    """tp=2 on two processes: an MLP (its own plan), a transformer block with attention (gradients clipped by
+    their norm) and a Hugging Face Llama (``tp_plan: auto``) after 20 AdamW steps hold the parameters one
+    process gets, within 1e-5."""
+    check_against_one_process(tmp_path, tp_run, "tp")
 
 
 @pytest.mark.slow
 def test_fsdp_times_tensor_parallel_matches_one_process(tmp_path):
     """dp_shard=2 × tp=2 on four processes: FSDP2 over the data-parallel sub-mesh, TP inside; loss counts and
     metrics reduced over the two data-parallel ranks only, so one process with a batch twice as large agrees."""
-    check_against_one_process(tmp_path, "fsdp_tp")
+    check_against_one_process(tmp_path, run_scenario(tmp_path, "fsdp_tp"), "fsdp_tp")
 
 
 def test_a_model_without_a_group_is_left_whole(tmp_path):
@@ -158,16 +171,12 @@ def test_a_model_without_a_group_is_left_whole(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_checkpoints_resume_exactly_and_load_in_one_process(tmp_path):
+def test_tensor_parallel_checkpoints_resume_exactly_and_load_in_one_process(tmp_path, tp_run):
     """tp=2 saves through DCP (every rank its shards) beside a whole model.safetensors: resumed mid-epoch in the
     same layout it ends bitwise where the uninterrupted run ended, and one process evaluates its weights."""
     from safetensors.torch import load_file
 
-    out = tmp_path / "resume"
-    results = dist_procs.group("resume", out, tmp_path / "store", 2, timeout=300,
-                               worker=dist_procs.HELPERS / "parallel_worker.py")
-    for r in results:
-        assert r.returncode == 0, r.output[-3000:]
+    out = tp_run
     saved = torch.load(out / "resume.pt")
     assert saved["steps"] == (20, 20)
     whole, resumed = saved["whole"], saved["resumed"]

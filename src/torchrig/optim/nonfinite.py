@@ -93,8 +93,16 @@ def total_norm(grads: list, norm_type: float) -> torch.Tensor:
         # get_total_norm's own two ops, without its grouping by device and dtype (half its time on a small model)
         norm_type = float(norm_type)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    groups: dict = {}  # tensor-parallel runs mix DTensor gradients (by mesh) with plain ones: a norm per kind
+    for g in grads:
+        groups.setdefault(id(g.device_mesh) if hasattr(g, "device_mesh") else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), float(norm_type))
 
 
 def finite(norm: torch.Tensor) -> bool:

@@ -133,4 +133,14 @@ def apply(model: nn.Module, plan: Any, tp_mesh: Any) -> dict[str, str]:
     resolved = resolve(model, plan, tp_mesh.size())
     styles = _styles()
     parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in resolved.items()})
+    out_of_place(model)
     return resolved
+
+
+def out_of_place(model: nn.Module) -> None:
+    """In-place activation modules (``nn.ReLU(inplace=True)``, ...) compute out of place: a split layer hands
+    on a view of its DTensor's local piece, which autograd forbids changing in place. Same values, one
+    activation-sized buffer more."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inplace", None), bool) and module.inplace:
+            module.inplace = False

@@ -392,7 +392,11 @@ class Step(ModelCalls):
         if not (self.clip_grad_norm or self.want_grad_norm):
             return None
         norm = total_norm([p.grad for p in params], self.clip_norm_type)
-        if self.clip_grad_norm:
+        meshes = {id(getattr(p.grad, "device_mesh", None)) for p in params}
+        if self.clip_grad_norm and len(meshes) > 1:  # tensor parallel: DTensors of several meshes and plain tensors
+            normalize.scale_gradients([p.grad for p in params],  # torch's coefficient, on each local piece
+                                      (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        elif self.clip_grad_norm:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
         self.grad_norm = norm
         return norm
