@@ -191,9 +191,31 @@ def train(scenario: str, out: Path) -> None:
             torch.save(p, out / f"{name}.pt")
     if rank == 0:
         (out / "seen.json").write_text(json.dumps(seen))
-    if scenario == "tp":  # the same processes go on with the checkpoints of that layout
+    if scenario == "tp":  # the same processes go on with the non-finite decision and the checkpoints
+        nonfinite(out, group)
         resume(out, group)
     first.close()
+
+
+def nonfinite(out: Path, group: dict) -> None:
+    """tp=2, on_nonfinite=skip: rank 1's piece of fc1's gradient is NaN in the third step (rank 0's is finite).
+    Every rank must skip that step, or the whole layers (fc2's bias, the head) would part ways."""
+    from torchrig import Trainer
+
+    rank = group["rank"]
+    t = Trainer(build(PlannedMLP), **settings(out / "nonfinite", **{"parallel.tp": 2, "parallel.tp_plan": "auto",
+                                                                     "on_nonfinite": "skip", "max_steps": 6}), **group)
+    calls = [0]
+
+    def poison(grad):
+        calls[0] += 1
+        return grad * float("nan") if rank == 1 and calls[0] == 3 else grad
+
+    t.model.fc1.weight.register_hook(poison)
+    t.fit(features(4 * 6, FEATURES))
+    head = t.model.head.weight.detach().clone()
+    (out / f"nonfinite-{rank}.json").write_text(json.dumps({"skipped": t.skipped_steps, "steps": t.global_step,
+                                                            "head": head.flatten().tolist()}))
 
 
 def resume(out: Path, group: dict) -> None:

@@ -155,6 +155,15 @@ def test_tensor_parallel_matches_one_process(tmp_path, tp_run):
 
 
 @pytest.mark.slow
+def test_the_non_finite_decision_is_the_same_on_every_rank(tp_run):
+    """One rank's piece of a split gradient is NaN: both ranks skip that step (on_nonfinite=skip), so the layers
+    every rank holds whole stay equal."""
+    r0, r1 = (json.loads((tp_run / f"nonfinite-{rank}.json").read_text()) for rank in (0, 1))
+    assert (r0["skipped"], r1["skipped"]) == (1, 1) and r0["steps"] == r1["steps"] == 6
+    assert r0["head"] == r1["head"]
+
+
+@pytest.mark.slow
 def test_fsdp_times_tensor_parallel_matches_one_process(tmp_path):
     """dp_shard=2 × tp=2 on four processes: FSDP2 over the data-parallel sub-mesh, TP inside; loss counts and
     metrics reduced over the two data-parallel ranks only, so one process with a batch twice as large agrees."""
