@@ -257,8 +257,8 @@ def _tp_plan(v: Any) -> Any:
 
 @dataclass
 class ParallelConfig:
-    """How one model is spread over the processes: data-parallel replicas and shards, tensor and pipeline
-    parallel degrees on one device mesh (their product is the world size)."""
+    """How one model is spread over the processes: data-parallel replicas and shards and the tensor-parallel
+    degree on one device mesh (their product is the world size)."""
 
     dp_replicate: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel replicas (DDP, or HSDP's replicas); "
                                                              "auto: the rest of the ranks under dist.strategy=ddp, "
@@ -266,7 +266,7 @@ class ParallelConfig:
     dp_shard: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel shards (FSDP2); auto: the rest of the ranks "
                                                          "under dist.strategy=fsdp, else 1")
     tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)")
-    pp: int = key(1, DEGREE, "pipeline-parallel degree: ranks that each run a stage of the model")
+    pp: int = key(1, DEGREE, "pipeline-parallel degree; 1 only: pipeline parallelism is not available yet")
     tp_plan: Union[dict, str, None] = key(
         None, optional(Rule("'auto' or a mapping of module-name patterns to styles", _tp_plan)),
         "with tp > 1: {module pattern: colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel, "
