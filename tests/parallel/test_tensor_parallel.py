@@ -177,6 +177,10 @@ def test_a_model_without_a_group_is_left_whole(tmp_path):
     assert t.layout.mesh is None and t.layout.describe() == "one process" and t.wrapped is model
     assert torchrig.runtime.data_parallel_size() == 1
     t.close()
+    t = torchrig.Trainer(nn.Linear(4, 2), tp_plan={"fc1": "colwise"}, dp_shard=1, dp_replicate=1, tp=1,
+                         **W.settings(tmp_path / "keywords"))  # the Trainer's keywords of the parallel keys
+    assert (t.cfg.parallel.tp_plan, t.cfg.parallel.dp_shard, t.cfg.parallel.tp) == ({"fc1": "colwise"}, 1, 1)
+    t.close()
 
 
 @pytest.mark.slow

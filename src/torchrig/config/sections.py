@@ -262,16 +262,17 @@ class ParallelConfig:
 
     dp_replicate: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel replicas (DDP, or HSDP's replicas); "
                                                              "auto: the rest of the ranks under dist.strategy=ddp, "
-                                                             "else 1")
+                                                             "else 1", alias="dp_replicate")
     dp_shard: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel shards (FSDP2); auto: the rest of the ranks "
-                                                         "under dist.strategy=fsdp, else 1")
-    tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)")
+                                                         "under dist.strategy=fsdp, else 1", alias="dp_shard")
+    tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)",
+                  alias="tp")
     pp: int = key(1, DEGREE, "pipeline-parallel degree; 1 only: pipeline parallelism is not available yet")
     tp_plan: Union[dict, str, None] = key(
         None, optional(Rule("'auto' or a mapping of module-name patterns to styles", _tp_plan)),
         "with tp > 1: {module pattern: colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel, "
         "embedding_rowwise, embedding_colwise}; auto: the model's own plan (its tp_plan attribute, or a Hugging "
-        "Face config's base_model_tp_plan)")
+        "Face config's base_model_tp_plan)", alias="tp_plan")
 
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
