@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +167,16 @@ SCENARIOS = {"tp": ({"parallel.tp": 2}, 2),
              "fsdp_tp": ({"parallel.tp": 2, "parallel.dp_shard": 2, "optimizer": "sgd", "lr": 0.1}, 4)}
 
 
+def inference(t, data) -> tuple[dict, Any]:
+    """``Trainer.evaluate`` of the first 10 samples (split over the data-parallel ranks: 5 and 5) and the
+    predictions for them (tensor outputs only), on every rank."""
+    from torch.utils.data import Subset
+
+    ev = t.evaluate(Subset(data, range(10)))
+    x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
+    return ev, (t.predict(x) if x is not None else None)
+
+
 def local_fraction(model: nn.Module) -> float:
     """This rank's share of the parameters' elements (0.5 when half of them are split in two)."""
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -184,10 +195,11 @@ def train(scenario: str, out: Path) -> None:
         t = Trainer(build(make_model), **settings(out / name, **degrees, **plan), **group)
         first = first or t
         t.fit(data)
-        seen[name] = {"dp": runtime.data_parallel_size(), "local": local_fraction(t.model),
-                      "loss": t.history[-1].get("train/loss") if t.history else None}
+        ev, predicted = inference(t, data)
+        seen[name] = {"dp": runtime.data_parallel_size(), "local": local_fraction(t.model), "eval": ev}
         p = params(t.model)  # collective for DTensors: every rank gathers
         if rank == 0:
+            torch.save(predicted, out / f"{name}-predicted.pt")
             torch.save(p, out / f"{name}.pt")
     if rank == 0:
         (out / "seen.json").write_text(json.dumps(seen))

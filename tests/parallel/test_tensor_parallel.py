@@ -111,7 +111,7 @@ def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:
     extra.update({k: v for k, v in plan.items() if not k.startswith("parallel.")})  # the loss
     t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp, **extra))
     t.fit(data)
-    return W.params(t.model)
+    return W.params(t.model), *W.inference(t, data)
 
 
 def run_scenario(tmp_path, scenario: str):
@@ -138,7 +138,13 @@ def check_against_one_process(tmp_path, out, scenario: str) -> None:
         assert seen[name]["dp"] == dp
         assert seen[name]["local"] < 0.9  # the model was split: this rank holds a part of the planned layers
         extra = {k: v for k, v in degrees_.items() if not k.startswith("parallel.")}
-        ref, got = one_process(tmp_path, scenario, name, dp, **extra), torch.load(out / f"{name}.pt")
+        (ref, ev, predicted), got = one_process(tmp_path, scenario, name, dp, **extra), torch.load(out / f"{name}.pt")
+        # dp=1: the same evaluation batches as one process, so the same loss (a token loss averaged over batches of
+        # another size would weigh the batches otherwise)
+        assert seen[name]["eval"].keys() == ev.keys()
+        assert dp > 1 or all(abs(seen[name]["eval"][k] - v) < 1e-5 for k, v in ev.items()), (seen[name]["eval"], ev)
+        if predicted is not None:  # predict of the split model, gathered over the data-parallel ranks only
+            assert torch.allclose(torch.load(out / f"{name}-predicted.pt"), predicted, atol=1e-5)
         assert ref.keys() == got.keys()
         worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
         assert worst < 1e-5, f"{scenario} {name}: parameters differ from one process by {worst:.3g}"
