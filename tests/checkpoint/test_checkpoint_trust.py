@@ -261,7 +261,7 @@ class Payload:
 import torchrig.runtime as R
 
 gather, broadcast = R.gather, R.broadcast
-R.gather = lambda obj: gather(Payload())
+R.gather = lambda obj, *group: gather(Payload(), *group)  # group: the data-parallel ranks
 R.broadcast = lambda obj, src=0: broadcast(obj if isinstance(obj, torch.Tensor) else Payload(), src)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
