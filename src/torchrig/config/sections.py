@@ -78,7 +78,8 @@ class DataConfig:
                                  "a dict (torchrig train --data)")
     steps_per_epoch: Optional[int] = key(
         None, optional(integer(1)),
-        "optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data",
+        "optimizer steps per epoch; null: the data's length, or for a stream without one, until it runs out; "
+        "caps the epoch of other data",
         alias="steps_per_epoch")
 
 
@@ -179,10 +180,12 @@ class LogConfig:
                      "PNG curves (RUN_DIR/plots/curves.png), drawn before fit returns; false: none", alias="plot")
     trackers: list = key([], list_of(choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
                          "experiment trackers: csv, tensorboard, mlflow, wandb", alias="trackers")
-    mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: "
+    mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: MLFLOW_TRACKING_URI, else "
                                                           "sqlite:///<run dir's parent>/mlruns/mlflow.db")
-    project: Optional[str] = key(None, optional(TEXT), "MLflow experiment / W&B project; null: torchrig")
-    run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: the run directory's name")
+    project: Optional[str] = key(None, optional(TEXT), "MLflow experiment / W&B project; null: "
+                                                       "MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT, else torchrig")
+    run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: WANDB_NAME (W&B), else the run "
+                                                        "directory's name")
     flops: bool = key(False, BOOL, "count FLOPs per sample once; rows get flops_per_s, and mfu on a known GPU",
                       alias="flops")
     summary: bool = key(True, BOOL, "print the model summary at the start of fit: top-level modules, parameters "

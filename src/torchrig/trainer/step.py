@@ -87,7 +87,9 @@ class ModelCalls:
         self.weight = 1                 # 0 for a rank's filler micro-batch (its metrics count nothing)
         self.fresh_batches = False      # each batch's tensors are made for it (the loop sets it): metrics keep them
         self._tensor_loss = tensor_loss(loss_fn) if loss_fn is not None else None
+        self._loss_checked = False  # check_loss_fit runs on the first batch only
         self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
+        self.predict_outputs = "prediction"  # in predict: "prediction" or "all" (see inference.predict)
 
     def autocast(self):
         return self.precision.autocast()
@@ -119,12 +121,22 @@ class ModelCalls:
         """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
         if self.spread:
             target = parallel.to_output_device(output, target)
+        if not self._loss_checked:  # the first batch: an output the loss cannot take is said now, in one line
+            self._check_loss_fit(output, target)
         if type(output) is torch.Tensor and self._tensor_loss is not None and self.io.output_key is None:
             try:  # a tensor output and a named loss: the loss function itself, without the wrappers' calls
                 return output, self._tensor_loss(output, target)
             except (RuntimeError, IndexError, ValueError) as exc:
                 raise outputs.explain_loss_error(exc, self._tensor_loss, output, target) or exc
         return outputs.prediction_and_loss(output, target, self.loss_fn, self.io.output_key)
+
+    def _check_loss_fit(self, output: Any, target: Any) -> None:
+        self._loss_checked = True
+        if self.loss_fn is None or self.class_last or (type(output) is not torch.Tensor
+                                                       and outputs.uses_model_loss(self.loss_fn)):
+            return  # no loss of ours, token logits (B, T, classes), or the model's own loss may train
+        prediction = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
+        outputs.check_loss_fit(self.loss_fn, prediction, target)
 
     def update_metrics(self, output: Any, target: Any) -> None:
         """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""

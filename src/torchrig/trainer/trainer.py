@@ -65,6 +65,7 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict] = []
         self.schedulers: dict[str, Any] = {}
+        self.total_steps: Optional[int] = None  # the optimizer steps of the fit under way (set before its schedulers)
         self.sched_interval = "step"
         self.train_metrics: list[Metric] = []
         self.step: Optional[Step] = None
@@ -252,11 +253,15 @@ class Trainer:
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
+        """The schedulers; a factory gets ``total_steps``, this fit's optimizer steps (also ``self.total_steps``)."""
+        self.total_steps = plan.total_steps
         self.schedulers, self.sched_interval, note = build.build_schedulers(
-            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
+            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps,
+            plan.describe(self.cfg, self.world_size), unknown=plan.unknown)
         if note:
             self.print(note)
-        plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+        if plan.total_steps is not None:
+            plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
 
     def _set_up_run(self, val_data: Any) -> None:
         """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
@@ -304,7 +309,7 @@ class Trainer:
             plan.start = self._resume(resume)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
+        if self.resumed_from is not None and (plan.ends_by(self.global_step) or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
                        f"({self.resumed_from.name}); nothing to train. To train further, raise epochs or "
@@ -319,7 +324,8 @@ class Trainer:
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy}{split} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.dp_size} × "
                    f"{A} accumulation = {cfg.data.batch_size * self.dp_size * A} global · "
-                   f"{plan.steps_per_epoch} steps/epoch"
+                   + (f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch is not None else
+                      "epochs end with the stream")
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
                       if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
@@ -346,7 +352,7 @@ class Trainer:
                 return val_metrics, "early_stop"
             if self._signals.check_now():
                 return val_metrics, "signal"
-            if self.global_step >= plan.total_steps:
+            if plan.ends_by(self.global_step):
                 break
         return val_metrics, "signal" if self._signals.check_now() else ""
 
@@ -378,7 +384,7 @@ class Trainer:
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
-        while i < plan.epoch_len:
+        while plan.epoch_len is None or i < plan.epoch_len:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -409,9 +415,10 @@ class Trainer:
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
             signalled = signals.check()
-            if state.global_step >= plan.total_steps or signalled:
+            if plan.ends_by(state.global_step) or signalled:
                 out.end_epoch()
-                return "signal" if signalled else ("" if i >= plan.epoch_len else "max_steps")
+                return "signal" if signalled else ("" if plan.epoch_len is not None and i >= plan.epoch_len
+                                                   else "max_steps")
         out.end_epoch()
         return ""
 
@@ -443,7 +450,7 @@ class Trainer:
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
         w_start = i - i % A
         if i == w_start:
-            size = min(A, epoch_len - w_start)
+            size = A if epoch_len is None else min(A, epoch_len - w_start)  # a stream yields whole windows
             # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
             # several micro-batches or ranks, not a whole batch on one process
             known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
@@ -517,16 +524,21 @@ class Trainer:
         return results
 
     @runtime.explain_collective_errors
-    def predict(self, data: Any, activation: str = "auto") -> Any:
-        """Model outputs for every sample, in data order, on every rank (CPU tensors): a tensor, or a
-        tuple / dict of per-sample fields for tuple / dict / ``ModelOutput`` outputs.
+    def predict(self, data: Any, activation: str = "auto", outputs: str = "prediction") -> Any:
+        """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
-        ``activation="auto"`` turns the prediction into probabilities for the classification losses,
+        ``outputs="prediction"``: one tensor, the prediction (the field the loss and the metrics use: a
+        tuple's element ``output_key``, a dict's or ``ModelOutput``'s ``logits``) whatever the output's
+        structure. ``outputs="all"``: a tuple / dict of per-sample fields for tuple / dict / ``ModelOutput``
+        outputs. ``activation="auto"`` turns the prediction into probabilities for the classification losses,
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
         bce_with_logits); ``"none"`` keeps raw outputs.
         """
+        if outputs not in ("prediction", "all"):  # the parameter hides the outputs module here
+            raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
+                             f"default) or \"all\" (the model's whole output, field by field)")
         act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
-        return inference.predict(self._eval_run(data, []), act, self.predict_fn)
+        return inference.predict(self._eval_run(data, []), act, self.predict_fn, outputs)
 
     def _eval_run(self, data: Any, metrics: list) -> inference.EvalRun:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
