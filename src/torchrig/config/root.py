@@ -15,7 +15,7 @@ from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integ
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ProfileConfig, SchedulerConfig)
+                       ParallelConfig, ProfileConfig, SchedulerConfig)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
 
@@ -97,6 +97,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
