@@ -63,8 +63,8 @@ def _group(out, world, specs) -> list:
         name, _, checkpoint = spec.partition("=")
         if checkpoint:
             shutil.copytree(checkpoint, out / name / "checkpoints" / CUT)
-    results = dist_procs.group([str(out), *specs], world, out, out / "store", timeout=240,
-                               env={"MICRO": MICRO[world] or ""}, worker=dist_procs.HELPERS / "elastic_worker.py")
+    results = dist_procs.processes([str(out), *specs], world, out, out / "store", timeout=240,
+                                   env={"MICRO": MICRO[world] or ""}, worker=dist_procs.HELPERS / "elastic_worker.py")
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} of {world} failed:\n{r.output[-4000:]}"
     return results

@@ -14,8 +14,8 @@ from typing import Any, Optional, Union
 from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integer, is_int, list_of, number, optional,
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
-from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig, SpikeConfig,
-                       ProfileConfig, SchedulerConfig)
+from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
+                       ParallelConfig, ProfileConfig, SchedulerConfig, SpikeConfig)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
 
@@ -101,6 +101,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def __post_init__(self) -> None:

@@ -134,7 +134,7 @@ def _readlink(p: Path) -> str:
 # group), devices, threads, loader workers, logs and trackers, what to resume or overwrite. A checkpoint read
 # back never decides them: they take this run's values (the defaults, then --set). The rules for every key
 # are in docs/reliability.md ("What a checkpoint may decide").
-THIS_RUN = ("dist", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
+THIS_RUN = ("dist", "parallel", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
             "data.pin_memory", "log", "profile", "resume", "resume_weights_only", "overwrite", "run_dir",
             "model.weights")
 _JOINING = ("init_method", "rank", "world_size", "backend")  # the dist keys a note names when they were set

@@ -14,13 +14,17 @@ from ..optim import optimizers as optim
 
 
 def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.device,
-                dtype: Any) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module."""
-    model = model.to(device)
+                dtype: Any, layout: Optional[parallel.Layout] = None) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module, or the
+    layout's split (tensor parallel, then FSDP2 over the data-parallel sub-mesh) when it has a mesh."""
+    if parallel.placed_device(model) is None:  # a model the user spread over several devices stays where it is
+        model = model.to(device)
     if runtime.wants_channels_last(model, cfg.model.channels_last, device):
         model = model.to(memory_format=torch.channels_last)
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
-    if isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
+    if layout is not None and layout.mesh is not None:
+        wrapped, models = parallel.split_model(model, layout, cfg, device, dtype), {}
+    elif isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
         # Several networks (a GAN): wrap each so that each forward does its own gradient sync.
         models = {k: parallel.wrap_model(m, strategy, device, cfg.dist, dtype) for k, m in model.items()}
         wrapped: nn.Module = model

@@ -155,11 +155,11 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
     batches = run(r, forward, consume)
     local = O.stack(results)
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
-        parts = runtime.gather((batches.stream_positions(), local))
+        parts = runtime.gather((batches.stream_positions(), local), runtime.data_parallel_group())
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])
     if r.world_size == 1:
         return local
-    return O.merge_ranks(runtime.gather(local), r.world_size)
+    return O.merge_ranks(runtime.gather(local, runtime.data_parallel_group()), r.world_size)
 
 
 def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, outputs: Optional[str] = None) -> Any:

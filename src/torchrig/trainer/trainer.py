@@ -84,9 +84,10 @@ class Trainer:
         self._run = RunDir()
         try:
             self._setup_runtime()
+            self._place(model)
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
-                                                          self.precision.dtype)
+                                                          self.precision.dtype, self.layout)
             # channels_last weights: the first batch's forward is tried once with them (see _check_layout)
             self._layout_probe = runtime.wants_channels_last(model, self.cfg.model.channels_last, self.device)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
@@ -109,11 +110,28 @@ class Trainer:
         runtime.configure_backends(cfg.deterministic, cfg.cudnn_benchmark, self.device)
         runtime.seed_everything(cfg.seed)
         self.precision = runtime.make_precision(cfg.precision, self.device)
-        self.strategy = parallel.resolve_strategy(d.strategy, self.world_size, self.device)
+        self.layout = parallel.build_layout(cfg.parallel, d.strategy, self.world_size, self.device)
+        self.strategy = self.layout.strategy
+        self.dp_rank, self.dp_size = runtime.data_parallel_rank(), runtime.data_parallel_size()
         self.state.world_size = self.world_size
-        if cfg.data.global_batch_size:  # per-process batch and accumulation follow the world size
-            cfg.data.batch_size, cfg.accumulate = split_global_batch(cfg.data.global_batch_size, self.world_size,
+        if cfg.data.global_batch_size:  # per-process batch and accumulation follow the data-parallel size
+            cfg.data.batch_size, cfg.accumulate = split_global_batch(cfg.data.global_batch_size, self.dp_size,
                                                                      cfg.data.micro_batch_size)
+
+    def _place(self, model: nn.Module) -> None:
+        """A model the user spread over several devices is trained where it is: its inputs go to the device of
+        its first parameter (``parallel/placement.py``)."""
+        placed = parallel.placed_device(model)
+        if placed is None:
+            return
+        if self.world_size > 1:
+            raise parallel.ParallelConfigError(
+                f"the model's parameters are on {', '.join(map(str, parallel.devices_of(model)))}: a model spread over "
+                f"several devices trains in one process; start one process, or put the model on one device and use "
+                f"parallel.tp / dist.strategy=fsdp")
+        self.device = placed
+        self.print(f"torchrig: the model is spread over {', '.join(map(str, parallel.devices_of(model)))}; it stays "
+                   f"where it is, inputs go to {placed} and targets to the device of its output")
 
     # ------------------------------------------------------------------------------ helpers
     run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
@@ -134,7 +152,7 @@ class Trainer:
     def _loader_kwargs(self, eval_: bool = False) -> dict:
         d = self.cfg.data
         return dict(batch_size=(d.eval_batch_size or d.batch_size) if eval_ else d.batch_size, seed=self.cfg.seed,
-                    rank=self.rank, world_size=self.world_size, device=self.device, num_workers=d.num_workers,
+                    rank=self.dp_rank, world_size=self.dp_size, device=self.device, num_workers=d.num_workers,
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
@@ -142,7 +160,7 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
-        grad_ranks = self.world_size if self.strategy in ("ddp", "fsdp") else 1
+        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
         return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, self.sched_interval), models=self.models,
                     metrics=metrics, state=self.state, schedulers=self.schedulers,
@@ -266,9 +284,9 @@ class Trainer:
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
-                                             sharded=self.strategy == "fsdp", async_save=ck.async_save)
+                                             sharded=self.layout.sharded, async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
-                                         self.world_size, self.device)
+                                         self.dp_size, self.device)
         self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
             else None
         self.resumed_from = None
@@ -279,7 +297,7 @@ class Trainer:
             step_fn=self.step_fn, train_metrics=self.train_metrics, metrics_log=self.metrics_log,
             checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
             data=self._data, ema=self.ema, signals=self._signals, run_dir=self.run_dir,
-            config_builds_model=self.config_builds_model, say=self.print,
+            config_builds_model=self.config_builds_model, say=self.print, sharded=self.layout.sharded,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
         self._spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
@@ -312,9 +330,10 @@ class Trainer:
         if cfg.log.summary:
             self.print(self.summary())
         A = cfg.accumulate
-        self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
+        split = f" · {self.layout.describe()}" if self.layout.mesh is not None else ""
+        self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy}{split} · "
                    f"precision {self.precision.name} · "
-                   f"{describe_split(cfg.data.batch_size, self.world_size, A, cfg.data.global_batch_size)} · "
+                   f"{describe_split(cfg.data.batch_size, self.dp_size, A, cfg.data.global_batch_size)} · "
                    + (f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch is not None else
                       "epochs end with the stream")
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
@@ -562,7 +581,7 @@ class Trainer:
             return to_device(next(iter(one)), self.device)
 
         return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
-                                 self.world_size, self.strategy == "fsdp" and self.world_size > 1, first_batch,
+                                 self.dp_size, self.layout.sharded and self.world_size > 1, first_batch,
                                  self._signals.beat_now)
 
     # ------------------------------------------------------------------------------ teardown
