@@ -1,4 +1,4 @@
-"""The ``torchrig`` command: train, evaluate, predict, plot, doctor, launch, data, config.
+"""The ``torchrig`` command: train, evaluate, predict, export, plot, doctor, launch, data, config.
 
 Every error ends in one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
 """
@@ -91,7 +91,7 @@ def register_command(fn: Callable) -> Callable:
 
 
 def _register_extra(sub) -> None:
-    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config"):
+    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export"):
         try:
             __import__(module)
         except ImportError:
