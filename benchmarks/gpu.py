@@ -108,7 +108,7 @@ def _arm_hand(p: dict) -> dict:
 
 
 def _mfu(torch, flops_per_s: float, precision: str):
-    from torchrig.trainer.throughput import peak_flops
+    from torchrig.observe.throughput import peak_flops
 
     peak = peak_flops(torch.device("cuda"), precision)
     return flops_per_s / peak if peak else None

@@ -17,12 +17,16 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "torchrig"
 # layer -> the layers it may import, as the design's table lists them. What those may import comes
 # with them ("dependencies point down only"): recipes may use runtime and checkpoint through trainer.
 TABLE: dict[str, set[str]] = {
-    "cli": {"recipes", "trainer", "checkpoint", "metrics", "data", "models", "runtime", "config"},
+    "cli": {"recipes", "trainer", "optim", "observe", "parallel", "checkpoint", "metrics", "data", "models", "runtime",
+            "config"},
     "recipes": {"trainer", "models", "data", "config"},
-    "trainer": {"runtime", "checkpoint", "metrics", "data", "config"},
+    "trainer": {"optim", "observe", "parallel", "checkpoint", "metrics", "data", "runtime", "config"},
+    "optim": {"parallel", "checkpoint", "metrics", "data", "models", "runtime", "config"},
+    "observe": {"parallel", "checkpoint", "metrics", "data", "models", "runtime", "config"},
+    "parallel": {"runtime", "config"},
     "checkpoint": {"runtime", "config"},
     "metrics": {"runtime"},
-    "data": {"runtime"},
+    "data": {"runtime", "config"},
     "models": set(),
     "runtime": set(),
     "config": set(),
@@ -100,11 +104,129 @@ def test_every_import_points_down_the_layer_table():
     assert not problems, "imports against the layer table:\n" + "\n".join(problems)
 
 
-def test_the_table_is_a_stack():
-    order = ["config", "runtime", "models", "data", "metrics", "checkpoint", "trainer", "recipes", "cli"]
-    assert set(order) == set(TABLE)
-    for i, layer in enumerate(order):
-        assert allowed(layer) - ANYONE_MAY_IMPORT <= set(order[:i + 1]), layer
+def layer_graph(root: Path) -> dict[str, set[str]]:
+    """layer -> the layers its modules import, read from the package itself."""
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        layer = layer_of(path, root)
+        if layer in FRONT_DOOR:
+            continue
+        for _, module in imported(path, root):
+            parts = module.split(".")
+            if parts[0] == root.name and len(parts) > 1 and parts[1] != layer and parts[1] not in ANYONE_MAY_IMPORT:
+                graph.setdefault(layer, set()).add(parts[1])
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more nodes (or a node importing itself), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph.get(v, ()):
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_package_is_a_stack_of_the_tables_layers():
+    """Every folder and module of src/torchrig is a layer of the table (or errors / the front door), every
+    layer of the table exists, and the layers the package really imports form no circle."""
+    present = {layer_of(p, SRC) for p in SRC.rglob("*.py")} - FRONT_DOOR - ANYONE_MAY_IMPORT
+    assert present == set(TABLE), f"in the package, not the table: {present - set(TABLE)}; " \
+                                  f"in the table, not the package: {set(TABLE) - present}"
+    assert cycles(layer_graph(SRC)) == []
+    assert cycles(TABLE) == []
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(root: Path, lazy: bool = False) -> dict[str, dict[str, set[str]]]:
+    """module -> {imported torchrig module: names imported from it}, for the import statements that run when the
+    module is imported (``lazy``: those inside functions too). ``from . import x`` of a submodule counts as
+    ``pkg.x``."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    out: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: dict[str, set[str]] = {}
+        tree = ast.parse(path.read_text(), str(path))
+        inside = set() if lazy else {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f) if n is not f}
+        for node in ast.walk(tree):
+            if id(node) in inside or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        deps.setdefault(a.name, set())
+                continue
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                target = f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                if target in modules:
+                    deps.setdefault(target, set()).add(a.name)
+        out[name] = deps
+    return out
+
+
+def test_no_import_circle_inside_a_layer():
+    """Within a layer, modules import each other one way only (a circle works today by import order and
+    breaks the day someone reorders an import)."""
+    graph = {m: {d for d in deps if d != m and d.split(".")[1:2] == m.split(".")[1:2]
+                 and not module_name_is_package(d)} for m, deps in module_imports(SRC).items()}
+    assert cycles(graph) == []
+
+
+def module_name_is_package(name: str) -> bool:
+    return (SRC.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = [f"{m} imports {d}.{n}" for m, deps in sorted(module_imports(SRC, lazy=True).items()) for d, names in deps.items()
+             for n in sorted(names) if n.startswith("_") and not n.startswith("__") and d != m]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_the_checks_find_a_circle_and_a_private_import(tmp_path):
+    root = tmp_path / "src" / "torchrig"
+    for rel, text in {"__init__.py": "", "data/__init__.py": "", "data/a.py": "from .b import x\n",
+                      "data/b.py": "from .a import _y\n\ndef lazy():\n    from .c import z\n",
+                      "data/c.py": "from .b import x\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    deps = module_imports(root)
+    assert deps["torchrig.data.b"] == {"torchrig.data.a": {"_y"}}  # the lazy import inside lazy() does not count
+    assert cycles({m: set(d) for m, d in deps.items()}) == [["torchrig.data.a", "torchrig.data.b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert module_imports(root, lazy=True)["torchrig.data.b"] == {"torchrig.data.a": {"_y"}, "torchrig.data.c": {"z"}}
 
 
 @pytest.fixture
@@ -140,7 +262,7 @@ def test_the_check_finds_lazy_type_only_and_relative_imports(fake_package):
         "src/torchrig/recipes/base.py:2: layer 'recipes' imports 'torchrig.cli'",
         "src/torchrig/runtime/__init__.py:2: layer 'runtime' imports 'torchrig.models.small'",
     ]
-    assert found[3].endswith("(layer 'trainer'); data may import errors, runtime")
+    assert found[3].endswith("(layer 'trainer'); data may import config, errors, runtime")
 
 
 def test_the_code_stays_small_and_readable():

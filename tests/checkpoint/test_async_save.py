@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from torchrig.checkpoint import CheckpointManager, CheckpointWriteError, read_checkpoint, resolve
-from torchrig.trainer.ema import EMA
+from torchrig.optim.ema import EMA
 
 
 def _states(seed: int = 0) -> dict:

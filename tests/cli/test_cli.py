@@ -92,7 +92,7 @@ def test_bad_thread_env_on_the_command_line(monkeypatch, tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback(capsys):
-    from torchrig.trainer.plot import PlotError
+    from torchrig.observe.plot import PlotError
 
     for argv in (["--debug", "plot", "/nonexistent"], ["plot", "/nonexistent", "--debug"]):
         with pytest.raises(PlotError, match="run directory '/nonexistent' does not exist"):

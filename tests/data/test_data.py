@@ -215,11 +215,25 @@ def test_tensor_dataloader_takes_the_fast_path():
     assert isinstance(b.source, TensorBatches) and b.batch_size == 6 and len(b) == 4
 
 
+def test_a_collate_function_named_default_collate_is_the_users():
+    """Only torch's own default_collate (by identity) lets the fast path gather the batch; a user's function
+    that happens to carry the name keeps the DataLoader, and its batches are not taken as torchrig's own."""
+    def default_collate(samples):  # the user's, e.g. adding a mask
+        return [torch.stack([s[0] for s in samples]) * 2, torch.stack([s[1] for s in samples])]
+
+    ds = TensorDataset(*make_classification(n=20))
+    b = prepare_train(DataLoader(ds, batch_size=6, collate_fn=default_collate), **_kw())
+    assert isinstance(b.source, DataLoader) and not b.fresh
+    b.set_epoch(0)
+    x, _ = next(iter(b))
+    assert torch.equal(x, ds.tensors[0][x.new_tensor(list(b.sampler)[:6], dtype=torch.long)] * 2)
+
+
 def test_custom_sampler_is_kept():
     ds = TensorDataset(torch.arange(10))
     user = DataLoader(ds, batch_size=3, sampler=list(reversed(range(10))))
     b = prepare_train(user, **_kw())
-    assert b.source is user and not b.resumable
+    assert b.source is user and b.sampler is None
     b.set_epoch(0)
     b.skip_batches(2)  # cannot fast-forward a user sampler: consumed instead
     assert len(b) == 2

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchrig
-from torchrig import runtime
+from torchrig import parallel, runtime
 
 needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                     reason="inductor on CPU needs a C compiler")
@@ -63,10 +63,10 @@ def test_no_sync_reaches_ddp_inside_compile(tmp_path):
         ddp = nn.parallel.DistributedDataParallel(model)
         compiled = torch.compile(ddp)
         assert runtime.unwrap(compiled) is model
-        with runtime.no_sync(compiled, True):
+        with parallel.no_sync(compiled, True):
             assert ddp.require_backward_grad_sync is False  # accumulation: this micro-batch does not all-reduce
         assert ddp.require_backward_grad_sync is True
-        with runtime.no_sync_all([compiled], True, world_size=2):
+        with parallel.no_sync_all([compiled], True, world_size=2):
             assert ddp.require_backward_grad_sync is False
     finally:
         dist.destroy_process_group()

@@ -13,7 +13,8 @@ from torch import nn
 from torchrig import config as C
 from torchrig.cli import build_parser
 from torchrig.cli import launch as L
-from torchrig.runtime import RuntimeSetupError, dist as D, resolve_strategy, wrap_model
+from torchrig.parallel import resolve_strategy, wrap_model
+from torchrig.runtime import RuntimeSetupError, dist as D
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE",

@@ -18,8 +18,8 @@ from torchrig.data import ResumableSampler, TensorBatches, prefetch_to_device
 from torchrig.data import workers
 from torchrig.metrics import Metric, get_metrics
 from torchrig.runtime import configure_backends, tf32_in_force, wants_channels_last
-from torchrig.runtime.wrap import broadcast_buffers
-from torchrig.trainer.optim import build_optimizer
+from torchrig.parallel.wrap import broadcast_buffers
+from torchrig.optim.optimizers import build_optimizer
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -213,7 +213,7 @@ def test_ddp_gets_the_buffer_switch(tmp_path):
 
     import torch.distributed as dist
 
-    from torchrig.runtime import wrap_model
+    from torchrig.parallel import wrap_model
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

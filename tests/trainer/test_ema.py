@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import torchrig
 from torchrig.config import ConfigError
-from torchrig.trainer.ema import EMA
+from torchrig.optim.ema import EMA
 
 
 class Interrupted(Exception):

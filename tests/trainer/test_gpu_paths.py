@@ -244,7 +244,7 @@ def test_a_batch_encoding_moves_to_the_device_and_trains(tmp_path):
 
 def test_data_parallel_keeps_the_runs_device_first(monkeypatch):
     """``strategy=dp`` on ``cuda:1``: DataParallel gathers on, and keeps the model on, ``device_ids[0]``."""
-    from torchrig.runtime import wrap
+    from torchrig.parallel import wrap
 
     made = {}
 

@@ -73,7 +73,7 @@ def test_padded_sequences_weigh_by_valid_tokens(tmp_path):
 
 def test_token_counts_follow_the_causal_shift():
     pytest.importorskip("transformers")
-    from torchrig.trainer import normalize
+    from torchrig.optim import normalize
 
     labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
     assert normalize.shifts_labels(W.gpt2()) and not normalize.shifts_labels(W.mlp())

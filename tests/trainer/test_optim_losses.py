@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from helpers import TinyNet, read_jsonl
 from torch import nn
 
-from torchrig.trainer.losses import build_loss
-from torchrig.trainer.optim import NameError_, build_optimizer, build_scheduler, param_groups
+from torchrig.optim.losses import build_loss
+from torchrig.optim.optimizers import NameError_, build_optimizer, build_scheduler, param_groups
 
 # ----------------------------------------------------------------------------- optimizers
 

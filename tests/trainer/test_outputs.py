@@ -13,7 +13,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 import torchrig
 from torchrig.config import ConfigError
-from torchrig.trainer.outputs import AutoLoss, BatchError, OutputError
+from torchrig.data.batches import BatchError
+from torchrig.optim.losses import AutoLoss
+from torchrig.trainer.outputs import OutputError
 
 pytest.importorskip("transformers")
 

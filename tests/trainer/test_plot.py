@@ -12,7 +12,7 @@ import uuid
 import pytest
 from helpers import subprocess_env
 
-from torchrig.trainer.plot import PlotError, build_figure, plot_runs
+from torchrig.observe.plot import PlotError, build_figure, plot_runs
 
 pytest.importorskip("matplotlib")
 

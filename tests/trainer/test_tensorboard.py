@@ -21,7 +21,7 @@ import torchrig
 from helpers import TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import to_dict
 from torchrig.runtime import RunStopped
-from torchrig.trainer.trackers import TensorBoardTracker, TrackerError, flatten
+from torchrig.observe.trackers import TensorBoardTracker, TrackerError, flatten
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

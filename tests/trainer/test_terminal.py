@@ -14,7 +14,7 @@ import uuid
 import pytest
 from helpers import HELPERS, subprocess_env
 
-from torchrig.trainer import terminal
+from torchrig.observe import terminal
 
 TMUX = shutil.which("tmux")
 

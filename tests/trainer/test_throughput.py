@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 import torchrig
 from helpers import QUIET, TinyNet, make_classification
-from torchrig.trainer.throughput import count_flops, peak_flops, rates, tokens_of
+from torchrig.observe.throughput import count_flops, peak_flops, rates, tokens_of
 
 
 def fwd_bwd(model: nn.Module, x: torch.Tensor):
@@ -109,7 +109,7 @@ def test_mfu_is_the_hand_counted_flops_over_the_vendor_peak(tmp_path, monkeypatc
             pytest.skip(f"no data-sheet peak written in this test for {name}")
     else:
         peak = 1e12
-        monkeypatch.setattr("torchrig.trainer.throughput.peak_flops", lambda dev, precision: peak)
+        monkeypatch.setattr("torchrig.observe.throughput.peak_flops", lambda dev, precision: peak)
     x, y = make_classification(64)
     torch.manual_seed(0)
     trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path), batch_size=16, epochs=1, log_every=1, flops=True,
@@ -134,7 +134,7 @@ def test_mfu_is_the_hand_counted_flops_over_the_vendor_peak(tmp_path, monkeypatc
 def test_peak_by_device_name_and_tf32(monkeypatch, name, precision, tf32, expected):
     """The peak a GPU's MFU divides by: the NVL and H800 entries, and fp32 at TF32's peak when TF32 is on."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr("torchrig.trainer.throughput.tf32_in_force", lambda: tf32)  # see the test below
+    monkeypatch.setattr("torchrig.observe.throughput.tf32_in_force", lambda: tf32)  # see the test below
     peak = peak_flops(torch.device("cuda"), precision)
     assert (peak is None and expected is None) or peak == pytest.approx(expected * 1e12)
 
@@ -161,7 +161,7 @@ def test_tf32_in_force_follows_the_new_and_the_legacy_switches():
 def test_the_first_row_of_an_epoch_counts_only_its_own_samples(tmp_path, monkeypatch):
     """The interval clock restarts at an epoch's start, and so do the counts measured against it: the last
     epoch's tail (after its last row) must not inflate the next row's samples/s, nor its data wait."""
-    from torchrig.trainer import logger as L
+    from torchrig.observe import logger as L
 
     clock = [0.0]
     monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
@@ -185,7 +185,7 @@ def test_the_first_row_of_an_epoch_counts_only_its_own_samples(tmp_path, monkeyp
 def test_meta_count_equals_the_count_of_a_real_step():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
     x = torch.randn(2, 3, 6, 6)
-    from torchrig.trainer.throughput import meta_flops
+    from torchrig.observe.throughput import meta_flops
 
     _, real = count_flops(fwd_bwd(model, x))
     assert meta_flops(model, x) == real > 0

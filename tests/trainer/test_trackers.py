@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 import torchrig
 from helpers import QUIET, TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import ConfigError
-from torchrig.trainer.trackers import TrackerError
+from torchrig.observe.trackers import TrackerError
 
 FINAL = TRACKED_FINAL
 
@@ -311,7 +311,7 @@ def test_a_second_fit_of_one_trainer_logs_into_the_same_mlflow_run(runs):
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    from torchrig.trainer import trackers
+    from torchrig.observe import trackers
 
     class FullDisk(trackers.CSVTracker):
         def log(self, values, step):
@@ -399,7 +399,7 @@ def test_a_store_mlflow_refuses_is_one_line_naming_the_key(tmp_path, monkeypatch
 def test_importing_torchrig_imports_no_tracker_package():
     import subprocess
 
-    code = ("import sys, torchrig, torchrig.trainer.trackers, torchrig.trainer.profiling; "
+    code = ("import sys, torchrig, torchrig.observe.trackers, torchrig.observe.profiling; "
             "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch.utils.tensorboard') if m in sys.modules))")
     env = dict(__import__("os").environ, PYTHONPATH=str(Path(torchrig.__file__).parent.parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout

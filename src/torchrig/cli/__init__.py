@@ -14,7 +14,7 @@ EXIT_USAGE = 2
 EXIT_ERROR = 1
 
 
-def _add_common(p: argparse.ArgumentParser, root: bool = False) -> None:
+def add_common(p: argparse.ArgumentParser, root: bool = False) -> None:
     # A sub-command's default must not override `torchrig --debug COMMAND`: only the root sets False.
     p.add_argument("--debug", action="store_true", default=False if root else argparse.SUPPRESS,
                    help="show the full traceback on errors")
@@ -28,7 +28,7 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrig", description="Train PyTorch models on one CPU, one GPU, many GPUs or many machines.")
-    _add_common(parser, root=True)
+    add_common(parser, root=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a recipe (default: a small CNN on the embedded digits)",
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="profile optimizer steps 10-15 (or profile.steps) with torch.profiler; writes RUN_DIR/profile")
     _set_arg(p)
-    _add_common(p)
+    add_common(p)
 
     p = sub.add_parser("evaluate", help="evaluate a checkpoint on its recipe's test split",
                        description="Rebuild the model from the checkpoint's config, load its weights and evaluate.")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="data split to evaluate (default: test)")
     p.add_argument("--json", action="store_true", help="print one JSON object of metrics")
     _set_arg(p)
-    _add_common(p)
+    add_common(p)
 
     p = sub.add_parser("predict", help="predict with a checkpoint on files or a folder",
                        description="Batched inference under inference_mode; honours --set threads=N and "
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also save the outputs of this module (a model.named_modules() name, e.g. layers.2) "
                         "as OUTPUT.features.LAYER.npy, through a forward hook (repeatable)")
     _set_arg(p)
-    _add_common(p)
+    add_common(p)
 
     p = sub.add_parser("plot", help="write the loss / metric / lr curves of a run (or several, overlaid) as PNG",
                        description="One panel per metric family, train and validation together, lr on its own "
@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", nargs="+", help="run directory holding metrics.jsonl (several: overlay them)")
     p.add_argument("--out", help="output .png file or folder (default RUN_DIR/plots/curves.png; several runs: "
                                  "./compare.png)")
-    _add_common(p)
+    add_common(p)
 
     p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
-    _add_common(p)
+    add_common(p)
 
     _register_extra(sub)
     return parser
@@ -134,7 +134,7 @@ def cmd_predict(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from ..trainer.plot import plot_runs
+    from ..observe.plot import plot_runs
 
     print(plot_runs(args.run_dir, args.out))
     return 0

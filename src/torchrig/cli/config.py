@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from . import _add_common, register_command
+from . import add_common, register_command
 
 
 def cmd_config(args) -> int:
@@ -24,5 +24,5 @@ def _add(sub) -> None:
                                    "Trainer keyword that sets it, what it does and the values it accepts.")
     p.add_argument("names", nargs="*", metavar="SECTION|KEY", help="sections (optim) or keys (optim.lr) to list; "
                                                                    "none: every key")
-    _add_common(p)
+    add_common(p)
     p.set_defaults(handler=cmd_config)

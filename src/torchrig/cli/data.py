@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _add_common, register_command
+from . import add_common, register_command
 
 
 def cmd_export_digits(args) -> int:
@@ -19,7 +19,7 @@ def cmd_export_digits(args) -> int:
 def _add(sub) -> None:
     p = sub.add_parser("data", help="data tools (export-digits)",
                        description="Data tools. export-digits writes the embedded 8x8 digits as PNG image folders.")
-    _add_common(p)
+    add_common(p)
     actions = p.add_subparsers(dest="data_command", metavar="ACTION")
     actions.required = True
     e = actions.add_parser("export-digits", help="write the embedded digits as PNGs: DIR/{train,test}/<digit>/*.png",
@@ -28,5 +28,5 @@ def _add(sub) -> None:
                                        "image folder for demos and tests of the image-classification recipe.")
     e.add_argument("dir", help="output folder (must not exist or be empty)")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
-    _add_common(e)
+    add_common(e)
     e.set_defaults(handler=cmd_export_digits)

@@ -149,8 +149,6 @@ class IterableBatches:
         self._said: set = set()
         self._marks: dict[int, Any] = {}  # consumed -> the loader's state there, at the last window boundaries
 
-    resumable = property(lambda self: self.stateful, doc="a mid-epoch resume needs no replay")
-
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._skip = epoch, 0
         if hasattr(self.loader.dataset, "set_epoch"):

@@ -144,10 +144,6 @@ class Batches:
         self._skip_next = 0
         self._filler = sampler.filler_batch if sampler is not None else None  # fixed for the run: read once
 
-    @property
-    def resumable(self) -> bool:
-        return self.sampler is not None
-
     def set_epoch(self, epoch: int) -> None:
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
@@ -274,8 +270,7 @@ def _from_loader(loader: DataLoader, *, train: bool, seed: int, rank: int, world
     plain = type(loader.sampler) in (RandomSampler, SequentialSampler) and loader.batch_size is not None
     if not plain:
         return Batches(loader, None, loader.batch_size or 1)
-    default_collate = loader.collate_fn is torch.utils.data.default_collate or \
-        getattr(loader.collate_fn, "__name__", "") == "default_collate"
+    default_collate = loader.collate_fn is torch.utils.data.default_collate  # by identity: a look-alike is the user's
     options = dict(batch_size=loader.batch_size, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                    drop_last=loader.drop_last and train, collate_fn=loader.collate_fn, timeout=loader.timeout,
                    worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,

@@ -29,6 +29,11 @@ def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
     _BUILDERS[name] = builder
 
 
+def builders() -> dict[str, Callable[..., nn.Module]]:
+    """The registered model builders by name (a copy)."""
+    return dict(_BUILDERS)
+
+
 def model_names() -> list[str]:
     return sorted(_BUILDERS)
 

@@ -78,9 +78,9 @@ NOT_IMAGE = ("mlp", "bert", "unet_generator", "patch_discriminator", "pix2pix") 
 
 
 def _builtin_builders() -> dict:
-    from . import _BUILDERS
+    from . import builders
 
-    return _BUILDERS
+    return builders()
 
 
 def torchvision_names() -> list[str]:

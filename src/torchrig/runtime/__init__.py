@@ -1,4 +1,4 @@
-"""Where and how the process runs: device, threads, seeding, process group, precision, wrapping."""
+"""Where and how the process runs: device, threads, seeding, process group, precision, signals."""
 
 from .accel import (AccelConfigError, apply_activation_checkpointing, channels_last_breaks, compile_models,
                     configure_backends, tf32_in_force, wants_channels_last)
@@ -9,15 +9,15 @@ from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_re
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
-from .wrap import no_sync, no_sync_all, resolve_strategy, unwrap, wrap_model
+from .modules import unwrap
 
 __all__ = [
     "RuntimeSetupError", "configure_backends", "configure_threads", "select_device", "DistInfo",
     "DistributedError", "agree_max", "all_reduce_max", "collective_error", "restart_count", "is_initialized",
     "all_reduce_mean", "all_reduce_sum", "barrier", "broadcast", "destroy_process_group", "detect",
     "gather", "get_rank", "get_world_size", "host_collectives", "init_process_group", "is_main_process", "Precision",
-    "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state", "no_sync", "resolve_strategy",
-    "unwrap", "wrap_model", "no_sync_all", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
+    "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
+    "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
     "signal_name", "stop_phase",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",

@@ -1,8 +1,11 @@
-"""Trainer.fit / evaluate / predict, the loop, accumulation, clipping, schedules, progress, early stop."""
+"""Trainer.fit / evaluate / predict: the loop, the one step, training state, callbacks, early stop, inference.
 
-from .losses import LOSSES, build_loss
-from .optim import OPTIMIZERS, SCHEDULERS, NameError_, build_optimizer, build_scheduler, param_groups
-from .step import NonFiniteLossError, Step, default_eval_step, default_step, split_batch
+The optimisation names (optimizers, schedules, losses) are re-exported from ``torchrig.optim``."""
+
+from ..data.batches import split_batch
+from ..optim.losses import LOSSES, build_loss
+from ..optim.optimizers import OPTIMIZERS, SCHEDULERS, NameError_, build_optimizer, build_scheduler, param_groups
+from .step import NonFiniteLossError, Step, default_eval_step, default_step
 from .trainer import Trainer
 
 __all__ = ["Trainer", "Step", "NonFiniteLossError", "default_step", "default_eval_step", "split_batch",

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from .. import config as C
+from .. import parallel, runtime
 from ..config import ConfigError
-from .. import runtime
-from . import optim
+from ..optim import optimizers as optim
 
 
 def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.device,
@@ -22,10 +22,10 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
         # Several networks (a GAN): wrap each so that each forward does its own gradient sync.
-        models = {k: runtime.wrap_model(m, strategy, device, cfg.dist, dtype) for k, m in model.items()}
+        models = {k: parallel.wrap_model(m, strategy, device, cfg.dist, dtype) for k, m in model.items()}
         wrapped: nn.Module = model
     else:
-        wrapped = runtime.wrap_model(model, strategy, device, cfg.dist, dtype)
+        wrapped = parallel.wrap_model(model, strategy, device, cfg.dist, dtype)
         models = dict(model.items()) if isinstance(model, nn.ModuleDict) else {}
     if cfg.model.compile:
         wrapped, models = runtime.compile_models(wrapped, models, model)

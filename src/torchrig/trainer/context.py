@@ -22,7 +22,7 @@ class FitContext:
     device: torch.device
     rank: int
     world_size: int
-    strategy: str                   # none, ddp, fsdp or dp (runtime.resolve_strategy)
+    strategy: str                   # none, ddp, fsdp or dp (parallel.resolve_strategy)
     model: nn.Module                # the user's module, unwrapped: its weights are the checkpoint's
     wrapped: nn.Module              # what the loop calls (DDP / FSDP / DP around ``model``, maybe compiled)
     models: dict                    # name -> wrapped sub-model of an ``nn.ModuleDict`` (a GAN's), else {}

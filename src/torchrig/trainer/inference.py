@@ -16,10 +16,11 @@ import torch
 
 from .. import runtime
 from ..data import padding_batches, to_device
+from ..data.batches import batch_size_of, predict_inputs
 from ..data.iterable_eval import IterableEvalBatches
 from ..metrics import MeanValue, Metric
 from . import outputs as O
-from .step import ModelCalls, batch_size_of, default_eval_step
+from .step import ModelCalls, default_eval_step
 
 ACTIVATIONS: dict[str, Callable] = {"softmax": lambda t: t.softmax(dim=-1), "sigmoid": torch.sigmoid,
                                     "exp": torch.exp, "none": lambda t: t}
@@ -135,7 +136,7 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None) ->
     One item per sample: a tensor stacked over samples, or for tuple / dict / ``ModelOutput``
     outputs the same structure (a tuple, a dict) with each per-sample field stacked; the activation
     (probabilities) applies to the prediction field only. Batches are inputs only: see
-    ``outputs.predict_inputs`` for which tuple elements and dict keys reach ``forward``.
+    ``data.batches.predict_inputs`` for which tuple elements and dict keys reach ``forward``.
     """
     results: list = []
 
@@ -162,7 +163,7 @@ def default_predict_step(step: ModelCalls, batch: Any, activation: Callable) -> 
     """The model's prediction for one batch of inputs, ``activation`` applied to the prediction field
     (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this, passing
     ``step.activation`` (the one ``predict(activation=...)`` chose)."""
-    inputs = O.predict_inputs(step.model, batch, step.io.label_key)
+    inputs = predict_inputs(step.model, batch, step.io.label_key)
     with step.autocast():
         out = O.call_model(step.model, inputs, step.io.input_keys)
     return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))

@@ -32,12 +32,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed
 
-from .. import runtime
+from .. import parallel, runtime
 from ..config import ConfigError
+from ..data.batches import batch_size_of
 from ..errors import TorchrigError
 from .context import FitContext
-from .step import batch_size_of
-
 
 
 class MicroBatchError(TorchrigError, RuntimeError):
@@ -140,7 +139,7 @@ class MicroBatcher:
         for k, piece in enumerate(pieces):
             step.sync_gradients = last and k == len(pieces) - 1
             step.set_batch(piece, weight)
-            with runtime.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
+            with parallel.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
                 values = t.step_fn(step, piece)
             t.metrics_log.record(values, step.batch_size * step.weight, step.log_weight,
                                  piece if step.weight else None)

@@ -22,14 +22,16 @@ import torch
 from torch import nn
 
 from .. import runtime
-from . import normalize, outputs
-from .losses import tensor_loss
-from .nonfinite import NonFiniteGuard, NonFiniteLossError, prime_momentum, total_norm
-from .outputs import ModelIO, call_model, split_batch
+from ..data.batches import batch_size_of, label_keyword, split_batch
+from ..optim import normalize
+from ..optim.losses import tensor_loss
+from ..optim.nonfinite import NonFiniteGuard, NonFiniteLossError, prime_momentum, total_norm
+from . import outputs
+from .outputs import ModelIO, call_model
 from .state import TrainState
 
 __all__ = ["Step", "StepOptions", "ModelCalls", "NonFiniteLossError", "default_step", "default_eval_step",
-           "batch_size_of", "finite_parameters"]
+           "finite_parameters"]
 
 
 def finite_parameters(model: nn.Module, device: torch.device) -> bool:
@@ -41,19 +43,6 @@ def finite_parameters(model: nn.Module, device: torch.device) -> bool:
             bad.fill_(1)
             break
     return not runtime.all_reduce_max(bad).item()
-
-
-def batch_size_of(batch: Any) -> int:
-    if isinstance(batch, (list, tuple)) and batch:  # the usual (inputs, target): the inputs' length
-        batch = batch[0]
-        if isinstance(batch, torch.Tensor) and batch.ndim:
-            return batch.shape[0]
-        return batch_size_of(batch)
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, dict) and batch:
-        return batch_size_of(next(iter(batch.values())))
-    return 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +100,7 @@ class ModelCalls:
         """Call the model on ``inputs`` (dict keys chosen by ``forward``'s signature or ``data.input_keys``).
 
         With ``loss="auto"`` a dict batch's ``target`` goes to ``forward`` too when ``forward`` takes it
-        (``labels=`` for Hugging Face models, which then return their loss; see ``outputs.label_keyword``)."""
+        (``labels=`` for Hugging Face models, which then return their loss; see ``data.batches.label_keyword``)."""
         model = model or self.model
         if type(inputs) is torch.Tensor and self.io.input_keys is None:  # the common case, as call_model does it
             try:
@@ -120,7 +109,7 @@ class ModelCalls:
                 raise outputs.explain_forward_error(exc, model, inputs) or exc
         labels = None
         if target is not None and isinstance(inputs, dict) and outputs.uses_model_loss(self.loss_fn):
-            name = outputs.label_keyword(model, self.io.label_key)
+            name = label_keyword(model, self.io.label_key)
             labels = (name, target) if name is not None and name not in inputs else None
         return call_model(model, inputs, self.io.input_keys, labels)
 
@@ -411,7 +400,7 @@ class Step(ModelCalls):
         several), without its DDP wrapper: call that one inside, since a DDP module whose parameters
         get no gradient would wait for their all-reduce.
         """
-        from .freeze import frozen
+        from ..optim.freeze import frozen
 
         return frozen(self.models, models)
 

@@ -18,23 +18,24 @@ import torch
 from torch import nn
 
 from .. import config as C
-from .. import runtime
+from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..metrics import Metric, get_metrics
-from . import build, inference, losses, outputs, saving
+from ..observe.finish import end_of_run, finished_where
+from ..observe.logger import MetricsLogger
+from ..observe.progress import RunLogger
+from ..observe.throughput import FlopCount, fit_callbacks
+from ..optim import losses
+from ..optim.ema import build_ema, ema_weights
+from . import build, inference, outputs, saving
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
-from .ema import build_ema, ema_weights
-from .finish import end_of_run, finished_where
-from .logger import MetricsLogger
+from .context import FitContext
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
-from .progress import RunLogger
 from .state import FitPlan, MetricStates, TrainState
 from .step import ModelCalls, Step, StepOptions, default_step
-from .context import FitContext
-from .throughput import FlopCount, fit_callbacks
 
 
 class Trainer:
@@ -104,7 +105,7 @@ class Trainer:
         runtime.configure_backends(cfg.deterministic, cfg.cudnn_benchmark, self.device)
         runtime.seed_everything(cfg.seed)
         self.precision = runtime.make_precision(cfg.precision, self.device)
-        self.strategy = runtime.resolve_strategy(d.strategy, self.world_size, self.device)
+        self.strategy = parallel.resolve_strategy(d.strategy, self.world_size, self.device)
         self.state.world_size = self.world_size
 
     # ------------------------------------------------------------------------------ helpers

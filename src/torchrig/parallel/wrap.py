@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .device import RuntimeSetupError
+from ..runtime.device import RuntimeSetupError
+from ..runtime.modules import is_compiled
 
 STRATEGIES = ("auto", "none", "ddp", "dp", "fsdp")
 
@@ -130,27 +131,11 @@ def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Op
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under DataParallel / DDP wrappers (FSDP2 modifies the module in place)."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif _is_compiled(model):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """A ``torch.compile`` wrapper (``OptimizedModule``), which hides the module it compiled."""
-    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
-
-
 def no_sync(model: nn.Module, skip: bool):
     """Skip gradient all-reduce for a micro-batch that does not end an accumulation window."""
     if not skip:
         return contextlib.nullcontext()
-    while _is_compiled(model):  # torch.compile(DDP(model)): the DDP inside decides
+    while is_compiled(model):  # torch.compile(DDP(model)): the DDP inside decides
         model = model._orig_mod
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()

@@ -33,8 +33,6 @@ import torch
 from .. import runtime
 from ..metrics import IGNORE_INDEX  # the target value PyTorch's cross_entropy and Hugging Face labels skip
 
-MODES = ("auto", "samples", "tokens", "micro_batches")
-
 Count = Union[int, torch.Tensor]
 
 

@@ -97,7 +97,7 @@ def meta_flops(module: torch.nn.Module, inputs: Any, input_keys: Optional[tuple]
     from torch.utils._pytree import tree_leaves, tree_map
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .outputs import forward_arguments
+    from ..data.batches import forward_arguments
 
     state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
     state.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
@@ -127,7 +127,7 @@ class FlopCount:
     def measure(self, run: Callable[[], Any], batch: Any, model: Any, step: Any) -> Any:
         """``run()`` (the first batch's training) under ``FlopCounterMode``, or beside a count on the meta device
         for ``nn.DataParallel`` (whose replicas run in threads the counter does not see); returns its result."""
-        from .step import batch_size_of
+        from ..data.batches import batch_size_of
 
         if isinstance(model, torch.nn.DataParallel):
             values = run()

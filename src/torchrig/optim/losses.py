@@ -8,8 +8,22 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .optim import NameError_, unknown_name
-from .outputs import AutoLoss, BatchError, describe
+from ..data.batches import BatchError, describe
+from .optimizers import NameError_, unknown_name
+
+
+class AutoLoss:
+    """``loss="auto"``: the model's own loss when its output carries one, else this cross-entropy."""
+
+    def __init__(self, fallback: Callable):
+        self.fallback = fallback
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fallback(output, target)
+
+    def __repr__(self) -> str:
+        return "loss(auto)"
+
 
 LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
 

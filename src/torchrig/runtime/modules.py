@@ -1,0 +1,21 @@
+"""Looking through the wrappers around a user's module (DataParallel, DDP, ``torch.compile``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under DataParallel / DDP wrappers (FSDP2 modifies the module in place)."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """A ``torch.compile`` wrapper (``OptimizedModule``), which hides the module it compiled."""
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
