@@ -3,12 +3,14 @@ model within 1e-5; a model that cannot be traced gets one line naming the blocke
 
 from __future__ import annotations
 
+import re
+import shlex
 import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import one_line_error
+from helpers import REPO, one_line_error
 
 from torchrig.cli import main
 from torchrig.recipes.export import example_inputs
@@ -66,7 +68,7 @@ def test_torch_export_program_reproduces_the_model_at_any_batch_size(digits, cap
     program = torch.export.load(str(out)).module()
     for batch in (x[:1], x, torch.randn(7, *x.shape[1:])):  # the batch dimension is dynamic
         with torch.inference_mode():
-            got, want = program((batch,), {}), model(batch)
+            got, want = program(batch), model(batch)
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
 
 
@@ -150,3 +152,28 @@ def test_what_cannot_be_exported_is_named_in_one_line(tmp_path, capsys, monkeypa
     assert main(["export", "--checkpoint", str(run), "--format", "safetensors", "--overwrite"]) == 0
     one_line_error(capsys, ["export", "--checkpoint", str(digits), "--format", "torch-export", "--output", "m.pt"],
                    "a torch-export export is a .pt2 file", "m.pt2")
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def test_the_docs_examples_run(tmp_path, monkeypatch, capsys):
+    """README's Deployment commands and docs/deployment.md's Python example, as written."""
+    monkeypatch.chdir(tmp_path)
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Deployment"):readme.index("## Configuration reference")]
+    (commands,) = blocks(section, "bash")
+    for line in commands.splitlines():
+        argv = shlex.split(line.partition("#")[0])
+        assert argv[0] == "torchrig"
+        if argv[1] == "train":
+            argv += [*QUICK]
+        assert main(argv[1:]) == 0, line
+    assert (tmp_path / "runs/deploy/export/step-00000020.pt2").is_file()
+    assert (tmp_path / "model.safetensors").is_file()
+    (example,) = blocks((REPO / "docs" / "deployment.md").read_text(), "python")
+    (tmp_path / "again").mkdir()
+    monkeypatch.chdir(tmp_path / "again")
+    exec(compile(example, "docs/deployment.md", "exec"), {"__name__": "docs"})
+    assert (tmp_path / "again/runs/deploy/export/step-00000020.safetensors").is_file()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _add_common, _set_arg, register_command
+from . import add_common, register_command
 
 
 def cmd_export(args) -> int:
@@ -31,6 +31,7 @@ def _add(sub) -> None:
     p.add_argument("--input", help="example inputs: a file or folder read as predict reads it (default: the first "
                                    "samples of the recipe's data)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    _set_arg(p)
-    _add_common(p)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of the checkpoint's config, as for evaluate (repeatable)")
+    add_common(p)
     p.set_defaults(handler=cmd_export)

@@ -115,7 +115,7 @@ def _remove(out: Path) -> None:
 
 def example_inputs(recipe, cfg, model: nn.Module, inputs: Optional[str] = None) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``model`` from the first samples of the recipe's data, or from ``inputs``."""
-    from ..trainer.outputs import forward_arguments, predict_inputs
+    from ..data.batches import forward_arguments, predict_inputs
     from . import factory
 
     if inputs is not None:
@@ -199,8 +199,9 @@ def max_difference(expected: Any, got: Any) -> float:
 # ----------------------------------------------------------------------------- torch.export
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict) -> Any:
-    """The first dimension of every tensor input is the batch (one shared dimension)."""
+def _dynamic_shapes(args: tuple, kwargs: dict) -> list:
+    """The first dimension of every tensor input is the batch (one dimension shared by all), listed in the
+    order of the inputs (positional, then keywords)."""
     batch = torch.export.Dim("batch", min=1)
 
     def spec(v):
@@ -212,25 +213,14 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> Any:
             return {k: spec(x) for k, x in v.items()}
         return None
 
-    return (spec(args), spec(kwargs))
-
-
-class _Call(nn.Module):
-    """``model(*args, **kwargs)`` as ``forward(args, kwargs)``, so one dynamic-shape spec covers both."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, args, kwargs):
-        return self.model(*args, **kwargs)
+    return [spec(a) for a in args] + [spec(v) for v in kwargs.values()]
 
 
 def export_program(model: nn.Module, args: tuple, kwargs: dict, what: str = "torch.export"):
     """``torch.export.export`` of ``model`` with a dynamic batch; a failure is one line naming its cause."""
     try:
         with _quiet_tracer():
-            return torch.export.export(_Call(model), (args, kwargs), dynamic_shapes=_dynamic_shapes(args, kwargs),
+            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(args, kwargs),
                                        strict=False)
     except ExportError:
         raise
@@ -297,7 +287,7 @@ def _write_torch_export(model, args, kwargs, out: Path, cfg) -> None:
 def _check_torch_export(model, args, kwargs, out: Path, expected) -> float:
     program = torch.export.load(str(out))
     with torch.inference_mode():
-        return max_difference(expected, program.module()(args, kwargs))
+        return max_difference(expected, program.module()(*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------- ONNX
@@ -316,7 +306,7 @@ def _write_onnx(model, args, kwargs, out: Path, cfg) -> None:
     _need("onnxscript", "onnx", "onnx onnxscript onnxruntime")
     program = export_program(model, args, kwargs, what="torch.onnx.export (through torch.export)")
     try:
-        onnx_program = torch.onnx.export(program, (args, kwargs), dynamo=True, verbose=False, optimize=True,
+        onnx_program = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, verbose=False, optimize=True,
                                          input_names=_input_names(args, kwargs))
     except Exception as exc:
         raise ExportError(f"torch.onnx.export cannot translate {type(model).__name__}: {blocker(exc)}") from exc
