@@ -3,6 +3,7 @@ model within 1e-5; a model that cannot be traced gets one line naming the blocke
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import sys
@@ -70,6 +71,28 @@ def test_torch_export_program_reproduces_the_model_at_any_batch_size(digits, cap
         with torch.inference_mode():
             got, want = program(batch), model(batch)
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+
+
+def test_example_inputs_from_files_as_predict_reads_them(digits, tmp_path, capsys):
+    import numpy as np
+
+    images = np.random.default_rng(0).random((4, 8, 8), dtype=np.float32)
+    np.save(tmp_path / "x.npy", images)
+    out = tmp_path / "from-input.pt2"
+    assert main(["export", "--checkpoint", str(digits), "--format", "torch-export", "--output", str(out),
+                 "--input", str(tmp_path / "x.npy")]) == 0
+    assert "run on 3 samples" in capsys.readouterr().out
+    model, _, _ = checkpoint_model(digits)
+    x = torch.from_numpy(images).unsqueeze(1)
+    with torch.inference_mode():
+        assert (torch.export.load(str(out)).module()(x) - model(x)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxscript") is not None, reason="onnxscript is installed")
+def test_onnx_without_its_packages_is_one_line(digits, capsys):
+    one_line_error(capsys, ["export", "--checkpoint", str(digits), "--format", "onnx"],
+                   "--format onnx needs the onnxscript package", "pip install onnx onnxscript onnxruntime")
+    assert not (digits / "export" / "step-00000002.onnx").exists()
 
 
 def test_safetensors_weights_load_into_the_bare_model(digits, capsys):
