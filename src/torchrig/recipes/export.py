@@ -52,10 +52,12 @@ class Exported:
     format: str
     max_abs_diff: float
     samples: int
+    note: str = ""  # what the export had to give up, e.g. a dynamic dimension
 
     def line(self) -> str:
-        return (f"exported {self.format} to {self.path} (loaded back and run on {self.samples} samples: "
-                f"max |difference| {self.max_abs_diff:.2e} <= {ATOL:g})")
+        sizes = " and at smaller sizes of its dynamic dimensions" if self.format in ("torch-export", "onnx") else ""
+        return (f"exported {self.format} to {self.path} (loaded back and run on {self.samples} samples{sizes}: "
+                f"max |difference| {self.max_abs_diff:.2e} <= {ATOL:g}{self.note})")
 
 
 def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None, *, inputs: Optional[str] = None,
@@ -80,8 +82,12 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
     write, check = _FORMATS[format]
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        write(model, args, kwargs, out, cfg)
+        program = write(model, args, kwargs, out, cfg)
         diff = check(model, args, kwargs, out, expected)
+        note = ""
+        if program is not None and diff <= atol:
+            other, note = _check_other_sizes(model, args, kwargs, out, cfg, program, format, atol)
+            diff = max(diff, other)
     except BaseException:
         _remove(out)
         raise
@@ -89,7 +95,72 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
         _remove(out)
         raise ExportError(f"the {format} export of '{path}' does not reproduce the model: max |difference| "
                           f"{diff:.3g} > {atol:g} on {_count(args, kwargs)} samples; removed {out}")
-    return Exported(out, format, diff, _count(args, kwargs))
+    return Exported(out, format, diff, _count(args, kwargs), note)
+
+
+def _check_other_sizes(model, args, kwargs, out: Path, cfg, program, format: str,
+                       atol: float) -> tuple[float, str]:
+    """Run the export again on the example inputs cut by one along every dimension the traced program
+    left dynamic, so a graph that is right only at the example's size is caught. ONNX's translation of
+    some operators (adaptive pooling) keeps the example's size inside a graph whose inputs are dynamic:
+    such an export is written again with only the batch dimension dynamic."""
+    smaller = _shrunk(args, kwargs, _dynamic_dims(program))
+    if smaller is None:
+        return 0.0, ""
+    sargs, skwargs = smaller
+    with torch.inference_mode():
+        expected = model(*sargs, **skwargs)
+    write, check = _FORMATS[format]
+    try:
+        diff = check(model, sargs, skwargs, out, expected)
+    except Exception as exc:  # e.g. onnxruntime refusing a shape inside the graph
+        if format != "onnx":
+            raise ExportError(f"the {format} export runs at the example's sizes only: {blocker(exc)}") from exc
+        diff = float("inf")
+    if diff <= atol or format != "onnx":
+        return diff, ""
+    write(model, args, kwargs, out, cfg, batch_only=True)
+    with torch.inference_mode():
+        diff = check(model, args, kwargs, out, model(*args, **kwargs))
+    fewer = _shrunk(args, kwargs, [{0}] * len(_tensors(args, kwargs)))
+    if fewer is not None:
+        with torch.inference_mode():
+            diff = max(diff, check(model, *fewer, out, model(*fewer[0], **fewer[1])))
+    return diff, ("; only the batch dimension is dynamic: the ONNX graph was wrong at other sizes of "
+                  "the dimensions torch.export left dynamic")
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+
+
+def _dynamic_dims(program) -> list[set[int]]:
+    """For each tensor input of a ``torch.export`` program (in order), the dimensions it left dynamic."""
+    user = set(program.graph_signature.user_inputs)
+    dims = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in user and isinstance(node.meta.get("val"), torch.Tensor):
+            dims.append({d for d, n in enumerate(node.meta["val"].shape) if isinstance(n, torch.SymInt)})
+    return dims
+
+
+def _shrunk(args: tuple, kwargs: dict, dims: list[set[int]]) -> Optional[tuple[tuple, dict]]:
+    """The inputs cut by one along each dynamic dimension longer than 2, or None when nothing can be cut."""
+    cut = False
+    it = iter(dims)
+
+    def shrink(t):
+        nonlocal cut
+        if not isinstance(t, torch.Tensor):
+            return t
+        for d in sorted(next(it, set())):
+            if t.shape[d] > 2:
+                t, cut = t.narrow(d, 0, t.shape[d] - 1), True
+        return t
+
+    sargs = tuple(shrink(a) for a in args)
+    skwargs = {k: shrink(v) for k, v in kwargs.items()}
+    return (sargs, skwargs) if cut else None
 
 
 def _check_output(out: Path, format: str, overwrite: bool) -> None:
@@ -199,14 +270,16 @@ def max_difference(expected: Any, got: Any) -> float:
 # ----------------------------------------------------------------------------- torch.export
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict) -> list:
-    """The first dimension of every tensor input is the batch (one dimension shared by all), listed in the
-    order of the inputs (positional, then keywords)."""
+def _dynamic_shapes(args: tuple, kwargs: dict, batch_only: bool = False) -> list:
+    """The first dimension of every tensor input is the batch (one dimension shared by all); every other
+    dimension is ``Dim.AUTO``: dynamic where the model allows it (a text model's sequence length, a
+    convolutional net's image size), fixed to the example's size where it does not (a flatten into a
+    ``Linear``). Listed in the order of the inputs (positional, then keywords)."""
     batch = torch.export.Dim("batch", min=1)
 
     def spec(v):
         if isinstance(v, torch.Tensor) and v.ndim:
-            return {0: batch}
+            return {0: batch, **({} if batch_only else {d: torch.export.Dim.AUTO for d in range(1, v.ndim)})}
         if isinstance(v, (tuple, list)):
             return type(v)(spec(x) for x in v)
         if isinstance(v, dict):
@@ -216,11 +289,11 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> list:
     return [spec(a) for a in args] + [spec(v) for v in kwargs.values()]
 
 
-def export_program(model: nn.Module, args: tuple, kwargs: dict, what: str = "torch.export"):
+def export_program(model: nn.Module, args: tuple, kwargs: dict, what: str = "torch.export", batch_only: bool = False):
     """``torch.export.export`` of ``model`` with a dynamic batch; a failure is one line naming its cause."""
     try:
         with _quiet_tracer():
-            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(args, kwargs),
+            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(args, kwargs, batch_only),
                                        strict=False)
     except ExportError:
         raise
@@ -280,8 +353,10 @@ def _user_frame(exc: BaseException) -> Optional[str]:
     return None
 
 
-def _write_torch_export(model, args, kwargs, out: Path, cfg) -> None:
-    torch.export.save(export_program(model, args, kwargs), str(out))
+def _write_torch_export(model, args, kwargs, out: Path, cfg, batch_only: bool = False):
+    program = export_program(model, args, kwargs, batch_only=batch_only)
+    torch.export.save(program, str(out))
+    return program
 
 
 def _check_torch_export(model, args, kwargs, out: Path, expected) -> float:
@@ -302,28 +377,44 @@ def _need(module: str, fmt: str, extra: str) -> Any:
         raise ExportError(f"--format {fmt} needs the {module} package; pip install {extra}") from None
 
 
-def _write_onnx(model, args, kwargs, out: Path, cfg) -> None:
+def _write_onnx(model, args, kwargs, out: Path, cfg, batch_only: bool = False):
     _need("onnxscript", "onnx", "onnx onnxscript onnxruntime")
-    program = export_program(model, args, kwargs, what="torch.onnx.export (through torch.export)")
-    try:
-        onnx_program = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, verbose=False, optimize=True,
-                                         input_names=_input_names(args, kwargs))
+    program = export_program(model, args, kwargs, what="torch.onnx.export (through torch.export)",
+                             batch_only=batch_only)
+    try:  # the graph's inputs keep the names of forward's parameters (x, input_ids, attention_mask, ...)
+        with _quiet_tracer():
+            onnx_program = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, verbose=False,
+                                             optimize=True)
     except Exception as exc:
         raise ExportError(f"torch.onnx.export cannot translate {type(model).__name__}: {blocker(exc)}") from exc
     onnx_program.save(str(out))
+    return program
 
 
-def _input_names(args: tuple, kwargs: dict) -> list[str]:
-    return [f"input_{i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
-           [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+def _named_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The tensor inputs by the name of the ``forward`` parameter they fill."""
+    import inspect
+
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {**{f"input_{i}": a for i, a in enumerate(args)}, **kwargs}
+    return {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
 
 
 def _check_onnx(model, args, kwargs, out: Path, expected) -> float:
     ort = _need("onnxruntime", "onnx", "onnxruntime")
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), tensors)}
-    return max_difference(expected, [torch.from_numpy(o) for o in session.run(None, feeds)])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a refused shape is raised (and reported by the caller), not also logged
+    session = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
+    named = _named_inputs(model, args, kwargs)
+    wanted = [i.name for i in session.get_inputs()]
+    if any(n not in named for n in wanted):  # an input the tracer renamed: fall back to their order
+        feeds = dict(zip(wanted, named.values()))
+    else:  # an input forward ignores is left out of the graph by the exporter
+        feeds = {n: named[n] for n in wanted}
+    return max_difference(expected, [torch.from_numpy(o) for o in
+                                     session.run(None, {n: t.numpy() for n, t in feeds.items()})])
 
 
 # ----------------------------------------------------------------------------- safetensors
