@@ -10,6 +10,7 @@ from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
 from .modules import unwrap
+from .notebook import RunInterrupted, as_notebook_stop, in_jupyter_kernel
 
 __all__ = [
     "RuntimeSetupError", "configure_backends", "configure_threads", "select_device", "DistInfo",
@@ -18,7 +19,7 @@ __all__ = [
     "gather", "get_rank", "get_world_size", "host_collectives", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
-    "signal_name", "stop_phase",
+    "signal_name", "stop_phase", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",
 ]
