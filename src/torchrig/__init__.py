@@ -39,11 +39,15 @@ _EXPORTS = {
 }
 
 _NEED_RECIPE_SECTIONS = {"Config", "load_config"}
+# Sub-packages that are public as a whole: ``torchrig.tune(...)`` (the package is callable) and its names.
+_MODULES = {"tune"}
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + sorted(_MODULES) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"torchrig.{name}")
     if name in _EXPORTS:
         if name in _NEED_RECIPE_SECTIONS:
             importlib.import_module("torchrig.recipes")

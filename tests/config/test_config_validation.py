@@ -139,6 +139,7 @@ BAD_VALUES = [
     ('log.project=""', "a non-empty string or null, got ''"),
     ('log.run_name=""', "a non-empty string or null, got ''"),
     ('log.flops=maybe', "true or false, got 'maybe'"),
+    ('log.summary=maybe', "true or false, got 'maybe'"),
     ('profile.steps=[5,2]', "[] or [first, last] with 1 <= first <= last, got [5, 2]"),
     ('profile.memory_snapshot=maybe', "true or false, got 'maybe'"),
     ('dist.strategy=horovod', "one of auto, none, ddp, dp, fsdp, got 'horovod'"),

@@ -29,7 +29,7 @@ TRAINER_KEYWORDS = {
     "checkpoint_every": "checkpoint.every_steps", "checkpoint_every_epochs": "checkpoint.every_epochs",
     "keep_last": "checkpoint.keep_last", "keep_best": "checkpoint.keep_best", "monitor": "checkpoint.monitor",
     "monitor_mode": "checkpoint.mode", "log_every": "log.every_steps", "progress": "log.progress",
-    "tensorboard": "log.tensorboard", "plot": "log.plot", "trackers": "log.trackers", "flops": "log.flops",
+    "tensorboard": "log.tensorboard", "plot": "log.plot", "trackers": "log.trackers", "flops": "log.flops", "summary": "log.summary",
     "strategy": "dist.strategy", "sync_batchnorm": "dist.sync_batchnorm", "backend": "dist.backend",
     "init_method": "dist.init_method", "rank": "dist.rank", "world_size": "dist.world_size",
     "dist_timeout": "dist.timeout", "find_unused_parameters": "dist.find_unused_parameters",

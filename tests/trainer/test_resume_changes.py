@@ -190,3 +190,16 @@ def test_the_saved_position_would_otherwise_be_reinterpreted(make_trainer, data,
         make_trainer(batch_size=16, resume="latest").fit(data)
     assert torch.load(run_dir / "checkpoints" / "step-00000003" / "state.pt",
                       weights_only=True)["counters"]["global_step"] == 3
+
+
+def test_a_section_one_process_has_not_registered_is_not_compared():
+    """A recipe's section exists in a process that imported the recipe: a checkpoint saved there resumes in a
+    process without it (and the other way round). Its keys cannot change what this run computes; a change of
+    a key both sides have is still refused."""
+    from torchrig.trainer import changes
+
+    saved = {"seed": 0, "myrecipe": {"vocab_size": 8000}, "other": {"size": 32}}  # sections no process here has
+    assert changes.changed(saved, {"seed": 0}) == ([], [])
+    assert changes.changed({"seed": 0}, saved) == ([], [])
+    found, _ = changes.changed(saved, {"seed": 0, "myrecipe": {"vocab_size": 100}})
+    assert [(k, a, b) for k, a, b, _ in found] == [("myrecipe.vocab_size", 8000, 100)]

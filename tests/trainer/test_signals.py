@@ -540,7 +540,9 @@ def test_workers_end_with_a_launcher_killed_by_sigkill(tmp_path):
     finally:
         _kill_all(proc, pids)
     out = log.read_text()
-    assert took < 5, f"the orphaned workers ran on for {took:.0f}s:\n{out[-3000:]}"
+    # the step under way and its checkpoint, as under torchrun (which waits 30 s before SIGKILL); a loaded machine
+    # takes a few seconds for them
+    assert took < 15, f"the orphaned workers ran on for {took:.0f}s:\n{out[-3000:]}"
     latest = resolve("latest", run)
     assert latest is not None and "second SIGTERM" not in out, out[-3000:]  # one SIGTERM each, not two
     step = int(latest.name.split("-")[1])

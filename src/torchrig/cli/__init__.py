@@ -1,4 +1,4 @@
-"""The ``torchrig`` command: train, evaluate, predict, export, plot, doctor, launch, data, config.
+"""The ``torchrig`` command: train, evaluate, predict, export, plot, doctor, launch, data, config, tune.
 
 Every error ends in one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
 """
@@ -20,7 +20,7 @@ def add_common(p: argparse.ArgumentParser, root: bool = False) -> None:
                    help="show the full traceback on errors")
 
 
-def _set_arg(p: argparse.ArgumentParser) -> None:
+def set_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=0.01 (repeatable)")
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(train, val) or (train, val, test) (config key data.factory; recipe 'custom' unless one is named)")
     p.add_argument("--profile", action="store_true",
                    help="profile optimizer steps 10-15 (or profile.steps) with torch.profiler; writes RUN_DIR/profile")
-    _set_arg(p)
+    set_arg(p)
     add_common(p)
 
     p = sub.add_parser("evaluate", help="evaluate a checkpoint on its recipe's test split",
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory, run directory or .../latest")
     p.add_argument("--split", default="test", help="data split to evaluate (default: test)")
     p.add_argument("--json", action="store_true", help="print one JSON object of metrics")
-    _set_arg(p)
+    set_arg(p)
     add_common(p)
 
     p = sub.add_parser("predict", help="predict with a checkpoint on files or a folder",
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--features", action="append", default=[], metavar="LAYER",
                    help="also save the outputs of this module (a model.named_modules() name, e.g. layers.2) "
                         "as OUTPUT.features.LAYER.npy, through a forward hook (repeatable)")
-    _set_arg(p)
+    set_arg(p)
     add_common(p)
 
     p = sub.add_parser("plot", help="write the loss / metric / lr curves of a run (or several, overlaid) as PNG",
@@ -91,7 +91,8 @@ def register_command(fn: Callable) -> Callable:
 
 
 def _register_extra(sub) -> None:
-    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export"):
+    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export",
+                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind"):
         try:
             __import__(module)
         except ImportError:
@@ -201,7 +202,9 @@ def _stop_signal(command: str):
         return None
     from ..runtime.signals import STARTING, StopSignal
 
-    return StopSignal(where=STARTING if command == "train" else f"during torchrig {command}; run it again").install()
+    where = {"train": STARTING, "tune": "during torchrig tune, between trials; continue the study with "
+                                        "torchrig tune --study-dir DIR --resume"}
+    return StopSignal(where=where.get(command, f"during torchrig {command}; run it again")).install()
 
 
 def _quiet_stdout() -> None:

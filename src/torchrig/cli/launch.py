@@ -29,7 +29,7 @@ from ..errors import TorchrigError, suggest
 from . import register_command
 
 LOOPBACK_BACKEND = "torchrig-loopback"
-TORCHRIG_COMMANDS = ("train", "evaluate", "predict", "plot", "doctor", "data", "bench")
+TORCHRIG_COMMANDS = ("train", "evaluate", "predict", "plot", "doctor", "data", "bench", "tune", "lr-find", "summary")
 EXIT_USAGE = 2
 
 

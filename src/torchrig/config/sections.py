@@ -188,6 +188,9 @@ class LogConfig:
     run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: the run directory's name")
     flops: bool = key(False, BOOL, "count FLOPs per sample once; rows get flops_per_s, and mfu on a known GPU",
                       alias="flops")
+    summary: bool = key(True, BOOL, "print the model summary at the start of fit: top-level modules, parameters "
+                                    "(trainable, frozen), sizes, memory of weights + gradients + optimizer state",
+                        alias="summary")
 
 
 @dataclass

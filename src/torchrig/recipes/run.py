@@ -69,8 +69,9 @@ def _join_process_group(cfg: C.Config) -> bool:
     return runtime.init_process_group(info, device, d.backend, d.init_method, d.timeout)
 
 
-def _train(cfg: C.Config, out) -> dict:
-    from ..runtime import seed_everything, stop_phase
+def build_run(cfg: C.Config, callbacks: Optional[list] = None):
+    """``(recipe, data, trainer)`` for ``cfg`` as ``torchrig train`` builds them; ``callbacks`` join the recipe's."""
+    from ..runtime import seed_everything
     from ..trainer import Trainer
 
     recipe = get_recipe(cfg.recipe)
@@ -78,8 +79,18 @@ def _train(cfg: C.Config, out) -> dict:
     model = factory.build_model(recipe, cfg)
     prepare_model(model, cfg)
     data = factory.build_data(recipe, cfg)
-    trainer = Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data))
+    kwargs = recipe.trainer_kwargs(cfg, data)
+    if callbacks:
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks]
+    trainer = Trainer(model, config=cfg, **kwargs)
     trainer.config_builds_model = True  # the saved config.yaml rebuilds this model (evaluate, predict)
+    return recipe, data, trainer
+
+
+def _train(cfg: C.Config, out) -> dict:
+    from ..runtime import stop_phase
+
+    recipe, data, trainer = build_run(cfg)
     try:
         run = trainer.open_run()  # locked and checked before the recipe writes its files there
         if trainer.is_main:

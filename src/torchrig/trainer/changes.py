@@ -74,13 +74,18 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
     and for each change of the run's length (``epochs``, ``max_steps``). ``worlds`` are the saved and the
     current number of processes: ``data.batch_size`` is per process, so what must stay is the global batch
     (2 processes of 4 resume exactly as 1 of 8). A key that this torchrig declares and the checkpoint lacks
-    (saved by an older version) is not compared."""
+    (saved by an older version) is not compared, nor a key of a section one side has not at all (a recipe's
+    section, registered only in a process that imported the recipe: a run cannot read a section its process
+    does not have)."""
     old, new = _flat(saved), _flat(now)
     declared = set(_flat(C.to_dict(C.Config())))
     refused, length = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         if a == b or key in NOT_COMPARED or (key in declared and _MISSING in (a, b)):
+            continue
+        section = key.split(".")[0]
+        if "." in key and (section not in saved or section not in now):
             continue
         if key == "model.python_class" and (a is None or b is None or str(a).startswith("torch.distributed.fsdp")):
             continue  # one side built from the config (a recipe, --model), the other in Python: maybe the same;

@@ -147,6 +147,31 @@ class Trainer:
     def _lr(self) -> float:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
 
+    @runtime.explain_collective_errors
+    def find_lr(self, data: Any, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 200,
+                smooth: float = 0.9, diverge: float = 4.0, plot: Any = None) -> Any:
+        """An exponential learning-rate sweep (``steps`` batches from ``start_lr`` to ``end_lr``) on a copy of the
+        model and optimizer, which are left unchanged, bitwise (see ``trainer/lrfind.py``). Returns the curve and
+        a suggested learning rate with its rule; rank 0 draws loss against lr as a PNG (``plot``: its path;
+        default RUN_DIR/plots/lr_find.png, or ./lr_find.png without a run_dir; False: none)."""
+        from . import lrfind
+
+        result = lrfind.sweep(self, data, self._loader_kwargs(), start_lr, end_lr, steps, smooth, diverge)
+        if plot is not False and self.is_main:
+            where = Path(plot) if plot else (self.run_dir / "plots" if self.run_dir else Path(".")) / "lr_find.png"
+            result.plot = lrfind.plot(result, where)
+        self.print(result.describe())
+        return result
+
+    def summary(self) -> str:
+        """The model summary: each top-level module's parameters (trainable, frozen) and size, and the memory of
+        the weights, gradients and optimizer state one process holds (``fit`` prints it unless log.summary=false)."""
+        from ..observe.summary import model_summary
+
+        shards = self.world_size if self.strategy == "fsdp" else 1
+        return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
+                             self.ema is not None)
+
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
         if self.metrics_log is not None and self.metrics_log.out.enabled:
@@ -274,6 +299,8 @@ class Trainer:
             return True
         self.metrics_log.out = RunLogger(self.run_dir, enabled=self.is_main, progress=cfg.log.progress,
                                          start_step=self.global_step, config=cfg)  # and the trackers
+        if cfg.log.summary:
+            self.print(self.summary())
         A = cfg.accumulate
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
                    f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "

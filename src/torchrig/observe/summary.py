@@ -1,0 +1,146 @@
+"""The model summary printed at the start of a run (``log.summary``) and by ``torchrig summary CONFIG``.
+
+One table, 80 columns wide: each top-level module (``named_children``), its type, its parameters, how many
+of them train and how many are frozen (``requires_grad=False``), and its size (parameters and buffers) in
+MB; then the totals and an estimate of the memory one process holds for the weights, their gradients and
+the optimizer's state. A parameter shared by two modules (tied weights) is counted once, where first seen.
+
+The estimate counts what the optimizer keeps per trainable parameter, read from the optimizer built for
+the run (Adam / AdamW: two moments, three with ``amsgrad``; SGD: a momentum buffer when momentum > 0;
+RMSprop: the square average, plus momentum and the mean gradient when set; Adagrad: the sum; Adadelta,
+Adamax, NAdam, RAdam: two), in the parameters' dtype. Under ``precision`` bf16 / fp16 autocast runs the
+forward in half precision but the weights, gradients and optimizer state stay float32, so the estimate
+is the same; activations (which depend on the batch) are not counted. Under FSDP2 each process holds
+its shard: the estimate is divided by the number of processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from torch import nn
+
+MB = 1024 ** 2
+MAX_ROWS = 12  # top-level modules listed one per row; the rest share one row
+
+# optimizer class name -> (state tensors per parameter, as a function of its param group)
+_STATES = {
+    "adam": lambda g: 3 if g.get("amsgrad") else 2,
+    "adamw": lambda g: 3 if g.get("amsgrad") else 2,
+    "sgd": lambda g: 1 if g.get("momentum", 0) else 0,
+    "rmsprop": lambda g: 1 + bool(g.get("momentum", 0)) + bool(g.get("centered")),
+    "adagrad": lambda g: 1,
+    "adadelta": lambda g: 2,
+    "adamax": lambda g: 2,
+    "nadam": lambda g: 2,
+    "radam": lambda g: 2,
+}
+
+
+def _nbytes(tensors: Iterable[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _count(n: int) -> str:
+    return f"{n:,}"
+
+
+def size(nbytes: float) -> str:
+    """``512 B``, ``120.7 KB``, ``1.18 MB``, ``12.3 MB``, ``1.52 GB`` (powers of 1024)."""
+    if nbytes >= 1024 * MB:
+        return f"{nbytes / (1024 * MB):.2f} GB"
+    if nbytes >= MB:
+        return f"{nbytes / MB:.2f} MB" if nbytes < 10 * MB else f"{nbytes / MB:.1f} MB"
+    return f"{nbytes / 1024:.1f} KB" if nbytes >= 1024 else f"{int(nbytes)} B"
+
+
+def _rows(model: nn.Module) -> list[list]:
+    """[name, type, params, trainable, frozen, bytes] per top-level module, each parameter counted once."""
+    seen: set[int] = set()
+
+    def tally(name: str, kind: str, params: Iterable[nn.Parameter], buffers: Iterable[Any]) -> list:
+        own = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        trainable = sum(p.numel() for p in own if p.requires_grad)
+        total = sum(p.numel() for p in own)
+        return [name, kind, total, trainable, total - trainable, _nbytes(own) + _nbytes(buffers)]
+
+    children = list(model.named_children())
+    if not children:
+        return [tally("(whole model)", type(model).__name__, model.parameters(), model.buffers())]
+    rows = [tally(name, type(child).__name__, child.parameters(), child.buffers()) for name, child in children]
+    direct = list(model.parameters(recurse=False))
+    if direct:
+        rows.append(tally("(own parameters)", "Parameter", direct, model.buffers(recurse=False)))
+    return rows
+
+
+def optimizer_state(optimizers: Any, model: nn.Module) -> tuple[Optional[int], str]:
+    """(bytes of optimizer state, the optimizers' names); None when an optimizer's state is not known."""
+    if optimizers is None:
+        return None, "no optimizer"
+    items = optimizers.values() if isinstance(optimizers, dict) else [optimizers]
+    total, names = 0, []
+    for opt in items:
+        name = type(opt).__name__
+        names.append(name.lower())
+        states = _STATES.get(name.lower())
+        if states is None:
+            return None, name
+        for group in opt.param_groups:
+            total += states(group) * _nbytes(p for p in group["params"] if p.requires_grad)
+    return total, "+".join(dict.fromkeys(names))
+
+
+def model_summary(model: nn.Module, optimizers: Any = None, precision: str = "fp32", shards: int = 1,
+                  ema: bool = False) -> str:
+    """The summary table (fits 80 columns) and the memory estimate of one process."""
+    rows = _rows(model)
+    if len(rows) > MAX_ROWS:
+        rest = rows[MAX_ROWS - 1:]
+        rows = rows[:MAX_ROWS - 1] + [[f"… {len(rest)} more", "", *(sum(r[i] for r in rest) for i in range(2, 6))]]
+    total = ["total", "", *(sum(r[i] for r in rows) for i in range(2, 6))]
+    params = [p for p in model.parameters()]
+    trainable = total[3]
+    head = f"torchrig: model {type(model).__name__} · {_count(total[2])} parameters"
+    head += ", all trainable" if total[4] == 0 else f" ({_count(trainable)} trainable, {_count(total[4])} frozen)"
+    lines = _wrap(head + f" · {size(total[5])}", 80)
+    table = [["module", "type", "params", "trainable", "frozen", "size"]]
+    for r in rows + [total]:
+        table.append([_cut(r[0], 22), _cut(r[1], 16), _count(r[2]), _count(r[3]), _count(r[4]), size(r[5])])
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
+    for row in table:
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append(("  " + "  ".join(cells)).rstrip())
+    lines += _memory(model, params, optimizers, precision, shards, ema)
+    return "\n".join(lines)
+
+
+def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, shards: int, ema: bool) -> list[str]:
+    weights = _nbytes(params)
+    grads = _nbytes(p for p in params if p.requires_grad)
+    state, names = optimizer_state(optimizers, model)
+    parts = [f"weights {size(weights / shards)}", f"gradients {size(grads / shards)}"]
+    total = weights + grads
+    if state is not None:
+        parts.append(f"{names} state {size(state / shards)}")
+        total += state
+    if ema:
+        kept = _nbytes(params) + _nbytes(b for b in model.buffers() if b.is_floating_point())
+        parts.append(f"EMA {size(kept / shards)}")
+        total += kept
+    where = "per process" + (f" (FSDP2: 1/{shards} each)" if shards > 1 else "")
+    first = f"memory {where}: " + " + ".join(parts) + f" = {size(total / shards)}"
+    note = (f"{names} state not estimated; " if state is None else "") + (
+        f"{precision} autocast keeps weights, gradients and optimizer state fp32; " if precision != "fp32" else "")
+    return _wrap(first + "; " + note + "activations not counted", 80)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width, subsequent_indent="  ", break_on_hyphens=False)

@@ -1,0 +1,223 @@
+"""The search space: plain YAML keyed by the config keys of ``--set``, checked by the keys' own rules.
+
+::
+
+    optim.lr: {log_uniform: [1e-5, 1e-1]}
+    optim.weight_decay: {uniform: [0.0, 1e-3]}
+    data.batch_size: {choice: [32, 64, 128]}
+    model.options.width: {int: [16, 64], step: 16}
+
+Kinds: ``uniform`` / ``log_uniform`` (floats), ``int`` / ``log_int`` (integers, ``step`` optional for
+``uniform`` and ``int``) and ``choice`` (any values; lists such as ``optim.betas`` too). Nested mappings
+(``optim: {lr: {log_uniform: [...]}}``) read as the dotted keys. Each bound and each choice is set on a
+copy of the config as ``--set`` would set it, so a key that does not exist or a value outside its rule
+is refused in one line naming the key, before any trial runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .. import config as C
+from ..config.rules import parse_scalar
+from ..errors import TorchrigError, suggest
+
+KINDS = ("uniform", "log_uniform", "int", "log_int", "choice")
+# Keys torchrig tune sets itself for every trial, or that name the trial's process rather than its training.
+NOT_SEARCHED = ("recipe", "run_dir", "resume", "resume_weights_only", "resume_changes", "overwrite",
+                "checkpoint.monitor", "checkpoint.mode", "model.factory", "data.factory", "model.python_class")
+GRID_LIMIT = 10_000  # grid points of a whole space
+
+
+class TuneError(TorchrigError, ValueError):
+    """A search space, a study or a tuning request that cannot work as given; the message names it."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched key: ``kind`` of ``KINDS``, ``low`` / ``high`` (and ``step``) or ``choices``."""
+
+    key: str
+    kind: str
+    low: Any = None
+    high: Any = None
+    step: Any = None
+    choices: tuple = ()
+
+    def distribution(self) -> Any:
+        """The Optuna distribution (choices that are not plain scalars travel as JSON text)."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.kind in ("uniform", "log_uniform"):
+            return FloatDistribution(self.low, self.high, log=self.kind == "log_uniform", step=self.step)
+        if self.kind in ("int", "log_int"):
+            return IntDistribution(self.low, self.high, log=self.kind == "log_int", step=self.step or 1)
+        return CategoricalDistribution([_encode(c) for c in self.choices])
+
+    def grid(self) -> list:
+        """Every value this key takes on a grid; a continuous range without a step has none."""
+        if self.kind == "choice":
+            return [_encode(c) for c in self.choices]
+        if self.kind in ("int", "log_int"):
+            return list(range(self.low, self.high + 1, self.step or 1))
+        if self.step is not None:
+            n = int(round((self.high - self.low) / self.step))
+            return [self.low + i * self.step for i in range(n + 1)]
+        raise TuneError(f"search space key '{self.key}': the grid sampler needs a finite set of values, and "
+                        f"{self.kind} [{self.low}, {self.high}] has none; use {{choice: [...]}}, a step "
+                        f"({{uniform: [lo, hi], step: S}}) or --sampler tpe / random")
+
+    def describe(self) -> str:
+        if self.kind == "choice":
+            return f"choice of {', '.join(map(str, self.choices))}"
+        return f"{self.kind} [{self.low}, {self.high}]" + (f" step {self.step}" if self.step is not None else "")
+
+
+def value_of(raw: Any) -> Any:
+    """A sampled value as the config takes it (choices stored as JSON text come back as lists)."""
+    if isinstance(raw, str) and raw[:1] in "[{":
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def _encode(choice: Any) -> Any:
+    if choice is None or isinstance(choice, (bool, int, float, str)):
+        return choice
+    return json.dumps(choice)
+
+
+class Space:
+    """The searched keys in file order; ``apply`` sets a trial's values on a config."""
+
+    def __init__(self, params: list[Param], source: str = "search space"):
+        self.params, self.source = params, source
+
+    @property
+    def keys(self) -> list[str]:
+        return [p.key for p in self.params]
+
+    def distributions(self) -> dict[str, Any]:
+        return {p.key: p.distribution() for p in self.params}
+
+    def grid(self) -> dict[str, list]:
+        points = {p.key: p.grid() for p in self.params}
+        total = 1
+        for values in points.values():
+            total *= len(values)
+        if total > GRID_LIMIT:
+            raise TuneError(f"{self.source}: the grid has {total} points (more than {GRID_LIMIT}); narrow it or use "
+                            f"--sampler tpe / random")
+        return points
+
+    def apply(self, cfg: C.Config, values: dict[str, Any]) -> C.Config:
+        """A copy of ``cfg`` with ``values`` (key -> sampled value) set as ``--set`` sets them, then validated."""
+        out = copy.deepcopy(cfg)
+        for key, raw in values.items():
+            C.set_key(out, key, value_of(raw))
+        return C.validate(out)
+
+    def to_dict(self) -> dict:
+        """The space as it was read, in plain data (recorded in the study's manifest)."""
+        out = {}
+        for p in self.params:
+            spec: dict[str, Any] = {p.kind: list(p.choices) if p.kind == "choice" else [p.low, p.high]}
+            if p.step is not None:
+                spec["step"] = p.step
+            out[p.key] = spec
+        return out
+
+
+def load_space(space: Union[str, Path, dict], cfg: C.Config, source: Optional[str] = None) -> Space:
+    """Read and check a search space (a YAML file or a mapping) against ``cfg``, the study's base config."""
+    if isinstance(space, (str, Path)):
+        source = source or str(space)
+        try:
+            mapping = C.read_yaml(space)
+        except C.ConfigError as exc:
+            raise TuneError(str(exc).replace("config file", "search space file", 1)) from None
+    elif isinstance(space, dict):
+        mapping, source = space, source or "search space"
+    else:
+        raise TuneError(f"the search space must be a YAML file or a mapping of config keys, got {type(space).__name__}")
+    flat = _flatten(mapping, source)
+    if not flat:
+        raise TuneError(f"{source}: no key to search; give config keys such as 'optim.lr: {{log_uniform: [1e-5, 1e-1]}}'")
+    params = [_param(key, spec, source) for key, spec in flat.items()]
+    for p in params:
+        _check_against(cfg, p, source)
+    return Space(params, source)
+
+
+def _flatten(mapping: dict, source: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, spec in mapping.items():
+        full = f"{prefix}{key}"
+        # a section of keys (optim: {lr: {...}}) holds mappings only; a key's spec holds a list or a number
+        if isinstance(spec, dict) and spec and all(isinstance(v, dict) for v in spec.values()):
+            out.update(_flatten(spec, source, f"{full}."))
+        else:
+            out[full] = spec
+    return out
+
+
+def _number(value: Any, key: str, source: str, integer: bool) -> Any:
+    if isinstance(value, str):
+        value = parse_scalar(value)  # YAML reads 1e-5 (no dot) as text
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        raise TuneError(f"{source}: key '{key}': expected {'an integer' if integer else 'a number'}, got {value!r}")
+    return value if integer else float(value)
+
+
+def _param(key: str, spec: Any, source: str) -> Param:
+    if key in NOT_SEARCHED:
+        raise TuneError(f"{source}: key '{key}' is set by torchrig tune for each trial (or names its process); "
+                        f"it cannot be searched")
+    if not isinstance(spec, dict) or len([k for k in spec if k != "step"]) != 1:
+        raise TuneError(f"{source}: key '{key}': expected one of {', '.join(KINDS)} as a mapping, e.g. "
+                        f"'{key}: {{choice: [a, b]}}', got {spec!r}")
+    kind = next(k for k in spec if k != "step")
+    if kind not in KINDS:
+        raise TuneError(f"{source}: key '{key}': unknown kind '{kind}'{suggest(str(kind), KINDS)}; "
+                        f"kinds are {', '.join(KINDS)}")
+    args = spec[kind]
+    if kind == "choice":
+        if not isinstance(args, list) or not args:
+            raise TuneError(f"{source}: key '{key}': choice needs a non-empty list of values, got {args!r}")
+        if "step" in spec:
+            raise TuneError(f"{source}: key '{key}': choice takes no step")
+        return Param(key, kind, choices=tuple(parse_scalar(a) if isinstance(a, str) else a for a in args))
+    integer = kind in ("int", "log_int")
+    if not isinstance(args, list) or len(args) != 2:
+        raise TuneError(f"{source}: key '{key}': {kind} needs [low, high], got {args!r}")
+    low, high = (_number(a, key, source, integer) for a in args)
+    if not low < high:
+        raise TuneError(f"{source}: key '{key}': {kind} [{low}, {high}] needs low < high")
+    if kind.startswith("log_") and low <= 0:
+        raise TuneError(f"{source}: key '{key}': {kind} needs low > 0, got {low}")
+    step = spec.get("step")
+    if step is not None:
+        if kind.startswith("log_"):
+            raise TuneError(f"{source}: key '{key}': {kind} takes no step")
+        step = _number(step, key, source, integer)
+        if step <= 0 or step > high - low:
+            raise TuneError(f"{source}: key '{key}': step {step} must be > 0 and at most high - low ({high - low})")
+    return Param(key, kind, low, high, step)
+
+
+def _check_against(cfg: C.Config, p: Param, source: str) -> None:
+    """Each bound / choice set on a copy of ``cfg``: an unknown key or a value its rule refuses is one line."""
+    values = list(p.choices) if p.kind == "choice" else [p.low, p.high]
+    for value in values:
+        probe = copy.deepcopy(cfg)
+        try:
+            C.set_key(probe, p.key, value)
+        except C.ConfigError as exc:
+            raise TuneError(f"{source}: {exc}") from None
