@@ -20,7 +20,8 @@ def blocks() -> list[tuple[int, str]]:
 
 def _check_bert(ns):
     assert ns["trainer"].global_step == 8
-    assert ns["trainer"].predict(ns["data"])["logits"].shape == (64, 2)
+    pred = ns["trainer"].predict(ns["data"])
+    assert pred.shape == (64, 2) and torch.allclose(pred, ns["trainer"].predict(ns["data"], outputs="all")["logits"])
 
 
 def _check_two_inputs(ns):
@@ -32,8 +33,14 @@ def _check_steplr(ns):
     assert ns["opt"].param_groups[0]["lr"] == pytest.approx(0.0125)
 
 
+def _check_onecycle(ns):
+    sch = ns["trainer"].schedulers["default"]
+    assert ns["trainer"].total_steps == sch.total_steps == sch.last_epoch == 24
+
+
 def _check_stream(ns):
-    assert ns["trainer"].global_step == 62
+    assert ns["trainer"].global_step == 64 and [h["step"] for h in ns["trainer"].history] == [32, 64]
+    assert ns["capped"].global_step == 62 and ns["capped"].total_steps == 62
 
 
 def _check_lossnorm(ns):
@@ -56,7 +63,7 @@ def _check_torchmetrics(ns):
 
 
 CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
-          "StepLR": _check_steplr, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
+          "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
           "input_keys=": _check_dict_batches}
 
 

@@ -38,4 +38,28 @@ def suggest(name: str, options: Iterable[str], *, listing: str = "", n: int = 1,
     return f"{hint or '.'} {listing}"
 
 
-__all__ = ["TorchrigError", "suggest"]
+_COMMAND_LINE = [0]  # > 0 while the torchrig command runs: messages name settings as its --set does
+
+
+class command_line:
+    """``with command_line():`` the torchrig command is running; :func:`setting` speaks its syntax."""
+
+    def __enter__(self) -> "command_line":
+        _COMMAND_LINE[0] += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _COMMAND_LINE[0] -= 1
+
+
+def setting(key: str, value: object) -> str:
+    """How the user sets ``key`` to ``value`` where they are: ``--set resume=latest`` on the command line,
+    ``resume="latest"`` / ``overwrite=True`` as a Trainer keyword in Python (``**{"a.b": 1}`` for a dotted key)."""
+    if _COMMAND_LINE[0]:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        return f"--set {key}={shown}"
+    python = f'"{value}"' if isinstance(value, str) else repr(value)
+    return f"**{{\"{key}\": {python}}}" if "." in key else f"{key}={python}"
+
+
+__all__ = ["TorchrigError", "command_line", "setting", "suggest"]

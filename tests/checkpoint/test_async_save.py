@@ -179,7 +179,7 @@ def test_error_of_the_background_write_is_raised_by_the_next_save_with_the_sync_
         (folder / "index.json").unlink()
     assert messages[0] == messages[1] == (
         f"no space left on device while saving checkpoint step 4 to {folder}; the previous checkpoint (step 2) is "
-        f"intact. Free some space and continue with --set resume=latest")
+        f"intact. Free some space and continue with resume=\"latest\"")
 
 
 CHILD = r"""

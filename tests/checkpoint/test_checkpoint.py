@@ -148,7 +148,7 @@ def test_unknown_monitor_fails_after_saving(make_trainer, data, run_dir):
     with pytest.raises(ConfigError) as err:
         trainer.fit(data, val_data=data)
     assert "config key 'checkpoint.monitor': 'val/acc' is not a logged value; choose one of train/loss, " \
-           "train/accuracy, val/loss, val/accuracy (the run is saved: resume=latest)" in str(err.value)
+           "train/accuracy, val/loss, val/accuracy (the run is saved: resume=\"latest\")" in str(err.value)
     assert resolve("latest", run_dir).name == "step-00000005"
 
 
@@ -229,7 +229,7 @@ def test_failure_mid_save_keeps_latest_readable(make_trainer, data, run_dir, mon
         trainer.fit(data)
     assert str(err.value) == (f"OS error (disk full (simulated)) while saving checkpoint step 10 to "
                               f"{run_dir / 'checkpoints'}; the previous checkpoint (step 5) is intact. Fix the "
-                              f"storage and continue with --set resume=latest")
+                              f"storage and continue with resume=\"latest\"")
     assert [p.name for p in (run_dir / "checkpoints").iterdir() if ".tmp-" in p.name] == []  # removed at once
     assert resolve("latest", run_dir) == good
     after = load_file(good / "model.safetensors")

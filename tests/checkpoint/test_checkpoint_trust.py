@@ -261,7 +261,7 @@ class Payload:
 import torchrig.runtime as R
 
 gather, broadcast = R.gather, R.broadcast
-R.gather = lambda obj: gather(Payload())
+R.gather = lambda obj, *group: gather(Payload(), *group)  # group: the data-parallel ranks
 R.broadcast = lambda obj, src=0: broadcast(obj if isinstance(obj, torch.Tensor) else Payload(), src)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
@@ -370,7 +370,8 @@ def test_this_runs_keys_are_never_taken_from_a_checkpoint(tmp_path):
                        "project": "theirs", "run_name": "theirs", "tensorboard": True, "plot": True},
                "profile": {"steps": [1, 2], "memory_snapshot": True}, "resume": "/home/victim/other_run",
                "resume_weights_only": True, "overwrite": True, "run_dir": "/home/victim/important",
-               "model": {"weights": "/home/victim/secret.pt"}}
+               "model": {"weights": "/home/victim/secret.pt"},
+               "parallel": {"tp": 2, "dp_shard": 2, "tp_plan": "auto"}}
     notes: list[str] = []
     cfg = inference_config(crafted, ckpt, say=notes.append)
     default = C.Config()

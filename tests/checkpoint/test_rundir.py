@@ -247,7 +247,7 @@ def test_new_run_into_a_finished_run_is_refused(make_trainer, data, run_dir):
     with pytest.raises(RunDirError) as err:
         make_trainer(epochs=2).fit(data)
     assert str(err.value) == (f"run_dir '{run_dir}' holds a run that reached step 5: continue it with "
-                              f"--set resume=latest, choose another run_dir, or --set overwrite=true")
+                              f"resume=\"latest\", choose another run_dir, or overwrite=True")  # as Python writes them
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert os.readlink(run_dir / "checkpoints" / "latest") == "step-00000005"
     resumed = make_trainer(epochs=2, resume="latest")  # the way on that the message names
@@ -416,7 +416,7 @@ def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data
         make_trainer(log_every=1, checkpoint_every=1).fit(data)
     assert str(err.value) == (f"no space left on device (errno 28 ENOSPC) while writing step 3 to "
                               f"'{run_dir / 'metrics.jsonl'}'; the checkpoints are intact: once it can be written, "
-                              f"continue with --set resume=latest")
+                              f"continue with resume=\"latest\"")
     assert os.readlink(run_dir / "checkpoints" / "latest") == "step-00000002"
     monkeypatch.undo()
     resumed = make_trainer(log_every=1, checkpoint_every=1, resume="latest")  # the lock was released

@@ -25,4 +25,4 @@ def test_train_profile_and_csv_tracker(tmp_path, capsys):
     for name, value in zip(printed[1::2], printed[2::2]):
         assert float(final[f"test/{name}"]) == pytest.approx(float(value), abs=1e-4)
     assert final["run_dir"] == str(run)
-    assert f"tracker:     csv {run / 'csv'}" in out.splitlines()
+    assert f"torchrig: tracker csv {run / 'csv'}" in err.splitlines()

@@ -26,7 +26,7 @@ EXAMPLES = [
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
     ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, log, model, optim, "
-                  "pix2pix, profile, scheduler, text"),
+                  "parallel, pix2pix, profile, scheduler, text"),
 ]
 
 
@@ -160,6 +160,11 @@ BAD_VALUES = [
     ('dist.fsdp_reshard_after_forward=maybe', "true or false, got 'maybe'"),
     ('dist.requeue=maybe', "true or false, got 'maybe'"),
     ('dist.stop_timeout=0', "a finite number > 0, got 0"),
+    ('parallel.dp_replicate=0', "an integer >= 1, -1 (the rest) or 'auto', got 0"),
+    ('parallel.dp_shard=half', "an integer >= 1, -1 (the rest) or 'auto', got 'half'"),
+    ('parallel.tp=-2', "an integer >= 1, or -1 for the ranks the other degrees leave, got -2"),
+    ('parallel.pp=1.5', "an integer >= 1, or -1 for the ranks the other degrees leave, got 1.5"),
+    ('parallel.tp_plan=everything', "'auto' or a mapping of module-name patterns to styles or null, got 'everything'"),
     ('ema_decay=1', 'a number in (0, 1) or null, got 1'),
     ('ema_warmup=maybe', "true or false, got 'maybe'"),
     ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),
@@ -173,7 +178,7 @@ def test_every_core_key_has_a_rule_and_a_bad_value_here():
         value = getattr(Config(), f.name)
         if not dataclasses.is_dataclass(value):
             core.add(f.name)
-        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist"):
+        elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist", "parallel"):
             core |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
     assert set(RULES) == core
     assert {o.split("=", 1)[0] for o, _ in BAD_VALUES} == core

@@ -86,6 +86,22 @@ def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optio
             store.unlink()
 
 
+def group(scenario: str, out: Path, store: Path, n: int, timeout: float = 150, env: Optional[dict] = None,
+          worker: Path = WORKER) -> list[Result]:
+    """``n`` worker processes (``worker SCENARIO OUT``) joined through ``file://STORE``, as :func:`pair` does."""
+    out.mkdir(parents=True, exist_ok=True)
+    if store.exists():
+        store.unlink()
+    cmds = [[sys.executable, str(worker), scenario, str(out)] for _ in range(n)]
+    envs = [_env(dict(env or {}, TEST_INIT=f"file://{store}", TEST_RANK=rank, TEST_WORLD=n)) for rank in range(n)]
+    files = [(out / f"{scenario}-{rank}.out", out / f"{scenario}-{rank}.err") for rank in range(n)]
+    try:
+        return _together(cmds, envs, files, timeout, f"{n} workers '{scenario}'")
+    finally:
+        if store.exists():
+            store.unlink()
+
+
 def _read(f) -> str:
     f.flush()
     f.seek(0)

@@ -49,11 +49,14 @@ def test_bert_trains_with_its_own_loss_and_predicts_stacked_logits(tmp_path):
     assert result["loss"] == pytest.approx(float(ref.loss), rel=1e-4)  # 13 samples: batches of 4+4+4+1, weighted
     assert result["accuracy"] == pytest.approx(float((ref.logits.argmax(1) == batch["labels"]).float().mean()))
 
-    pred = trainer.predict(held_out)  # a ModelOutput: a dict of per-sample fields, probabilities for the logits
-    assert set(pred) == {"logits"} and pred["logits"].shape == (13, 2)
-    assert torch.allclose(pred["logits"], ref.logits.softmax(-1), atol=1e-5)
-    raw = trainer.predict(held_out, activation="none")
+    pred = trainer.predict(held_out)  # a ModelOutput: its logits, as probabilities, as for a tensor output
+    assert isinstance(pred, torch.Tensor) and pred.shape == (13, 2)
+    assert torch.allclose(pred, ref.logits.softmax(-1), atol=1e-5)
+    everything = trainer.predict(held_out, outputs="all")  # the structure: a dict of per-sample fields
+    assert set(everything) == {"logits"} and torch.allclose(everything["logits"], pred)
+    raw = trainer.predict(held_out, activation="none", outputs="all")
     assert torch.allclose(raw["logits"], ref.logits, atol=1e-5)
+    assert torch.allclose(trainer.predict(held_out, activation="none"), ref.logits, atol=1e-5)
 
 
 def test_bert_with_return_dict_false_trains_with_the_loss_its_tuple_starts_with(tmp_path):
@@ -72,9 +75,10 @@ def test_bert_with_return_dict_false_trains_with_the_loss_its_tuple_starts_with(
         assert torch.allclose(dict_params[k], tuple_params[k], atol=1e-6), k
     assert tuple_run.history[-1]["train/accuracy"] == pytest.approx(dict_run.history[-1]["train/accuracy"])
     assert tuple_run.evaluate(held_out)["loss"] == pytest.approx(dict_run.evaluate(held_out)["loss"], rel=1e-5)
-    pred = tuple_run.predict(held_out)  # no labels: (logits,), a tuple of per-sample fields
+    pred = tuple_run.predict(held_out, outputs="all")  # no labels: (logits,), a tuple of per-sample fields
     assert isinstance(pred, tuple) and pred[0].shape == (13, 2)
-    assert torch.allclose(pred[0], dict_run.predict(held_out)["logits"], atol=1e-5)
+    assert torch.allclose(pred[0], dict_run.predict(held_out), atol=1e-5)
+    assert torch.allclose(tuple_run.predict(held_out), dict_run.predict(held_out), atol=1e-5)
 
 
 def test_a_tuple_starting_with_a_scalar_is_loss_and_prediction_unless_output_key_says_otherwise():
@@ -94,9 +98,10 @@ def test_gpt2_causal_lm_learns_from_labels(tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses
     result = trainer.evaluate(lm_data(10, seed=1))
     assert set(result) == {"loss"} and result["loss"] < losses[0]
-    pred = trainer.predict(lm_data(10, seed=1), activation="none")
+    pred = trainer.predict(lm_data(10, seed=1), activation="none", outputs="all")
     assert set(pred) == {"logits"}  # the key/value cache and the loss are not per-sample fields
     assert pred["logits"].shape == (10, 16, 100)
+    assert torch.equal(trainer.predict(lm_data(10, seed=1), activation="none"), pred["logits"])
 
 
 def test_gpt2_accuracy_compares_each_next_token_and_skips_unlabelled_positions(tmp_path):
@@ -152,7 +157,7 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
         ev = one.evaluate(data(13, seed=1))
         assert ddp[name]["eval"] == pytest.approx(ev, rel=1e-5)
         pred = one.predict(data(13, seed=1))  # 7 + 6 samples on the ranks, back in data order
-        assert torch.allclose(ddp[name]["predict"]["logits"], pred["logits"], atol=1e-5)
+        assert torch.allclose(ddp[name]["predict"], pred, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- tuple and dict outputs
@@ -192,8 +197,9 @@ def test_tuple_output_with_output_key_trains_like_a_tensor_output(make_trainer, 
     assert picked.history[-1]["train/accuracy"] == ref.history[-1]["train/accuracy"]
 
     x = data.tensors[0]
-    pred = picked.predict(x)
+    pred = picked.predict(x, outputs="all")
     f, logits = picked.model(x)
+    assert torch.allclose(picked.predict(x), logits.softmax(-1), atol=1e-6)  # the prediction alone by default
     assert isinstance(pred, tuple) and len(pred) == 2
     assert torch.allclose(pred[0], f, atol=1e-6)  # other fields as they are
     assert torch.allclose(pred[1], logits.softmax(-1), atol=1e-6)  # probabilities for the prediction only
@@ -209,8 +215,9 @@ def test_dict_output_logits_or_output_key(make_trainer, data, tmp_path):
     for p, q in zip(by_logits.model.parameters(), by_key.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
     x = data.tensors[0]
-    pred = by_key.predict(TensorDataset(x, data.tensors[1]))  # (x, y) evaluation data: y dropped
+    pred = by_key.predict(TensorDataset(x, data.tensors[1]), outputs="all")  # (x, y) evaluation data: y dropped
     out = by_key.model(x)
+    assert torch.allclose(by_key.predict(x), out["scores"].softmax(-1), atol=1e-6)
     assert set(pred) == {"features", "scores"}  # the None loss is not a per-sample field
     assert torch.allclose(pred["scores"], out["scores"].softmax(-1), atol=1e-6)
     assert torch.allclose(pred["features"], out["features"], atol=1e-6)
@@ -239,7 +246,10 @@ def test_custom_loss_with_no_metrics_on_a_model_output(make_trainer, data):
     trainer = make_trainer(Wrapped(), loss=loss, metrics=[])
     trainer.fit(data)
     assert trainer.global_step == 5 and set(seen) == {torch.Tensor}
-    assert trainer.predict(data.tensors[0])["logits"].shape == (40, 4)  # a callable loss: raw logits
+    assert trainer.predict(data.tensors[0]).shape == (40, 4)  # a callable loss: raw logits
+    with pytest.raises(ValueError, match=r'^predict\(outputs=\'everything\'\): expected "prediction" \(the '
+                                         r'prediction tensor, the default\) or "all"'):
+        trainer.predict(data.tensors[0], outputs="everything")
 
 
 # ----------------------------------------------------------------------------- dict batches

@@ -44,7 +44,20 @@ def test_one_panel_per_family_with_separate_series():
     assert list(loss["train/loss (epoch)"].get_xdata()) == [4, 8] == list(loss["val/loss (epoch)"].get_xdata())
     assert loss["train/loss (epoch)"].get_marker() == "o" and loss["train/loss (interval)"].get_marker() == "None"
     assert loss["val/loss (epoch)"].get_color() != loss["train/loss (epoch)"].get_color()  # train vs validation
-    assert [line.get_label() for line in panels["learning rate"].get_lines()] == ["lr (interval)"]
+    assert [line.get_label() for line in panels["learning rate"].get_lines()] == ["lr"]
+    assert list(panels["learning rate"].get_lines()[0].get_xdata()) == list(range(1, 9))  # each step once
+
+
+def test_a_run_shorter_than_a_log_interval_has_its_learning_rate_drawn():
+    """Only epoch rows (log.every_steps above the run's length), or one interval row: the lr still shows."""
+    only_epochs = [{"step": 3, "epoch": 1, "kind": "epoch", "train/loss": 1.0, "lr": 0.1},
+                   {"step": 6, "epoch": 2, "kind": "epoch", "train/loss": 0.8, "lr": 0.05}]
+    lines = _panels(build_figure({"run": only_epochs}))["learning rate"].get_lines()
+    assert [(line.get_label(), list(line.get_xdata()), line.get_marker()) for line in lines] == [("lr", [3, 6], "o")]
+    one_interval = [{"step": 2, "epoch": 1, "kind": "interval", "train/loss": 1.0, "lr": 0.1},
+                    *only_epochs]
+    line, = _panels(build_figure({"run": one_interval}))["learning rate"].get_lines()
+    assert list(line.get_xdata()) == [2, 3, 6] and list(line.get_ydata()) == [0.1, 0.1, 0.05]
 
 
 def test_log_scale_only_where_values_span_decades():

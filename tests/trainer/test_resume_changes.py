@@ -36,9 +36,12 @@ HARMLESS = [
 ]
 
 
-def _message(checkpoint, shown: str) -> str:
+def _message(checkpoint, shown: str, cli: bool = False) -> str:
+    """The refusal, naming the settings as the user writes them: Trainer keywords in Python, --set on the CLI."""
+    how = ("--set overwrite=true", "--set resume_changes=allow") if cli else ("overwrite=True",
+                                                                              'resume_changes="allow"')
     return (f"resuming from '{checkpoint}' with changed settings would not be exact: {shown}; set them back, start "
-            f"a new run (another run_dir, or overwrite=true), or resume anyway with resume_changes=allow")
+            f"a new run (another run_dir, or {how[0]}), or resume anyway with {how[1]}")
 
 
 def _snapshot(run_dir) -> dict:
@@ -160,7 +163,7 @@ def test_the_cli_refuses_in_one_line_and_allows_on_request(tmp_path, capsys, cha
     if shown is None:  # the recipe's own default lr, whatever it is
         assert re.search(r": optim\.lr \S+ → 0\.5; ", lines[0]), lines[0]
     else:
-        assert lines[0] == f"torchrig: error: {_message(run / 'checkpoints' / latest, shown)}"
+        assert lines[0] == f"torchrig: error: {_message(run / 'checkpoints' / latest, shown, cli=True)}"
     assert _snapshot(run) == before
     capsys.readouterr()
     assert main([*resume, "--set", "resume_changes=allow"]) == 0

@@ -99,7 +99,8 @@ def test_mlflow_sqlite_store_beside_the_run_holds_every_value(runs):
         history = client.get_metric_history(run_id, name)
         assert sorted((m.step, m.value) for m in history) == sorted(points), name
     assert {k: got.data.metrics[k] for k in FINAL} == FINAL
-    assert trainer.logger.trackers.where() == [f"mlflow run {run_id} in sqlite:///{runs.resolve() / 'mlruns' / 'mlflow.db'}"]
+    assert trainer.logger.trackers.where() == [f"mlflow run {run_id} in sqlite:///{runs.resolve() / 'mlruns' / 'mlflow.db'}"
+                                               f", experiment 'torchrig'"]
 
 
 def test_mlflow_file_store_and_a_project_name(tmp_path, monkeypatch):
@@ -188,8 +189,8 @@ def test_wandb_offline_run_holds_every_value(tmp_path, monkeypatch):
         expected[step][name] = value
     assert history == {s: pytest.approx(v) for s, v in expected.items()}
     assert {k: summary[k] for k in FINAL} == FINAL
-    assert trainer.logger.trackers.where() == [f"wandb run {run_id} in {folders[0]} (offline: upload with wandb sync "
-                                               f"{folders[0]})"]
+    assert trainer.logger.trackers.where() == [f"wandb run {run_id} in {folders[0]} (project 'digits'); offline: "
+                                               f"upload with wandb sync {folders[0]}"]
 
 
 def test_a_resumed_run_goes_on_in_the_same_tracker_runs(runs, monkeypatch):

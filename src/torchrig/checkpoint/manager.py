@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..config.files import JSON_LIMIT, YAML_LIMIT, parse_yaml, read_regular
+from ..errors import setting
 from .background import BackgroundWriter, host_copy
 from .layout import PREFIX, checkpoint_name, weight_files
 from .io import (LINK_LIMIT, CheckpointError, CheckpointWriteError, file_checksum, fsync_dir, load_into,
@@ -81,7 +82,7 @@ def _write_failure(error: OSError, step: int, where: Path, previous: Optional[in
     else:
         kept = f"the previous checkpoint (step {previous}) is intact"
     return f"{what} while saving checkpoint step {step} to {where}; {kept}. {todo} and continue with " \
-           f"--set resume=latest"
+           f"{setting('resume', 'latest')}"
 
 
 def _hardlink_or_copy(src: str, dst: str) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from .. import runtime
 from ..config.files import file_kind, open_regular
+from ..errors import setting
 from .io import CheckpointError, write_bytes_atomic
 from .manager import follow_link
 
@@ -339,7 +340,8 @@ class RunDir:
             step = reached_step(self.path)
             if new_run and step is not None and not overwrite:
                 raise RunDirError(f"run_dir '{self.path}' holds a run that reached step {step}: continue it with "
-                                  f"--set resume=latest, choose another run_dir, or --set overwrite=true")
+                                  f"{setting('resume', 'latest')}, choose another run_dir, or "
+                                  f"{setting('overwrite', True)}")
             if new_run and overwrite:
                 removed = clear_run(self.path)
                 if removed:

@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Callable, Optional
 
+from ..errors import command_line
+
 EXIT_USAGE = 2
 EXIT_ERROR = 1
 
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="input file or folder")
     p.add_argument("--output", required=True, help="output file (.csv or .json for classes)")
     p.add_argument("--topk", type=int, default=5, help="classes to report per input (default 5)")
+    p.add_argument("--all-outputs", action="store_true",
+                   help="write the model's whole output (every per-sample field of a tuple, dict or ModelOutput, "
+                        "the prediction as probabilities) to OUTPUT.npz or OUTPUT.safetensors, one array per field")
     p.add_argument("--features", action="append", default=[], metavar="LAYER",
                    help="also save the outputs of this module (a model.named_modules() name, e.g. layers.2) "
                         "as OUTPUT.features.LAYER.npy, through a forward hook (repeatable)")
@@ -129,7 +134,8 @@ def cmd_evaluate(args) -> int:
 def cmd_predict(args) -> int:
     from ..recipes.run import run_predict
 
-    out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides, features=args.features)
+    out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides, features=args.features,
+                      all_outputs=args.all_outputs)
     print(f"predictions written to {out}")
     return 0
 
@@ -168,7 +174,8 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
     stop = _stop_signal(args.command)
     try:
-        return int(handler(args) or 0)
+        with command_line():  # messages name settings as --set does
+            return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("torchrig: interrupted", file=sys.stderr)
         return 130

@@ -7,8 +7,30 @@ import os
 import platform
 import sys
 
-OPTIONAL = ("torchvision", "timm", "transformers", "tokenizers", "tensorboard", "matplotlib", "torchmetrics",
-            "pillow", "scikit-learn", "safetensors", "numpy", "pyyaml", "tqdm")
+REQUIRED = ("numpy", "pyyaml", "safetensors", "tqdm", "scikit-learn", "matplotlib")
+# package -> the extra that installs it, when torchrig's own metadata cannot say (a source checkout on PYTHONPATH)
+EXTRAS = {"torchvision": "vision", "pillow": "vision", "tensorboard": "tensorboard", "tokenizers": "text",
+          "transformers": "text", "timm": "timm", "datasets": "hf", "torchdata": "torchdata", "mlflow": "mlflow",
+          "wandb": "wandb", "optuna": "tune", "onnx": "export", "onnxscript": "export", "onnxruntime": "export",
+          "torchmetrics": "metrics", "ipywidgets": "notebook", "ray": "ray"}
+
+
+def extras() -> dict[str, str]:
+    """Optional package -> the torchrig extra that installs it (``pip install "torchrig[EXTRA]"``), from the
+    installed torchrig's metadata (its ``Requires-Dist``), else :data:`EXTRAS`. Only what an extra installs is
+    listed, so doctor never calls missing a package no extra would bring."""
+    import re
+
+    try:
+        requires = md.requires("torchrig") or []
+    except md.PackageNotFoundError:
+        requires = []
+    found: dict[str, str] = {}
+    for line in requires:
+        m = re.match(r"\s*([A-Za-z0-9_.-]+)(?:\[[^]]*])?[^;]*;\s*extra\s*==\s*[\"']([^\"']+)[\"']", line)
+        if m and m.group(2) not in ("all", "test") and m.group(1).lower() not in found:
+            found[m.group(1).lower()] = m.group(2)
+    return found or dict(EXTRAS)
 
 # torch minor -> the torchvision minor built against it
 TORCHVISION_FOR_TORCH = {(2, 4): 19, (2, 5): 20, (2, 6): 21, (2, 7): 22, (2, 8): 23, (2, 9): 24, (2, 10): 25,
@@ -91,11 +113,14 @@ def report() -> str:
     lines.append(f"threads      intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}, "
                  f"cores {cores}, TORCH_THREAD_NUM={os.environ.get('TORCH_THREAD_NUM', 'unset')}, "
                  f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    present = [f"{p} {_version(p)}" for p in OPTIONAL if _version(p)]
-    missing = [p for p in OPTIONAL if not _version(p)]
-    lines.append(f"packages     {', '.join(present)}")
+    lines.append(f"packages     {', '.join(f'{p} {_version(p)}' for p in REQUIRED if _version(p))}")
+    optional = extras()
+    present = [f"{p} {_version(p)}" for p in optional if _version(p)]
+    missing = [f'{p} (pip install "torchrig[{extra}]")' for p, extra in optional.items() if not _version(p)]
+    if present:
+        lines.append(f"optional     {', '.join(present)}")
     if missing:
-        lines.append(f"missing      {', '.join(missing)} (optional)")
+        lines.append(f"missing      {', '.join(missing)}")
     found = problems()
     lines.append("problems     " + ("none found" if not found else f"{len(found)}:"))
     lines += [f"  - {p}" for p in found]

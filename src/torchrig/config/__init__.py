@@ -17,17 +17,17 @@ from __future__ import annotations
 
 from .checks import validate
 from .loading import from_dict, load_config, read_yaml, set_key, to_dict
-from .root import Config, aliases, declared_keys, get_key, groups, register_section, sections
+from .root import Config, aliases, declared_keys, get_key, groups, near_keys, register_section, sections
 from .schema import ConfigError, Key, Refused, Rule, key
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ProfileConfig, SchedulerConfig)
+                       ParallelConfig, ProfileConfig, SchedulerConfig)
 
 # The rule of every key of the top-level and built-in sections (recipe sections bring their own).
 RULES: dict[str, Rule] = {k.name: k.rule for k in declared_keys() if k.name.split(".")[0] not in sections()}
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig", "CheckpointConfig",
-    "LogConfig", "ProfileConfig", "DistConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate",
+    "LogConfig", "ProfileConfig", "DistConfig", "ParallelConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate",
     "get_key", "set_key", "register_section", "sections", "key", "Key", "Rule", "Refused", "declared_keys",
-    "aliases", "groups",
+    "aliases", "groups", "near_keys",
 ]

@@ -17,7 +17,7 @@ def validate(cfg: Config) -> Config:
         section, _, name = k.name.rpartition(".")
         owner = get_key(cfg, section) if section else cfg
         setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
-    for check in (_ranks, _resume, _trackers, _micro_batches):
+    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel):
         check(cfg)
     for name in sections():
         section_check = getattr(getattr(cfg, name), "validate", None)
@@ -60,3 +60,29 @@ def _micro_batches(cfg: Config) -> None:
     if setting == "auto" and cfg.dist.strategy == "fsdp":
         raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
                           "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
+
+
+def _parallel(cfg: Config) -> None:
+    """What the degrees of ``parallel`` and ``dist.strategy`` can say without the world size (the product is
+    checked against it when the mesh is built)."""
+    p, strategy = cfg.parallel, cfg.dist.strategy
+    degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+    rest = [k for k, v in degrees.items() if v == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"config key 'parallel.{rest[1]}': -1 (the rest of the ranks) is already given to "
+                          f"parallel.{rest[0]}; give -1 to one degree at most")
+    split = [f"parallel.{k}={degrees[k]}" for k in ("tp", "pp") if degrees[k] != 1]
+    if strategy == "dp" and (split or degrees["dp_shard"] not in ("auto", 1)):
+        what = split[0] if split else f"parallel.dp_shard={degrees['dp_shard']}"
+        raise ConfigError(f"config key 'dist.strategy': 'dp' (nn.DataParallel, one process) cannot be combined with "
+                          f"{what}; use dist.strategy=auto under torchrig launch")
+    if strategy == "ddp" and degrees["dp_shard"] not in ("auto", 1):
+        raise ConfigError(f"config key 'parallel.dp_shard': {degrees['dp_shard']} shards the model, but dist.strategy=ddp "
+                          f"replicates it; set dist.strategy=fsdp (or auto), or parallel.dp_replicate instead")
+    if p.tp != 1 and p.tp_plan is None:
+        raise ConfigError(f"config key 'parallel.tp_plan': parallel.tp={p.tp} splits the layers a plan names, and no "
+                          f"plan is set; set parallel.tp_plan=auto (the model's own plan) or a mapping such as "
+                          f"{{'layers.*.fc1': colwise, 'layers.*.fc2': rowwise}}")
+    if p.pp != 1:
+        raise ConfigError(f"config key 'parallel.pp': {p.pp}: pipeline parallelism is not available in this version of "
+                          f"torchrig; use parallel.tp or dist.strategy=fsdp to fit a model that one device cannot hold")

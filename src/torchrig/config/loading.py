@@ -15,7 +15,7 @@ from ..errors import suggest
 from . import files
 from .checks import validate
 from .coerce import coerce
-from .root import Config, names, sections
+from .root import Config, names, near_keys, sections
 from .rules import parse_scalar
 from .schema import ConfigError, check_value, hints, refusal, rule_of
 
@@ -40,8 +40,10 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
     for key, value in mapping.items():
         full = f"{prefix}{key}"
         if key not in known:
-            raise ConfigError(f"unknown config key '{full}'{_suggest(str(key), known)}"
-                              f"{_section_hint(obj, isinstance(value, dict))}")
+            near = near_keys(str(key)) if isinstance(obj, Config) else []
+            hint = (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near  # a key without its section
+                    else _suggest(str(key), known))
+            raise ConfigError(f"unknown config key '{full}'{hint}{_section_hint(obj, isinstance(value, dict))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

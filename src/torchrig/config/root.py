@@ -15,13 +15,15 @@ from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integ
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ProfileConfig, SchedulerConfig)
+                       ParallelConfig, ProfileConfig, SchedulerConfig)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
 
 
 def _run_dir(v: Any) -> str:
+    """A folder path; ``~`` and ``~user`` expanded as a shell does (a YAML file or a Trainer keyword has no shell)."""
     accept(isinstance(v, str) and v.strip() != "", v)
+    v = os.path.expanduser(v)
     return accept(not os.path.isfile(v), v, "an existing file")
 
 
@@ -95,6 +97,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
@@ -181,3 +184,23 @@ def declared_keys() -> list[Key]:
 def aliases() -> dict[str, str]:
     """Trainer keyword -> the dotted key it sets, for the keywords that are not top-level key names."""
     return {alias: k.name for k in declared_keys() for alias in k.aliases if alias != k.name}
+
+
+# Names other tools give these keys (Lightning, Hugging Face, Keras, argparse habits): the dotted key meant.
+SYNONYMS = {"learning_rate": "optim.lr", "lr_rate": "optim.lr", "optimiser": "optim.name",
+            "num_epochs": "epochs", "n_epochs": "epochs", "max_epochs": "epochs", "lr_scheduler": "scheduler.name",
+            "gradient_accumulation_steps": "accumulate", "accumulate_grad_batches": "accumulate",
+            "gradient_clip_val": "clip_grad_norm", "max_grad_norm": "clip_grad_norm", "grad_clip": "clip_grad_norm",
+            "per_device_train_batch_size": "data.batch_size", "train_batch_size": "data.batch_size",
+            "output_dir": "run_dir", "logdir": "run_dir", "log_dir": "run_dir", "mixed_precision": "precision",
+            "warmup": "scheduler.warmup_steps", "workers": "data.num_workers"}
+
+
+def near_keys(name: str) -> list[str]:
+    """The dotted keys a top-level name given without its section most likely means: the keys of that name in
+    a section (``progress`` -> ``log.progress``; ``every_steps`` -> ``checkpoint.every_steps``,
+    ``log.every_steps``), else the key another tool's name for it means (``learning_rate`` -> ``optim.lr``)."""
+    found = sorted(k.name for k in declared_keys() if "." in k.name and k.name.rsplit(".", 1)[1] == name)
+    if found:
+        return found
+    return [SYNONYMS[name]] if name in SYNONYMS else []

@@ -80,7 +80,8 @@ class DataConfig:
                                  "a dict (torchrig train --data)")
     steps_per_epoch: Optional[int] = key(
         None, optional(integer(1)),
-        "optimizer steps per epoch: needed for iterable data without a length; caps the epoch of other data",
+        "optimizer steps per epoch; null: the data's length, or for a stream without one, until it runs out; "
+        "caps the epoch of other data",
         alias="steps_per_epoch")
 
 
@@ -182,10 +183,12 @@ class LogConfig:
                                  "in a Jupyter notebook's cell output; false: none", alias="plot")
     trackers: list = key([], list_of(choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
                          "experiment trackers: csv, tensorboard, mlflow, wandb", alias="trackers")
-    mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: "
+    mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: MLFLOW_TRACKING_URI, else "
                                                           "sqlite:///<run dir's parent>/mlruns/mlflow.db")
-    project: Optional[str] = key(None, optional(TEXT), "MLflow experiment / W&B project; null: torchrig")
-    run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: the run directory's name")
+    project: Optional[str] = key(None, optional(TEXT), "MLflow experiment / W&B project; null: "
+                                                       "MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT, else torchrig")
+    run_name: Optional[str] = key(None, optional(TEXT), "tracker run name; null: WANDB_NAME (W&B), else the run "
+                                                        "directory's name")
     flops: bool = key(False, BOOL, "count FLOPs per sample once; rows get flops_per_s, and mfu on a known GPU",
                       alias="flops")
     summary: bool = key(True, BOOL, "print the model summary at the start of fit: top-level modules, parameters "
@@ -245,5 +248,41 @@ class DistConfig:
                                               "a checkpoint (a stuck step or peer)")
 
 
+def _degree(v: Any) -> int:
+    """A parallel degree: a positive integer, or -1 for "the ranks the other degrees leave"."""
+    return accept(is_int(v) and (v >= 1 or v == -1), v)
+
+
+DEGREE = Rule("an integer >= 1, or -1 for the ranks the other degrees leave", _degree)
+AUTO_DEGREE = or_auto(DEGREE, "an integer >= 1, -1 (the rest) or 'auto'")
+
+
+def _tp_plan(v: Any) -> Any:
+    if v == "auto":
+        return v
+    accept(isinstance(v, dict) and len(v) > 0, v)
+    return {accept(isinstance(k, str) and k.strip() != "", k): TEXT.check(s) for k, s in v.items()}
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is spread over the processes: data-parallel replicas and shards and the tensor-parallel
+    degree on one device mesh (their product is the world size)."""
+
+    dp_replicate: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel replicas (DDP, or HSDP's replicas); "
+                                                             "auto: the rest of the ranks under dist.strategy=ddp, "
+                                                             "else 1", alias="dp_replicate")
+    dp_shard: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel shards (FSDP2); auto: the rest of the ranks "
+                                                         "under dist.strategy=fsdp, else 1", alias="dp_shard")
+    tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)",
+                  alias="tp")
+    pp: int = key(1, DEGREE, "pipeline-parallel degree; 1 only: pipeline parallelism is not available yet")
+    tp_plan: Union[dict, str, None] = key(
+        None, optional(Rule("'auto' or a mapping of module-name patterns to styles", _tp_plan)),
+        "with tp > 1: {module pattern: colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel, "
+        "embedding_rowwise, embedding_colwise}; auto: the model's own plan (its tp_plan attribute, or a Hugging "
+        "Face config's base_model_tp_plan)", alias="tp_plan")
+
+
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
-           "ProfileConfig", "SchedulerConfig"]
+           "ParallelConfig", "ProfileConfig", "SchedulerConfig"]

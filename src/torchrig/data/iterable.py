@@ -17,8 +17,10 @@ instead of :class:`ResumableSampler`:
   ``StatefulDataLoader``, whose state (every worker's position) is saved in each checkpoint; a
   mid-epoch resume goes on from the next sample. Otherwise a resume re-reads the batches already used
   in that epoch and says so once.
-* **epoch length** – ``data.steps_per_epoch`` when set, else from ``__len__`` (samples), else
-  ``max_steps``; with none of them the fit stops at once with a message naming the keys.
+* **epoch length** – ``data.steps_per_epoch`` when set, else from ``__len__`` (samples); without
+  either, an epoch ends when the stream runs out (on any rank: every rank agrees, as for uneven shards),
+  its length unknown until then. What needs the run's length in steps beforehand (a schedule over the
+  total steps) asks for ``data.steps_per_epoch`` or ``max_steps``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .. import runtime
-from .common import DataError, is_hf, is_stateful, loader_options, shard_slot, torch_format
+from .common import is_hf, is_stateful, loader_options, shard_slot, torch_format
 
 try:  # an optional extra: without it a resume re-reads the epoch's consumed batches
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -105,8 +107,9 @@ def batches_per_rank(n: int, batch_size: Optional[int], drop_last: bool, workers
 
 
 def epoch_length(dataset: Any, loader: DataLoader, world_size: int, steps_per_epoch: Optional[int],
-                 max_steps: Optional[int], accumulate: int) -> int:
-    """Micro-batches per epoch on each rank: ``steps_per_epoch``, else from ``__len__``, else ``max_steps``."""
+                 accumulate: int) -> Optional[int]:
+    """Micro-batches per epoch on each rank: ``steps_per_epoch``, else from ``__len__``; None: unknown, the
+    epoch ends when the stream runs out."""
     if steps_per_epoch:
         return steps_per_epoch * accumulate
     try:
@@ -115,11 +118,7 @@ def epoch_length(dataset: Any, loader: DataLoader, world_size: int, steps_per_ep
         n = None
     if n is not None and not is_hf(dataset):
         return batches_per_rank(n, loader.batch_size, loader.drop_last, loader.num_workers, world_size)
-    if max_steps:
-        return max_steps * accumulate
-    raise DataError(f"the training data {type(dataset).__name__} is an iterable data set without a length, "
-                            f"so an epoch has no end; set data.steps_per_epoch (optimizer steps per epoch) or "
-                            f"max_steps")
+    return None
 
 
 def _rank0_print(text: str) -> None:
@@ -134,7 +133,7 @@ class IterableBatches:
     checkpoint as ``data``; ``load_state_dict`` keeps this rank's part until the resumed epoch starts.
     """
 
-    def __init__(self, loader: DataLoader, length: int, stateful: bool, *, rank: int, world_size: int,
+    def __init__(self, loader: DataLoader, length: Optional[int], stateful: bool, *, rank: int, world_size: int,
                  device: torch.device, seed: int, accumulate: int = 1):
         self.loader, self.length, self.stateful, self.accumulate = loader, length, stateful, max(1, accumulate)
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
@@ -161,7 +160,12 @@ class IterableBatches:
         self._skip = max(0, n)
 
     def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError(f"the training data {type(self._source()).__name__} is a stream without a length")
         return self.length
+
+    def global_samples(self, first: int, count: int) -> Optional[int]:
+        return None  # not known without reading: the step counts its micro-batches' own
 
     def weight(self, index: int) -> int:
         """Every streamed batch is real: ranks stop together instead of running filler batches."""
@@ -201,8 +205,9 @@ class IterableBatches:
         """``it``'s batches, one accumulation window at a time, while every rank still has a whole window
         (one all-reduce of two numbers per window); a partial window at the end of the stream is not used."""
         A = self.accumulate
-        while self.consumed < self.length:
-            want = min(A - self.consumed % A, self.length - self.consumed)
+        while self.length is None or self.consumed < self.length:
+            want = A - self.consumed % A if self.length is None else min(A - self.consumed % A,
+                                                                         self.length - self.consumed)
             if self.stateful:  # the stream's position before this window: what a checkpoint after it resumes
                 self._marks = {k: v for k, v in self._marks.items() if k >= self.consumed - 2 * A}
                 self._marks[self.consumed] = self.loader.state_dict()
@@ -218,7 +223,7 @@ class IterableBatches:
             elif lacking and window:
                 self._note("tail", f"torchrig: epoch {self.epoch + 1} ended with {len(window)} batch(es) left, "
                                    f"fewer than one accumulation window (accumulate={A}); they were not used")
-            elif lacking:
+            elif lacking and self.length is not None:  # without a length, running out is how an epoch ends
                 self._note("short", f"torchrig: the training data ran out after {self.consumed} of the "
                                     f"{self.length} batches of epoch {self.epoch + 1}; the epoch ends there")
             if lacking:
@@ -261,6 +266,6 @@ def build_iterable(data: Any, *, batch_size: int, seed: int, rank: int, world_si
     with warnings.catch_warnings():  # torchdata's constructor calls torch.set_vital, deprecated in torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         loader = cls(shard(source, rank, world_size), generator=g, **opts)
-    length = epoch_length(source, loader, world_size, steps_per_epoch, max_steps, accumulate)
+    length = epoch_length(source, loader, world_size, steps_per_epoch, accumulate)
     return IterableBatches(loader, length, stateful, rank=rank, world_size=world_size, device=device, seed=seed,
                            accumulate=accumulate)

@@ -219,7 +219,14 @@ def _as_dataset(data: Any) -> Dataset:
     if isinstance(data, torch.Tensor):
         return TensorDataset(data)
     if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-        sizes = {len(t) for t in data}
+        shapes = {tuple(t.shape) for t in data}
+        if isinstance(data, list) and len(data) > 3 and len(shapes) == 1:  # [sample, sample, …], not columns
+            shape = shapes.pop()
+            raise DataError(f"the data is a list of {len(data)} tensors of shape {shape}: torchrig reads a list or "
+                            f"tuple of tensors as columns (inputs…, target), each holding every sample, and these "
+                            f"look like one sample each; stack them (torch.stack(samples)) and give (inputs, "
+                            f"targets), or give a list of (x, y) pairs")
+        sizes = {len(t) if t.ndim else 0 for t in data}
         if len(sizes) != 1:
             raise DataError(f"tensors given as data have different lengths {sorted(sizes)}; they must match")
         return TensorDataset(*data)

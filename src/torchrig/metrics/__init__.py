@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..runtime.dist import all_reduce_sum
+from ..runtime.dist import all_reduce_sum, data_parallel_group
 from ..errors import TorchrigError, suggest
 
 IGNORE_INDEX = -100  # a token / pixel target PyTorch's cross_entropy and Hugging Face models skip
@@ -148,9 +148,10 @@ class Metric:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Sum every state over ranks (no-op in one process). Every rank must call it."""
+        """Sum every state over the data-parallel ranks (no-op in one process). Every rank must call it."""
+        group = data_parallel_group()
         for key in sorted(self.states):
-            self.states[key] = all_reduce_sum(self.states[key])
+            self.states[key] = all_reduce_sum(self.states[key], group)
 
 
 def _class_predictions(output: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,9 @@ class MLP(nn.Module):
             width = hidden
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
+        # parallel.tp_plan=auto: the first two layers as a column-split / row-split pair
+        first, second = [f"net.{i}" for i, m in enumerate(layers) if isinstance(m, nn.Linear)][:2]
+        self.tp_plan = {first: "colwise", second: "rowwise"}
 
     def forward(self, x):
         return self.net(x)

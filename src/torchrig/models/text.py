@@ -96,6 +96,9 @@ class EncoderLayer(nn.Module):
 class BertClassifier(nn.Module):
     """BERT-style encoder: embeddings, ``layers`` attention blocks, [CLS] pooler (dense + tanh), classifier."""
 
+    # parallel.tp_plan=auto: each block's MLP split in two (attention's fused q/k/v stays whole)
+    tp_plan = {"encoder.*.mlp.0": "colwise", "encoder.*.mlp.2": "rowwise"}
+
     def __init__(self, vocab_size: int, num_classes: int, hidden: int = 128, layers: int = 2, heads: int = 4,
                  intermediate: Optional[int] = None, max_length: int = 512, type_vocab: int = 2,
                  dropout: float = 0.1, pad_id: int = 0):

@@ -20,6 +20,8 @@ def end_of_run(trainer: Any) -> list[Path]:
     """Print the run summary and draw the plot. Returns the PNG paths."""
     trainer.checkpoints.wait()  # the last (asynchronous) save has updated the best-checkpoint index
     trainer.print(summary(trainer))
+    for where in trainer.metrics_log.out.trackers.where():  # each tracker's run: its id, store, project
+        trainer.print(f"torchrig: tracker {where}")
     if not trainer.cfg.log.plot:
         return []
     paths = plot_run_or_say(trainer.run_dir, trainer.print)

@@ -138,7 +138,8 @@ def _mean_over_items(sums: dict, count: float, world_size: int, device: Optional
     keys = sorted(sums)
     if world_size > 1 and keys:
         total = runtime.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(count)],
-                                                    dtype=torch.float64, device=device)).tolist()
+                                                    dtype=torch.float64, device=device),
+                                       runtime.data_parallel_group()).tolist()
         sums, count = dict(zip(keys, total[:-1])), total[-1]
     return {f"train/{k}": v / max(1e-12, float(count)) for k, v in sums.items()}
 
@@ -148,5 +149,6 @@ def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.devic
     if world_size == 1 or not values:
         return values
     keys = sorted(values)
-    mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device))
+    mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device),
+                                   runtime.data_parallel_group())
     return dict(zip(keys, mean.tolist()))

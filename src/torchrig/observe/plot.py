@@ -127,21 +127,32 @@ def _draw_panel(ax: Any, fam: str, per_run: dict) -> None:
     values: list[float] = []
     for i, (label, series) in enumerate(per_run.items()):
         drawn = series.get(fam, {})
-        if fam == "lr" and any(kind == "interval" for _, kind in drawn):  # the epoch rows repeat it
-            drawn = {k: v for k, v in drawn.items() if k[1] == "interval"}
+        if fam == "lr":
+            drawn = _one_lr_series(drawn)
         for (key, kind), points in sorted(drawn.items(), key=lambda kv: (kv[0][0].startswith("val/"),
                                                                          kv[0][1] == "epoch", kv[0][0])):
             xs, ys = zip(*points)
             values += ys
-            name = f"{key} ({kind})"
-            ax.plot(xs, ys, label=f"{label}: {name}" if len(per_run) > 1 else name,
-                    **_style(key, kind, i, len(per_run)))
+            name = key if fam == "lr" else f"{key} ({kind})"
+            style = _style(key, kind, i, len(per_run))
+            if len(points) < 3:  # a short run: a line of one or two points needs markers to be seen
+                style.setdefault("marker", "o")
+            ax.plot(xs, ys, label=f"{label}: {name}" if len(per_run) > 1 else name, **style)
     if spans_decades(values):
         ax.set_yscale("log")
     ax.set_title("learning rate" if fam == "lr" else fam, fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _one_lr_series(drawn: dict) -> dict:
+    """The learning rate of interval and epoch rows as one series per key: the same value at a step is logged
+    by both, and a run shorter than one log interval has only epoch rows (or one interval row)."""
+    merged: dict = {}
+    for (key, _kind), points in drawn.items():
+        merged.setdefault(key, {}).update(dict(points))
+    return {(key, "interval"): sorted(points.items()) for key, points in merged.items()}
 
 
 def plot_runs(run_dirs: list, out: Optional[str | Path] = None) -> Path:

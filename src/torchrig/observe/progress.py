@@ -17,6 +17,7 @@ from typing import Any, Optional
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 from ..config import to_dict
 from ..config.files import file_kind
+from ..errors import setting
 from ..runtime.notebook import in_jupyter_kernel
 from . import terminal
 from .trackers import TrackerSet, check_installed, tracker_names
@@ -25,7 +26,7 @@ from .trackers import TrackerSet, check_installed, tracker_names
 def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
     """One line naming the file, the OS error and its errno, and that the checkpoints are safe."""
     return RunDirError(f"{describe_os_error(exc)} while {doing} '{path}'; the checkpoints are intact: "
-                       f"once it can be written, continue with --set resume=latest")
+                       f"once it can be written, continue with {setting('resume', 'latest')}")
 
 
 def _has_widgets() -> bool:
@@ -145,7 +146,8 @@ class RunLogger:
             print(text, file=self.stream, flush=True)
 
     # -- progress ----------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, epochs: int, total: int, initial: int = 0) -> None:
+    def start_epoch(self, epoch: int, epochs: int, total: Optional[int], initial: int = 0) -> None:
+        """``total``: the epoch's batches; None for a stream without a length (the bar counts without a total)."""
         self._epoch, self._epochs, self._total = epoch, epochs, total
         self._t0 = time.perf_counter()
         if self.mode == "bar" and self.notebook:
@@ -163,7 +165,8 @@ class RunLogger:
             self._columns = terminal.width(self.stream)
             self._budget = terminal.bar_budget(desc, total, self._columns)
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, ncols=self._columns,
-                             bar_format=terminal.BAR_FORMAT, leave=True, unit="batch")
+                             bar_format=terminal.BAR_FORMAT if total is not None else terminal.BAR_FORMAT_OPEN,
+                             leave=True, unit="batch")
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -174,8 +177,9 @@ class RunLogger:
         if self.mode == "bar" and self._bar is not None:
             self._bar.set_postfix_str(terminal.postfix(values, self._budget), refresh=False)
         elif self.mode == "lines":
-            print(terminal.plain_line(self._epoch + 1, self._epochs, self.last_step, f"batch {batch}/{self._total}",
-                                      values), file=self.stream, flush=True)
+            where = f"batch {batch}" + (f"/{self._total}" if self._total is not None else "")  # a stream: no total
+            print(terminal.plain_line(self._epoch + 1, self._epochs, self.last_step, where, values),
+                  file=self.stream, flush=True)
 
     def epoch_summary(self, epoch: int, epochs: int, step: int, row: dict) -> None:
         """One line per epoch: on a terminal the values that fit its width, else every value."""

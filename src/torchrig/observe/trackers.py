@@ -283,24 +283,49 @@ class MLflowTracker(Tracker):
         for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
             logging.getLogger(noisy).setLevel(logging.WARNING)
         store = run_dir.resolve().parent / "mlruns"
-        uri = self._option("mlflow_uri")
+        uri, self.uri_from = _setting(self._option("mlflow_uri"), "log.mlflow_uri", "MLFLOW_TRACKING_URI")
         if uri is None:
             store.mkdir(parents=True, exist_ok=True)
-            uri = f"sqlite:///{store / 'mlflow.db'}"
+            uri, self.uri_from = f"sqlite:///{store / 'mlflow.db'}", ""
+        self.uri, self.store = uri, store
         self.replayed: Counter = Counter()  # (metric, step) -> points the stopped run logged after the checkpoint
         try:
             self.client = client = MlflowClient(tracking_uri=uri)
-            self.run_id = self._continue(resume_id) or self._create(run_dir, store)
-            have = client.get_run(self.run_id).data.params
-            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in have]
+            self.run_id = self._continue(resume_id) or self._given_run() or self._create(run_dir)
+            got = client.get_run(self.run_id)
+            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in got.data.params]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(self.run_id, params=params[i:i + 100])
-            self.where = f"mlflow run {self.run_id} in {uri}"
+            self.where = self._where(got.info.experiment_id)
         except MlflowException as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TrackerError(f"log.mlflow_uri {uri!r}: MLflow refused the run: {first}; set log.mlflow_uri "
-                               f"to a reachable store, e.g. sqlite:///mlflow.db") from None
+            named = f"{self.uri_from} {uri!r}" if self.uri_from else f"the MLflow store {uri!r}"
+            raise TrackerError(f"{named}: MLflow refused the run: {first}; set log.mlflow_uri (or "
+                               f"MLFLOW_TRACKING_URI) to a reachable store, e.g. sqlite:///mlflow.db") from None
         return self.run_id
+
+    def _where(self, experiment_id: str) -> str:
+        """``mlflow run ID in URI (experiment NAME)``, with where each setting came from when not from a key."""
+        name = self.client.get_experiment(experiment_id).name
+        source = f" (from {self.uri_from})" if self.uri_from.startswith("MLFLOW_") else ""
+        where = f"mlflow run {self.run_id} in {self.uri}{source}, experiment {name!r}"
+        if self.uri.startswith(("http://", "https://")):
+            where += f": {self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
+        return where
+
+    def _given_run(self) -> Optional[str]:
+        """``MLFLOW_RUN_ID``, as ``mlflow.start_run`` reads it: log into that run (made by a parent job)."""
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if not run_id:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except MlflowException:
+            raise TrackerError(f"MLFLOW_RUN_ID {run_id!r}: the MLflow store {self.uri!r} has no such run; unset "
+                               f"MLFLOW_RUN_ID or set it to a run of that store") from None
+        return run_id
 
     def _continue(self, resume_id: Optional[str]) -> Optional[str]:
         if resume_id is None:
@@ -318,11 +343,25 @@ class MLflowTracker(Tracker):
             pass  # unreadable history: the resumed run logs every point
         return resume_id
 
-    def _create(self, run_dir: Path, store: Path) -> str:
-        name = self._option("project") or "torchrig"
-        exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
-            name, artifact_location=(store / "artifacts").as_uri())
+    def _create(self, run_dir: Path) -> str:
+        """A new run in the experiment of ``log.project``, else ``MLFLOW_EXPERIMENT_NAME`` or
+        ``MLFLOW_EXPERIMENT_ID`` (as MLflow's own client reads them), else ``torchrig``."""
+        from mlflow.exceptions import MlflowException
+
+        name, source = _setting(self._option("project"), "log.project", "MLFLOW_EXPERIMENT_NAME")
+        given_id = os.environ.get("MLFLOW_EXPERIMENT_ID") if name is None else None
+        if given_id:
+            try:
+                exp_id = self.client.get_experiment(given_id).experiment_id
+            except MlflowException:
+                raise TrackerError(f"MLFLOW_EXPERIMENT_ID {given_id!r}: the MLflow store {self.uri!r} has no such "
+                                   f"experiment; unset it, or name one with log.project") from None
+        else:
+            name = name or "torchrig"
+            exp = self.client.get_experiment_by_name(name)
+            local = not self.uri.startswith(("http://", "https://", "databricks"))  # a server picks its own
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+                name, artifact_location=(self.store / "artifacts").as_uri() if local else None)
         run = self.client.create_run(exp_id, run_name=self._option("run_name") or run_dir.name,
                                      tags={"torchrig.run_dir": str(run_dir.resolve())})
         return run.info.run_id
@@ -357,12 +396,21 @@ class WandbTracker(Tracker):
 
         mode = None if os.environ.get("WANDB_MODE") or _has_wandb_key() else "offline"
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
-        self.run = wandb.init(project=self._option("project") or "torchrig", name=self._option("run_name") or
-                              run_dir.name, dir=str(run_dir), config={**config, "run_dir": str(run_dir)},
-                              id=resume_id, resume="allow" if resume_id else None, mode=mode, settings=settings)
+        env = os.environ.get
+        # a torchrig key wins; else W&B's own variables (WANDB_PROJECT, WANDB_DIR, WANDB_NAME, and WANDB_ENTITY,
+        # WANDB_RUN_GROUP, WANDB_JOB_TYPE, WANDB_TAGS, WANDB_NOTES, which torchrig never sets), read by wandb
+        project = self._option("project") or (None if env("WANDB_PROJECT") else "torchrig")
+        name = self._option("run_name") or (None if env("WANDB_NAME") else run_dir.name)
+        self.run = wandb.init(project=project, name=name, dir=None if env("WANDB_DIR") else str(run_dir),
+                              config={**config, "run_dir": str(run_dir)}, id=resume_id,
+                              resume="allow" if resume_id else None, mode=mode, settings=settings)
         folder = Path(self.run.dir).parent
-        self.where = f"wandb run {self.run.id} in {folder}" + (
-            f" (offline: upload with wandb sync {folder})" if self.run.settings.mode == "offline" else "")
+        run = self.run
+        about = ", ".join(f"{what} {value!r}" for what, value in (
+            ("entity", run.entity), ("project", run.project), ("group", run.group)) if value)
+        self.where = f"wandb run {run.id} in {folder}" + (f" ({about})" if about else "") + (
+            f"; offline: upload with wandb sync {folder}" if run.settings.mode == "offline" else
+            (f": {run.url}" if getattr(run, "url", None) else ""))
         return self.run.id
 
     def log(self, values: dict, step: int) -> None:
@@ -372,6 +420,15 @@ class WandbTracker(Tracker):
     def finish(self, final_metrics: dict, status: str = "FINISHED") -> None:
         self.run.summary.update({**_numbers(final_metrics), "run_dir": str(self.run.dir)})
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def _setting(value: Any, key: str, variable: str) -> tuple[Any, str]:
+    """(value, where it came from): the torchrig key when set, else the tracker's environment variable."""
+    if value is not None:
+        return value, key
+    if os.environ.get(variable):
+        return os.environ[variable], variable
+    return None, ""
 
 
 def _has_wandb_key() -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import runtime
 from ..errors import TorchrigError
 
 
@@ -92,8 +93,16 @@ def total_norm(grads: list, norm_type: float) -> torch.Tensor:
         # get_total_norm's own two ops, without its grouping by device and dtype (half its time on a small model)
         norm_type = float(norm_type)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    groups: dict = {}  # tensor-parallel runs mix DTensor gradients (by mesh) with plain ones: a norm per kind
+    for g in grads:
+        groups.setdefault(id(g.device_mesh) if hasattr(g, "device_mesh") else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), float(norm_type))
 
 
 def finite(norm: torch.Tensor) -> bool:
@@ -176,6 +185,9 @@ class NonFiniteGuard:
     def __init__(self, mode: str, device: torch.device, world_size: int, model: torch.nn.Module):
         self.mode, self.world_size, self.model = mode, world_size, model
         self.host = device.type == "cpu"
+        # Ranks whose gradients differ after the all-reduce (tensor parallel: each holds its shard): the host
+        # decision is agreed (any rank's non-finite gradients drop the window everywhere), never on the device.
+        self.agree = runtime.data_parallel_size() < world_size
         self.check = _FiniteCheck()
         self.loss_flag: Any = None       # this window's loss flag: True (host), a device bool, or None
         self.found: Optional[torch.Tensor] = None  # this window decided on the device: skipped (1.0) or not
@@ -205,13 +217,18 @@ class NonFiniteGuard:
         carries the check; ``where()``: the step, for a message). Returns False for a window dropped on the host
         (raised under ``error``)."""
         loss_flag = self.loss_flag if self.world_size == 1 else None  # several ranks: the gradients decide
-        if not self.host and skips_on_device(opt):
+        if not self.host and not self.agree and skips_on_device(opt):
             self._apply_on_device(opt, params, norm, loss_flag)
             return True
         if loss_flag is not None and bool(loss_flag):
             return self.reject(opt, "loss is not finite", where)
         grads = [p.grad for p in params]
-        if not (finite(norm) if norm is not None else self.check.finite(grads, id(opt))):
+        if self.agree:  # each rank checks its own pieces; the ranks then agree
+            grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        ok = finite(norm) if norm is not None else self.check.finite(grads, id(opt))
+        if self.agree:
+            ok = not runtime.agree_max([0.0 if ok else 1.0], _device(opt))[0]
+        if not ok:
             local = self.loss_flag is not None and bool(self.loss_flag)
             return self.reject(opt, "gradients are not finite" + (
                 " (this process's loss is not finite)" if local else " (the loss is)"), where)

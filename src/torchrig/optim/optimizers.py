@@ -96,6 +96,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float, *, weight_decay: flo
 SCHEDULERS = ("none", "step", "multistep", "cosine", "onecycle", "warmup_cosine")
 DEFAULT_INTERVAL = {"step": "epoch", "multistep": "epoch", "cosine": "step", "onecycle": "step",
                     "warmup_cosine": "step"}
+OVER_THE_RUN = ("cosine", "onecycle", "warmup_cosine")  # their horizon is the run's length (per step: optimizer steps)
 
 
 def build_scheduler(name: Optional[str], optimizer: torch.optim.Optimizer, *, interval: Optional[str],

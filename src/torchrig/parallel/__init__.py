@@ -1,6 +1,34 @@
-"""How one model is spread over the processes: DDP / FSDP2 / DataParallel wrapping, SyncBatchNorm,
-gradient synchronisation across an accumulation window."""
+"""How one model is spread over the processes: the device mesh of the run (``parallel`` config section),
+tensor-parallel plans, and the data-parallel wrapper (DDP / FSDP2 / DataParallel, SyncBatchNorm, gradient
+synchronisation across an accumulation window), applied after the split the way PyTorch documents composing
+them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
 
-from .wrap import no_sync, no_sync_all, resolve_strategy, wrap_model
+from __future__ import annotations
 
-__all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all"]
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import tp as tensor_parallel
+from .placement import devices_of, placed_device, to_output_device
+from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
+from .wrap import no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
+
+__all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
+           "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel", "devices_of",
+           "placed_device", "to_output_device"]
+
+
+def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,
+                dtype: Optional[torch.dtype]) -> nn.Module:
+    """Apply the layout to ``model`` (already on ``device``), in place: the tensor-parallel plan over the
+    ``tp`` sub-mesh, then FSDP2 over the data-parallel sub-mesh. Returns the module the loop calls."""
+    if layout.tp > 1:
+        if isinstance(model, nn.ModuleDict):
+            raise ParallelConfigError("config key 'parallel.tp': tensor parallelism splits one model; a dict of "
+                                      "models (a GAN's networks) is not supported")
+        tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
+    if layout.strategy == "fsdp":
+        return shard_model(model, device, cfg.dist, dtype, mesh=data_parallel_mesh(layout))
+    return model

@@ -95,8 +95,10 @@ def broadcast_buffers(dist_cfg: Any, model: nn.Module) -> bool:
     return bool(value)
 
 
-def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Optional[torch.dtype]) -> nn.Module:
-    """FSDP2: shard chosen blocks (by class name or parameter count), then the root."""
+def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Optional[torch.dtype],
+                mesh: Any = None) -> nn.Module:
+    """FSDP2: shard chosen blocks (by class name or parameter count), then the root; over ``mesh`` (a data-parallel
+    sub-mesh: 1-D shards, 2-D replicas × shards) when the model is also split otherwise, else every rank."""
     try:
         from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
     except ImportError:  # torch < 2.6 kept it under _composable
@@ -104,7 +106,7 @@ def shard_model(model: nn.Module, device: torch.device, dist_cfg: Any, dtype: Op
             from torch.distributed._composable.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
         except ImportError:
             raise RuntimeSetupError(f"strategy 'fsdp' needs FSDP2 (fully_shard), not in torch {torch.__version__}") from None
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {} if mesh is None else {"mesh": mesh}
     if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if dist_cfg is not None and dist_cfg.fsdp_cpu_offload:

@@ -26,6 +26,8 @@ class Recipe:
     name = "base"
     description = ""
     defaults: dict = {}  # config values this recipe starts from (the user's config wins)
+    # the --output file kinds write_predictions writes, chosen by extension; None: the recipe checks its own
+    output_kinds: Optional[tuple] = (".csv", ".json")
 
     def build_model(self, cfg: C.Config) -> nn.Module:
         raise NotImplementedError
@@ -55,6 +57,7 @@ class Recipe:
 def write_class_predictions(probs: torch.Tensor, names: list[str], out: Path, topk: int = 5,
                             class_names: Optional[list[str]] = None) -> None:
     """Top-k classes with probabilities as CSV or JSON (by the output file's extension)."""
+    check_output_kind(out, (".csv", ".json"))
     k = min(topk, probs.shape[1])
     top = probs.topk(k, dim=1)
     label = (lambda i: class_names[i]) if class_names else (lambda i: int(i))
@@ -73,6 +76,14 @@ def write_class_predictions(probs: torch.Tensor, names: list[str], out: Path, to
         for r in rows:
             w.writerow([r["input"], r["prediction"], r["probability"]] + [t["class"] for t in r["top"]]
                        + [t["probability"] for t in r["top"]])
+
+
+def check_output_kind(out: Path, kinds: tuple) -> None:
+    """``predict --output``: the format is the file's extension; one it does not name is refused, not guessed."""
+    if out.suffix.lower() not in kinds:
+        raise RecipeError(f"predict --output '{out}': the format is chosen by the file's extension, and "
+                          f"'{out.suffix or '(none)'}' is not one this task writes; end the name with "
+                          f"{', '.join(kinds[:-1])} or {kinds[-1]} (e.g. predictions{kinds[0]})")
 
 
 HEAD_PREFIXES = ("fc.", "classifier.", "head.", "heads.", "bert.classifier.")

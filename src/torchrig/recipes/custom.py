@@ -51,6 +51,8 @@ class CustomRecipe(Recipe):
                               f"{sorted({tuple(a.shape[1:]) for a in arrays})}; give one shape")
         return torch.cat(arrays), names
 
+    output_kinds = (".csv", ".json", ".npy")
+
     def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
         if out.suffix.lower() == ".npy":
             out.parent.mkdir(parents=True, exist_ok=True)

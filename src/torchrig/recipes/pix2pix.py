@@ -302,6 +302,8 @@ class Pix2PixRecipe(Recipe):
             raise RecipeError(f"no readable image in '{path}'")
         return torch.stack(xs), names
 
+    output_kinds = None  # a folder of PNGs (or one .png / .jpg for one input)
+
     def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
         """One PNG per input in the folder ``out`` (same relative name, ``.png``)."""
         if out.suffix.lower() in (".png", ".jpg") and len(names) == 1:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from .. import config as C
 from ..errors import suggest
 from . import factory, get_recipe
-from .base import RecipeError
+from .base import RecipeError, check_output_kind
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -112,8 +112,6 @@ def _train(cfg: C.Config, out) -> dict:
             out(f"logs:        {run / 'metrics.jsonl'}")
             if (run / "tensorboard").exists():  # a line of its own: paths are never cut to fit a terminal
                 out(f"tensorboard: {run / 'tensorboard'}")
-            for line in trainer.logger.trackers.where():
-                out(f"tracker:     {line}")
             plots = getattr(trainer, "plots", [])
             if plots:
                 out(f"plots:       {', '.join(str(p) for p in plots)}")
@@ -136,7 +134,7 @@ def _readlink(p: Path) -> str:
 # group), devices, threads, loader workers, logs and trackers, what to resume or overwrite. A checkpoint read
 # back never decides them: they take this run's values (the defaults, then --set). The rules for every key
 # are in docs/reliability.md ("What a checkpoint may decide").
-THIS_RUN = ("dist", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
+THIS_RUN = ("dist", "parallel", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
             "data.pin_memory", "log", "profile", "resume", "resume_weights_only", "overwrite", "run_dir",
             "model.weights")
 _JOINING = ("init_method", "rank", "world_size", "backend")  # the dist keys a note names when they were set
@@ -220,22 +218,57 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
 
 
 def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
-                overrides: Optional[list[str]] = None, features: Optional[list[str]] = None) -> Path:
-    """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``."""
+                overrides: Optional[list[str]] = None, features: Optional[list[str]] = None,
+                all_outputs: bool = False) -> Path:
+    """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``;
+    ``all_outputs``: the model's whole output, field by field, in ``output`` (``.npz`` or ``.safetensors``)."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise RecipeError(f"predict --topk {topk}: expected an integer >= 1, the number of classes to report per "
                           f"input (default 5)")
+    out = Path(output).expanduser()
+    if all_outputs and out.suffix.lower() not in (".npz", ".safetensors"):
+        raise RecipeError(f"predict --all-outputs --output '{output}': the whole output is written field by field "
+                          f"as .npz (numpy) or .safetensors; name the file e.g. predictions.npz")
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
-    x, names = recipe.load_inputs(cfg, Path(inputs))
-    out = Path(output)
+    if not all_outputs and recipe.output_kinds:
+        check_output_kind(out, recipe.output_kinds)  # before any prediction is computed
+    x, names = recipe.load_inputs(cfg, Path(inputs).expanduser())
     with _inference_trainer(recipe, cfg, model, {}) as trainer, FeatureHooks(model, features or []) as hooks:
         if features and trainer.world_size > 1:
             raise RecipeError("predict --features runs in one process; start it without torchrun")
-        outputs = trainer.predict(x)
+        outputs = trainer.predict(x, outputs="all" if all_outputs else "prediction")
     if trainer.is_main:
-        recipe.write_predictions(cfg, outputs, names, out, topk=topk)
+        if all_outputs:
+            write_fields(outputs, out)
+        else:
+            recipe.write_predictions(cfg, outputs, names, out, topk=topk)
         hooks.save(out)
     return out
+
+
+def write_fields(outputs: Any, out: Path) -> None:
+    """``predict --all-outputs``: every per-sample field as one array (a tensor output: ``prediction``; a tuple's
+    elements by index, ``0``, ``1`` …; a dict's by key), in ``.npz`` (numpy) or ``.safetensors``."""
+    import torch
+
+    if isinstance(outputs, torch.Tensor):
+        fields = {"prediction": outputs}
+    elif isinstance(outputs, tuple):
+        fields = {str(i): v for i, v in enumerate(outputs) if isinstance(v, torch.Tensor)}
+    elif isinstance(outputs, dict):
+        fields = {str(k): v for k, v in outputs.items() if isinstance(v, torch.Tensor)}
+    else:
+        raise RecipeError(f"predict --all-outputs: the predictions are a {type(outputs).__name__}, not tensors; "
+                          f"write them without --all-outputs")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in fields.items()}, str(out))
+    else:
+        import numpy as np
+
+        np.savez(out, **{k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in fields.items()})
 
 
 class FeatureHooks:

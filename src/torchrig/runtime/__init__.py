@@ -4,8 +4,10 @@ from .accel import (AccelConfigError, apply_activation_checkpointing, channels_l
                     configure_backends, tf32_in_force, wants_channels_last)
 from .device import RuntimeSetupError, configure_threads, select_device
 from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
-                   collective_error, destroy_process_group, detect, explain_collective_errors, gather, get_rank,
-                   get_world_size, host_collectives, init_process_group, is_initialized, is_main_process, restart_count)
+                   collective_error, data_parallel_group, data_parallel_rank, data_parallel_size,
+                   destroy_process_group, detect, explain_collective_errors, gather, get_rank,
+                   get_world_size, host_collectives, init_process_group, is_initialized, is_main_process, restart_count,
+                   set_data_parallel_group)
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
@@ -19,7 +21,8 @@ __all__ = [
     "gather", "get_rank", "get_world_size", "host_collectives", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
-    "signal_name", "stop_phase", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
+    "signal_name", "stop_phase", "data_parallel_group", "data_parallel_rank", "data_parallel_size",
+    "set_data_parallel_group", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",
 ]

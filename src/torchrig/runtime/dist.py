@@ -311,11 +311,45 @@ def barrier() -> None:
             dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of ``t`` over ranks (a new tensor; the input is left alone)."""
+# The data-parallel ranks: the group over which samples are split (a sub-mesh of ``parallel``'s device mesh
+# when tensor or pipeline parallelism splits the model), or None: every rank holds different samples.
+_DATA_GROUP: Any = None
+
+
+def set_data_parallel_group(group: Any) -> None:
+    """Make ``group`` the one that loss counts, metrics and logged values are reduced over (None: the world).
+
+    Ranks of one tensor-parallel group see the same samples; summing their counts would count each sample
+    once per rank of that group, so those reductions run over the ranks that hold different samples only.
+    """
+    global _DATA_GROUP
+    _DATA_GROUP = group
+
+
+def data_parallel_group() -> Any:
+    """The group set by :func:`set_data_parallel_group`, or None (the default group: every rank)."""
+    return _DATA_GROUP if is_initialized() else None
+
+
+def data_parallel_size() -> int:
+    """Ranks that hold different samples (the world size unless a mesh splits the model)."""
+    if not is_initialized():
+        return 1
+    return dist.get_world_size(_DATA_GROUP)
+
+
+def data_parallel_rank() -> int:
+    """This rank's place among the data-parallel ranks (its shard of every batch)."""
+    if not is_initialized():
+        return 0
+    return dist.get_rank(_DATA_GROUP)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum of ``t`` over the ranks of ``group`` (None: every rank); a new tensor, the input is left alone."""
     out = t.detach().clone()
-    if is_initialized() and get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    if is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -338,9 +372,10 @@ def agree_max(values: list, device: Optional[torch.device] = None) -> list:
     return flags.tolist()
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    out = all_reduce_sum(t)
-    return out / get_world_size() if out.is_floating_point() else out.double() / get_world_size()
+def all_reduce_mean(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    out = all_reduce_sum(t, group)
+    n = dist.get_world_size(group) if is_initialized() else 1
+    return out / n if out.is_floating_point() else out.double() / n
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:
@@ -360,27 +395,27 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return obj if get_rank() == src else _decode(data, src)
 
 
-def gather(obj: Any) -> list:
-    """Every rank's ``obj``, in rank order, on every rank.
+def gather(obj: Any, group: Any = None) -> list:
+    """Every rank's ``obj`` (of ``group``; None: every rank), in rank order, on every rank.
 
     ``obj`` is plain data: tensors, numbers, strings, None, and lists, tuples, sets and dicts of them.
     It travels as the bytes of ``torch.save`` in a tensor and is read back with
     ``torch.load(weights_only=True)``, never with a free unpickler (``all_gather_object``): what
     another process sends can never make this one run code.
     """
-    if not (is_initialized() and get_world_size() > 1):
+    if not (is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
     device = _object_device()
     data = _encode(obj, device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
     counts = torch.cat(sizes).tolist()
     longest = max(counts)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    dist.all_gather(parts, padded)
-    rank = get_rank()
+    dist.all_gather(parts, padded, group=group)
+    rank = dist.get_rank(group)
     return [obj if r == rank else _decode(part[:n], r) for r, (part, n) in enumerate(zip(parts, counts))]
 
 

@@ -39,6 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import setting
+
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
 
@@ -55,7 +57,7 @@ class RunStopped(SystemExit):
     def at_step(cls, signum: int, step: int, checkpoints: Any) -> "RunStopped":
         """The loop's stop: after optimizer step ``step``, whose checkpoint is in ``checkpoints``."""
         return cls(signum, f"at step {step}; checkpoint {checkpoints}/step-{step:08d}; continue with "
-                           f"--set resume=latest", step)
+                           f"{setting('resume', 'latest')}", step)
 
     def __str__(self) -> str:
         return self.message

@@ -14,13 +14,17 @@ from ..optim import optimizers as optim
 
 
 def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.device,
-                dtype: Any) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module."""
-    model = model.to(device)
+                dtype: Any, layout: Optional[parallel.Layout] = None) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module, or the
+    layout's split (tensor parallel, then FSDP2 over the data-parallel sub-mesh) when it has a mesh."""
+    if parallel.placed_device(model) is None:  # a model the user spread over several devices stays where it is
+        model = model.to(device)
     if runtime.wants_channels_last(model, cfg.model.channels_last, device):
         model = model.to(memory_format=torch.channels_last)
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
-    if isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
+    if layout is not None and layout.mesh is not None:
+        wrapped, models = parallel.split_model(model, layout, cfg, device, dtype), {}
+    elif isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
         # Several networks (a GAN): wrap each so that each forward does its own gradient sync.
         models = {k: parallel.wrap_model(m, strategy, device, cfg.dist, dtype) for k, m in model.items()}
         wrapped: nn.Module = model
@@ -72,16 +76,36 @@ PER_EPOCH = ("StepLR", "MultiStepLR", "ExponentialLR", "ReduceLROnPlateau")
 PER_STEP = ("OneCycleLR", "CyclicLR")
 
 
-def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: int) -> tuple[dict, str, str]:
-    """``({name: scheduler}, interval, note)``: the user's scheduler objects, or the configured one per
-    optimizer. A scheduler object is stepped at the interval its class implies (``scheduler.interval``
-    overrides); for a class that implies none, ``note`` is one line naming the interval used."""
+def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: Optional[int],
+                     run: str = "", unknown: str = "") -> tuple[dict, str, str]:
+    """``({name: scheduler}, interval, note)``: the user's schedulers, or the configured one per optimizer.
+
+    ``given``: a scheduler object, a factory ``f(optimizer, total_steps=N)`` called here with the optimizer
+    steps this ``fit`` takes (``total_steps``), or a dict of either by optimizer name. A scheduler object is
+    stepped at the interval its class implies (``scheduler.interval`` overrides); for a class that implies none,
+    ``note`` is one line naming the interval used. A given scheduler whose horizon (``total_steps``,
+    ``T_max``, ``total_iters``) is not the run's gets one line too (``run`` says how that count comes about),
+    or an error when PyTorch would refuse to step it to the end. ``total_steps`` None: not known before
+    the run (``unknown`` says why); a schedule that needs it asks for ``data.steps_per_epoch`` or ``max_steps``."""
     s = cfg.scheduler
+    fix = "set data.steps_per_epoch (optimizer steps per epoch) or max_steps"
     if given is not None:
-        schedulers = given if isinstance(given, dict) else {"default": given}
+        if total_steps is None and any(callable(v) and not _is_scheduler(v) for v in (
+                given.values() if isinstance(given, dict) else [given])):
+            raise ConfigError(f"the scheduler factory is built with the run's optimizer steps (total_steps), but "
+                              f"{unknown}, so their number is not known before the run; {fix}, or pass a "
+                              f"scheduler object")
+        schedulers = {k: _built(v, optimizers, k, total_steps)
+                      for k, v in (given.items() if isinstance(given, dict) else [("default", given)])}
         interval, note = _interval_of(schedulers, s.interval)
-        return schedulers, interval, note
+        horizon = check_horizons(schedulers, interval, total_steps, cfg.epochs, run)
+        return schedulers, interval, "\n".join(n for n in (note, horizon) if n)
     interval = s.interval or "step"
+    name = str(s.name).lower().replace("-", "_") if s.name is not None else None
+    if total_steps is None and name in optim.OVER_THE_RUN and (s.interval or optim.DEFAULT_INTERVAL[name]) == "step":
+        raise ConfigError(f"config key 'scheduler.name': {s.name!r} runs over the run's optimizer steps, but "
+                          f"{unknown}, so their number is not known before the run; {fix}, or step it per epoch "
+                          f"(scheduler_interval=\"epoch\")")
     schedulers = {}
     for k, opt in optimizers.items():
         sch, interval = optim.build_scheduler(
@@ -91,6 +115,74 @@ def build_schedulers(given: Any, optimizers: dict, cfg: C.Config, total_steps: i
         if sch is not None:
             schedulers[k] = sch
     return schedulers, interval, ""
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def _built(value: Any, optimizers: dict, name: str, total_steps: Optional[int]) -> Any:
+    """A scheduler object as it is; a factory called with its optimizer and the run's optimizer steps."""
+    if _is_scheduler(value) or not callable(value):
+        return value
+    if name not in optimizers:
+        raise ConfigError(f"scheduler {name!r}: there is no optimizer of that name to build it for; the optimizers "
+                          f"are {', '.join(repr(k) for k in optimizers)}")
+    made = value(optimizers[name], total_steps=total_steps)
+    if not _is_scheduler(made):
+        raise TypeError(f"the scheduler factory {getattr(value, '__name__', value)!r} returned "
+                        f"{type(made).__name__}, not a torch.optim.lr_scheduler scheduler; it is called as "
+                        f"factory(optimizer, total_steps=N) and returns e.g. OneCycleLR(optimizer, max_lr=0.1, "
+                        f"total_steps=total_steps)")
+    return made
+
+
+def horizon_of(sch: Any) -> Optional[tuple[str, int]]:
+    """``(argument, intervals)`` after which a scheduler has run its course: OneCycleLR's ``total_steps``,
+    CosineAnnealingLR's ``T_max``, PolynomialLR's ``total_iters``; None for a scheduler without one (a
+    constant, a step decay, a warm-up that ends early by design, a lambda)."""
+    S = torch.optim.lr_scheduler
+    if isinstance(sch, S.OneCycleLR):
+        return "total_steps", sch.total_steps
+    if isinstance(sch, S.CosineAnnealingLR):
+        return "T_max", sch.T_max
+    if isinstance(sch, S.PolynomialLR):
+        return "total_iters", sch.total_iters
+    return None
+
+
+def check_horizons(schedulers: dict, interval: str, total_steps: Optional[int], epochs: int, run: str) -> str:
+    """One line per given scheduler whose horizon is not the run's; a ``ConfigError`` for a OneCycleLR too short
+    to reach the run's end (PyTorch raises "Tried to step N times" there, mid-run)."""
+    unit = "optimizer steps" if interval == "step" else "epochs"
+    wanted = total_steps if interval == "step" else epochs
+    lines = []
+    for name, sch in schedulers.items():
+        found = horizon_of(sch)
+        if found is None:
+            continue
+        arg, horizon = found
+        left = horizon - max(0, getattr(sch, "last_epoch", 0))  # a second fit() goes on from where it is
+        kind = type(sch).__name__ + ("" if name == "default" else f" ({name!r})")
+        fix = (f"build it from the run's count: Trainer(scheduler=lambda optimizer, total_steps: {type(sch).__name__}"
+               f"(optimizer, ..., {arg}=total_steps))" if interval == "step" else f"set {arg}={wanted}")
+        if wanted is None:
+            if interval == "step":
+                lines.append(f"torchrig: scheduler {kind} has {arg}={horizon}; this run's length in optimizer steps "
+                             f"is not known before it ends (a stream without a length), so it is not checked")
+            continue
+        if left == wanted:
+            continue
+        if isinstance(sch, torch.optim.lr_scheduler.OneCycleLR) and left < wanted:
+            raise ConfigError(f"scheduler OneCycleLR has total_steps={horizon}, but this run takes {wanted} "
+                              f"{unit}{run}; PyTorch's OneCycleLR cannot step past total_steps (it would stop the "
+                              f"run at step {left + 1}); {fix}, or set max_steps={left}")
+        what = "stops short of its end" if left > wanted else "reaches its end early and the rest of the run " \
+            + ("goes back up the cosine" if isinstance(sch, torch.optim.lr_scheduler.CosineAnnealingLR)
+               else "stays at its last value")
+        lines.append(f"torchrig: scheduler {kind} has {arg}={horizon}, but this run takes {wanted} {unit}{run}: "
+                     f"it {what}; {fix}")
+    return "\n".join(lines)
 
 
 def _interval_of(schedulers: dict, configured: Optional[str]) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from ..config import ConfigError
 from ..metrics import higher_is_better
+from ..errors import setting
 
 HOOKS = ("on_fit_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_fit_end", "on_exception")
 
@@ -105,4 +106,5 @@ class BestCheckpoint:
         elif self.explicit and any(k.startswith("val/") for k in metrics):
             # A typo in checkpoint.monitor would silently keep no best checkpoint: say so once validation ran.
             raise ConfigError(f"config key 'checkpoint.monitor': {self.monitor.name!r} is not a logged value; choose "
-                              f"one of {', '.join(k for k in metrics if k != 'lr')} (the run is saved: resume=latest)")
+                              f"one of {', '.join(k for k in metrics if k != 'lr')} (the run is saved: "
+                              f"{setting('resume', 'latest')})")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import config as C
+from ..errors import setting
 
 HARMLESS = frozenset({
     # how long (see RUN_LENGTH_SCHEDULES), where, with how many threads and processes (the world size is
@@ -122,8 +123,8 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
             f"longer exact: {_list(refused)}")
         return
     raise C.ConfigError(f"resuming from '{checkpoint}' with changed settings would not be exact: {_list(refused)}; "
-                        f"set them back, start a new run (another run_dir, or overwrite=true), or resume anyway "
-                        f"with resume_changes=allow")
+                        f"set them back, start a new run (another run_dir, or {setting('overwrite', True)}), or "
+                        f"resume anyway with {setting('resume_changes', 'allow')}")
 
 
 def _list(diffs: list[tuple]) -> str:

@@ -45,3 +45,4 @@ class FitContext:
     say: Callable[[str], None]      # one line for the user, from the main process
     notify: Callable[..., None]     # notify(hook, *args): the fit's callbacks, given the Trainer
     micro: Any = None               # MicroBatcher, set once built (it reads this context)
+    sharded: bool = False           # parameters are DTensors (FSDP2, tensor parallel): weights go through DCP

@@ -130,15 +130,18 @@ def _sync_results(r: EvalRun, means: dict, metrics: list) -> dict:
     return dict(sorted(results.items(), key=lambda kv: kv[0] != "loss"))  # loss first
 
 
-def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None) -> Any:
+def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, outputs: str = "prediction") -> Any:
     """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
-    One item per sample: a tensor stacked over samples, or for tuple / dict / ``ModelOutput``
-    outputs the same structure (a tuple, a dict) with each per-sample field stacked; the activation
-    (probabilities) applies to the prediction field only. Batches are inputs only: see
-    ``data.batches.predict_inputs`` for which tuple elements and dict keys reach ``forward``.
+    ``outputs="prediction"``: the prediction field of any output (a tensor's, a tuple's element
+    ``output_key``, a dict's or ``ModelOutput``'s ``logits``), the activation (probabilities) applied, stacked
+    over samples. ``outputs="all"``: for tuple / dict / ``ModelOutput`` outputs the same structure (a tuple, a
+    dict) with each per-sample field stacked, the activation applied to the prediction field only. Batches
+    are inputs only: see ``data.batches.predict_inputs`` for which tuple elements and dict keys reach
+    ``forward``.
     """
     results: list = []
+    r.step.predict_outputs = outputs
 
     def forward(step: ModelCalls, batch: Any) -> Any:
         if predict_fn is not None:
@@ -152,20 +155,23 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None) ->
     batches = run(r, forward, consume)
     local = O.stack(results)
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
-        parts = runtime.gather((batches.stream_positions(), local))
+        parts = runtime.gather((batches.stream_positions(), local), runtime.data_parallel_group())
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])
     if r.world_size == 1:
         return local
-    return O.merge_ranks(runtime.gather(local), r.world_size)
+    return O.merge_ranks(runtime.gather(local, runtime.data_parallel_group()), r.world_size)
 
 
-def default_predict_step(step: ModelCalls, batch: Any, activation: Callable) -> Any:
+def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, outputs: Optional[str] = None) -> Any:
     """The model's prediction for one batch of inputs, ``activation`` applied to the prediction field
     (called under ``inference_mode``); a ``predict_fn`` that changes the batch can end with this, passing
-    ``step.activation`` (the one ``predict(activation=...)`` chose)."""
+    ``step.activation`` (the one ``predict(activation=...)`` chose). ``outputs``: ``"prediction"`` (that
+    field alone) or ``"all"`` (the output's structure); None: what ``predict(outputs=...)`` asked for."""
     inputs = predict_inputs(step.model, batch, step.io.label_key)
     with step.autocast():
         out = O.call_model(step.model, inputs, step.io.input_keys)
+    if (outputs or getattr(step, "predict_outputs", "prediction")) == "prediction":
+        return O.predict_prediction(out, step.io.output_key, activation)
     return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))
 
 

@@ -15,9 +15,17 @@ def _apply_kwargs(cfg: C.Config, kwargs: dict) -> None:
     for key, value in kwargs.items():
         dotted = aliases.get(key, key)
         if dotted not in top and dotted == key:
-            hint = suggest(key, sorted(top | set(aliases)))
+            keyword = {v: k for k, v in aliases.items()}  # a dotted key -> its Trainer keyword, when it has one
+            near = [keyword.get(n, n) for n in C.near_keys(key)]
+            hint = (f"; did you mean {' or '.join(_python(n) for n in near)}?" if near
+                    else suggest(key, sorted(top | set(aliases))))
             raise TypeError(f"Trainer got an unexpected keyword argument '{key}'{hint}")
         C.set_key(cfg, dotted, value)
+
+
+def _python(name: str) -> str:
+    """How a Trainer call names a key: ``lr``, or ``**{"log.every_steps": ...}`` for a dotted key."""
+    return f"**{{{name!r}: ...}}" if "." in name else repr(name)
 
 
 def resolve_options(config: Optional[C.Config], given: dict[str, Any], kwargs: dict) -> tuple[C.Config, dict]:

@@ -193,39 +193,105 @@ def explain_step_error(exc: BaseException, model: Any, inputs: Any, loss_fn: Any
     return explain_loss_error(exc, loss_fn, output, target)
 
 
+_MODULE_LOSSES = {"CrossEntropyLoss": "cross_entropy", "NLLLoss": "nll", "MSELoss": "mse", "L1Loss": "l1",
+                  "SmoothL1Loss": "smooth_l1", "HuberLoss": "huber", "BCEWithLogitsLoss": "bce_with_logits",
+                  "BCELoss": "bce"}
+_CLASS_INDEX = ("cross_entropy", "nll")
+_ELEMENTWISE = ("mse", "l1", "smooth_l1", "huber", "bce_with_logits", "bce")
+
+
 def loss_name(loss_fn: Any) -> str:
-    """The loss's name as the config key ``loss`` says it, for messages (``cross_entropy``, ``mse`` ...)."""
+    """The loss's name as the config key ``loss`` says it, for messages (``cross_entropy``, ``mse`` ...);
+    PyTorch's loss modules and functions by the same names (``nn.MSELoss()``, ``F.mse_loss``: ``mse``)."""
     loss_fn = getattr(loss_fn, "fallback", loss_fn)  # AutoLoss: its cross-entropy
+    if type(loss_fn).__name__ in _MODULE_LOSSES and isinstance(loss_fn, nn.Module):
+        return _MODULE_LOSSES[type(loss_fn).__name__]
     name = getattr(loss_fn, "name", None) or getattr(getattr(loss_fn, "func", loss_fn), "__name__", None)
     return str(name or type(loss_fn).__name__).replace("_loss", "")
 
 
+def _loss_words(loss_fn: Any) -> str:
+    """``the loss mse (config key 'loss')`` for a named loss, ``the loss MSELoss()`` for the user's module."""
+    if isinstance(loss_fn, nn.Module):
+        return f"the loss {type(loss_fn).__name__}()"
+    fn = getattr(loss_fn, "func", loss_fn)  # a partial of F.cross_entropy: the named loss's own function
+    if isinstance(loss_fn, AutoLoss) or getattr(loss_fn, "name", None) or \
+            getattr(fn, "__module__", "") == "torch.nn.functional":
+        return f"the loss {loss_name(loss_fn)} (config key 'loss')"
+    return f"the loss {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+
+
+def _elementwise_fit(prediction: torch.Tensor, target: torch.Tensor) -> str:
+    """What would fit an element-wise loss given class-index-looking or mis-shaped targets."""
+    if not target.is_floating_point() and target.ndim == prediction.ndim - 1 and prediction.shape[-1] > 1:
+        return (f"these look like class indices for {prediction.shape[-1]} classes: use loss=cross_entropy "
+                f"(nn.CrossEntropyLoss()), or give targets shaped {tuple(prediction.shape)}")
+    if target.numel() == prediction.numel():
+        dims = ", ".join(str(d) for d in prediction.shape)
+        return f"give targets shaped {tuple(prediction.shape)} (y.view({dims}))"
+    return f"give targets shaped like the output, {tuple(prediction.shape)}, or a model with that many outputs"
+
+
+def check_loss_fit(loss_fn: Any, prediction: Any, target: Any) -> None:
+    """At the first step: a loss that would train on nothing or on the wrong pairs without an error.
+
+    Cross-entropy over one output is 0 whatever the model does; PyTorch's element-wise losses given an output
+    and a target of different shapes broadcast them (``(N, 1)`` against ``(N,)`` gives ``N × N`` pairs) with
+    only a warning. Shapes only: nothing is read from the device."""
+    if not (isinstance(prediction, torch.Tensor) and isinstance(target, torch.Tensor)) or loss_fn is None:
+        return
+    name = loss_name(loss_fn)
+    words = _loss_words(loss_fn)
+    if name in _CLASS_INDEX and prediction.ndim >= 2 and prediction.shape[1] == 1 and not target.is_floating_point():
+        raise BatchError(f"{words} over the model's output {describe(prediction)} with targets {describe(target)}: "
+                         f"over a single output it is 0 whatever the model does; for two classes use "
+                         f"loss=bce_with_logits with targets 0./1. (y.float()), or give the model one output per "
+                         f"class")
+    if (name in _ELEMENTWISE and prediction.shape != target.shape and getattr(loss_fn, "float_target", None) is None
+            and isinstance(loss_fn, nn.Module)):
+        try:
+            broadcast = tuple(torch.broadcast_shapes(prediction.shape, target.shape))
+        except RuntimeError:
+            return  # PyTorch raises, and explain_loss_error says it
+        raise BatchError(f"{words} compares the model's output {describe(prediction)} with targets "
+                         f"{describe(target)} element by element; PyTorch would broadcast them to {broadcast}, "
+                         f"a wrong loss; {_elementwise_fit(prediction, target)}")
+
+
 def explain_loss_error(exc: BaseException, loss_fn: Any, prediction: Any, target: Any) -> Optional["BatchError"]:
-    """One line for a class-index loss given targets it cannot take: float, out of range, or 2-D."""
+    """One line for a loss given an output and targets it cannot take: the output's and the targets' shapes
+    and dtypes, the loss, and what would fit (class indices out of range or float, a 2-D target, a 1-output
+    model under cross-entropy; an element-wise loss given class labels or another shape)."""
     if not (isinstance(prediction, torch.Tensor) and isinstance(target, torch.Tensor)):
         return None
     name = loss_name(loss_fn)
-    if name not in ("cross_entropy", "nll"):
-        return None
-    key = f"the loss {name} (config key 'loss')"
+    key = _loss_words(loss_fn)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    pair = f"the model's output is {describe(prediction)} and the targets are {describe(target)}"
+    if name in _ELEMENTWISE:
+        return BatchError(f"{key} compares the output with targets of the same shape, but {pair} ({text}); "
+                          f"{_elementwise_fit(prediction, target)}")
+    if name not in _CLASS_INDEX:
+        return None
     classes = prediction.shape[1] if prediction.ndim >= 2 else None
     if "out of bounds" in text and classes is not None:
         t = target.detach()
         bad = int(t.max()) if int(t.max()) >= classes else int(t.min())
-        return BatchError(f"{key}: the targets hold class {bad}, outside the model's {classes} outputs (classes 0 to "
-                          f"{classes - 1}); check the labels, or give the model one output per class")
+        fit = (f"for two classes use loss=bce_with_logits with targets 0./1. (y.float()); for more, give the model "
+               f"one output per class ({bad + 1} or more)" if classes == 1 else
+               f"check the labels, or give the model one output per class ({bad + 1} or more)")
+        return BatchError(f"{key}: {pair}; the targets hold class {bad}, outside the model's {classes} output"
+                          f"{'s' if classes != 1 else ''} (classes 0 to {classes - 1}); {fit}")
     if target.is_floating_point() and target.shape != prediction.shape:
-        return BatchError(f"{key} takes integer class indices as targets, but they are {describe(target)} (the "
-                          f"model's output is {describe(prediction)}); convert them (y.long()), or choose a loss "
-                          f"for float targets (loss=mse, loss=bce_with_logits)")
+        return BatchError(f"{key} takes integer class indices as targets, but {pair}; convert them (y.long()), or "
+                          f"choose a loss for float targets (loss=mse, loss=bce_with_logits)")
     if target.ndim == prediction.ndim and target.shape != prediction.shape:
         return BatchError(f"{key} takes one class index per sample (shape {tuple(prediction.shape[:1])}) or class "
-                          f"probabilities shaped like the output {tuple(prediction.shape)}, but the targets are "
-                          f"{describe(target)}; give one label per sample")
-    if "target" in text.lower() and classes is not None:
-        return BatchError(f"{key} cannot take targets {describe(target)} for an output {describe(prediction)} "
-                          f"({text}); give one class index in [0, {classes - 1}] per sample")
+                          f"probabilities shaped like the output {tuple(prediction.shape)}, but {pair}; give one "
+                          f"label per sample")
+    if ("target" in text.lower() or "size" in text.lower()) and classes is not None:
+        return BatchError(f"{key} cannot take these targets: {pair} ({text}); give one class index in "
+                          f"[0, {classes - 1}] per sample")
     return None
 
 
@@ -243,9 +309,32 @@ def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
         return model(*args, **kwargs)
     except RuntimeError as exc:
         raise explain_forward_error(exc, model, inputs) or exc
+    except TypeError as exc:
+        if not (isinstance(inputs, tuple) and "forward() takes" in str(exc)):
+            raise
+        raise BatchError(f"the batch's inputs are {len(inputs)} tensors {describe(inputs)}, each passed to forward "
+                         f"as one argument, but {type(runtime.unwrap(model)).__name__}.forward() does not take "
+                         f"{len(inputs)} ({str(exc).strip()}); a tuple or list of tensors is read as columns "
+                         f"(inputs…, target): give (x, y), or a forward taking each input") from None
 
 
 # ----------------------------------------------------------------------------- predict
+
+
+PREDICT_OUTPUTS = ("prediction", "all")
+
+
+def predict_prediction(output: Any, key: Any, activation: Callable) -> torch.Tensor:
+    """One batch's prediction field on the CPU, the activation applied: what ``predict`` returns by default,
+    whatever the output's structure (the field the loss and the metrics use, see :func:`unpack`)."""
+    if isinstance(output, torch.Tensor):
+        return activation(output.float()).cpu()
+    prediction, _ = unpack(output, key)
+    if not isinstance(prediction, torch.Tensor):
+        raise OutputError(f"predict: the model's {type(output).__name__} output holds no prediction tensor (only "
+                          f"{describe(output)}); set output_key to the prediction's index or key, or call "
+                          f"predict(data, outputs=\"all\") for the whole output")
+    return activation(prediction.float()).detach().cpu()
 
 
 def predict_fields(output: Any, key: Any, activation: Callable, n: int) -> Any:

@@ -68,7 +68,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
         return None, 0, 0
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.strategy == "fsdp")
+        load_weights_only(c.model, path, sharded=c.sharded)
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -140,16 +140,20 @@ class FitPlan:
     """What one ``fit`` call will do."""
 
     batches: Any
-    epoch_len: int        # micro-batches per epoch (on this rank)
-    steps_per_epoch: int  # optimizer steps per epoch
-    total_steps: int      # the global step at which this fit ends
+    epoch_len: Optional[int]        # micro-batches per epoch (on this rank); None: a stream's, until it runs out
+    steps_per_epoch: Optional[int]  # optimizer steps per epoch; None: not known beforehand
+    total_steps: Optional[int]      # the global step at which this fit ends; None: when the stream's epochs end
     val_data: Any = None
     start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from
 
     @classmethod
     def for_data(cls, batches: Any, cfg: Any, val_data: Any = None) -> "FitPlan":
-        """The plan for ``batches`` (already built): epoch length, steps per epoch, where ``fit`` ends."""
+        """The plan for ``batches`` (already built): epoch length, steps per epoch, where ``fit`` ends. A stream
+        without a length (``batches.length`` None) leaves them None: its epochs end when it runs out, and the
+        run ends there after ``epochs``, or at ``max_steps``."""
         batches.set_epoch(0)
+        if getattr(batches, "length", 0) is None:
+            return cls(batches, None, None, cfg.max_steps, val_data)
         epoch_len = len(batches)
         if epoch_len == 0:
             raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
@@ -161,3 +165,29 @@ class FitPlan:
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
         return cls(batches, epoch_len, steps_per_epoch, total, val_data)
+
+    def ends_by(self, step: int) -> bool:
+        """Whether the fit has reached its end at global step ``step`` (never, before a stream's epochs end,
+        without max_steps)."""
+        return self.total_steps is not None and step >= self.total_steps
+
+    @property
+    def unknown(self) -> str:
+        """Why the run's length in optimizer steps is not known beforehand ('' when it is)."""
+        if self.total_steps is not None:
+            return ""
+        source = getattr(self.batches, "_source", lambda: self.batches)()
+        return f"the training data {type(source).__name__} is a stream without a length"
+
+    def describe(self, cfg: Any, world: int = 1) -> str:
+        """How ``total_steps`` comes about: `` (2 epochs × 24 steps/epoch on 2 processes)``, for messages."""
+        if cfg.max_steps is not None and cfg.max_steps == self.total_steps:
+            return f" (max_steps={cfg.max_steps})"
+        if self.steps_per_epoch is None:
+            return ""
+        parts = [f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''} × {self.steps_per_epoch} steps/epoch"]
+        if world > 1:
+            parts.append(f"on {world} processes")
+        if cfg.accumulate > 1:
+            parts.append(f"accumulating {cfg.accumulate} batches per step")
+        return f" ({' '.join(parts)})"

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .. import runtime
+from .. import parallel, runtime
 from ..data.batches import batch_size_of, label_keyword, split_batch
 from ..optim import normalize
 from ..optim.losses import tensor_loss
@@ -82,10 +82,14 @@ class ModelCalls:
         self.io = io or ModelIO()
         self.shift_labels = normalize.shifts_labels(model)
         self.class_last = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
+        # a model the user spread over several devices: targets go to its output's device (parallel/placement.py)
+        self.spread = len(parallel.devices_of(runtime.unwrap(model))) > 1
         self.weight = 1                 # 0 for a rank's filler micro-batch (its metrics count nothing)
         self.fresh_batches = False      # each batch's tensors are made for it (the loop sets it): metrics keep them
         self._tensor_loss = tensor_loss(loss_fn) if loss_fn is not None else None
+        self._loss_checked = False  # check_loss_fit runs on the first batch only
         self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
+        self.predict_outputs = "prediction"  # in predict: "prediction" or "all" (see inference.predict)
 
     def autocast(self):
         return self.precision.autocast()
@@ -115,6 +119,10 @@ class ModelCalls:
 
     def loss(self, output: Any, target: Any) -> tuple[Any, torch.Tensor]:
         """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
+        if self.spread:
+            target = parallel.to_output_device(output, target)
+        if not self._loss_checked:  # the first batch: an output the loss cannot take is said now, in one line
+            self._check_loss_fit(output, target)
         if type(output) is torch.Tensor and self._tensor_loss is not None and self.io.output_key is None:
             try:  # a tensor output and a named loss: the loss function itself, without the wrappers' calls
                 return output, self._tensor_loss(output, target)
@@ -122,10 +130,20 @@ class ModelCalls:
                 raise outputs.explain_loss_error(exc, self._tensor_loss, output, target) or exc
         return outputs.prediction_and_loss(output, target, self.loss_fn, self.io.output_key)
 
+    def _check_loss_fit(self, output: Any, target: Any) -> None:
+        self._loss_checked = True
+        if self.loss_fn is None or self.class_last or (type(output) is not torch.Tensor
+                                                       and outputs.uses_model_loss(self.loss_fn)):
+            return  # no loss of ours, token logits (B, T, classes), or the model's own loss may train
+        prediction = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
+        outputs.check_loss_fit(self.loss_fn, prediction, target)
+
     def update_metrics(self, output: Any, target: Any) -> None:
         """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""
         if target is None or not self.metrics or self.weight == 0:
             return
+        if self.spread:
+            target = parallel.to_output_device(output, target)
         out = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
         if not isinstance(out, torch.Tensor):
             raise outputs.OutputError(f"metrics need a tensor prediction, got {type(out).__name__}; set "
@@ -178,6 +196,7 @@ class Step(ModelCalls):
         self.per_step_schedulers = list(self.schedulers.values()) if o.scheduler_interval == "step" else []
         self.world_size = runtime.get_world_size()
         self.guard = NonFiniteGuard(o.on_nonfinite, device, self.world_size, model)
+        self.guard.host = self.guard.host or self.spread  # one flag per device is not one kernel's: decide on the host
         self.batch: Any = None          # the current micro-batch, set by the loop
         self.batch_size = 1             # its samples (batch_size_of; 1 for no batch), set with it
         self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
@@ -385,7 +404,11 @@ class Step(ModelCalls):
         if not (self.clip_grad_norm or self.want_grad_norm):
             return None
         norm = total_norm([p.grad for p in params], self.clip_norm_type)
-        if self.clip_grad_norm:
+        meshes = {id(getattr(p.grad, "device_mesh", None)) for p in params}
+        if self.clip_grad_norm and len(meshes) > 1:  # tensor parallel: DTensors of several meshes and plain tensors
+            normalize.scale_gradients([p.grad for p in params],  # torch's coefficient, on each local piece
+                                      (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        elif self.clip_grad_norm:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
         self.grad_norm = norm
         return norm

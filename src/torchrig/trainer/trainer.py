@@ -65,6 +65,7 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict] = []
         self.schedulers: dict[str, Any] = {}
+        self.total_steps: Optional[int] = None  # the optimizer steps of the fit under way (set before its schedulers)
         self.sched_interval = "step"
         self.train_metrics: list[Metric] = []
         self.step: Optional[Step] = None
@@ -80,9 +81,10 @@ class Trainer:
         self._run = RunDir()
         try:
             self._setup_runtime()
+            self._place(model)
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
-                                                          self.precision.dtype)
+                                                          self.precision.dtype, self.layout)
             # channels_last weights: the first batch's forward is tried once with them (see _check_layout)
             self._layout_probe = runtime.wants_channels_last(model, self.cfg.model.channels_last, self.device)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
@@ -105,8 +107,25 @@ class Trainer:
         runtime.configure_backends(cfg.deterministic, cfg.cudnn_benchmark, self.device)
         runtime.seed_everything(cfg.seed)
         self.precision = runtime.make_precision(cfg.precision, self.device)
-        self.strategy = parallel.resolve_strategy(d.strategy, self.world_size, self.device)
+        self.layout = parallel.build_layout(cfg.parallel, d.strategy, self.world_size, self.device)
+        self.strategy = self.layout.strategy
+        self.dp_rank, self.dp_size = runtime.data_parallel_rank(), runtime.data_parallel_size()
         self.state.world_size = self.world_size
+
+    def _place(self, model: nn.Module) -> None:
+        """A model the user spread over several devices is trained where it is: its inputs go to the device of
+        its first parameter (``parallel/placement.py``)."""
+        placed = parallel.placed_device(model)
+        if placed is None:
+            return
+        if self.world_size > 1:
+            raise parallel.ParallelConfigError(
+                f"the model's parameters are on {', '.join(map(str, parallel.devices_of(model)))}: a model spread over "
+                f"several devices trains in one process; start one process, or put the model on one device and use "
+                f"parallel.tp / dist.strategy=fsdp")
+        self.device = placed
+        self.print(f"torchrig: the model is spread over {', '.join(map(str, parallel.devices_of(model)))}; it stays "
+                   f"where it is, inputs go to {placed} and targets to the device of its output")
 
     # ------------------------------------------------------------------------------ helpers
     run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
@@ -127,7 +146,7 @@ class Trainer:
     def _loader_kwargs(self, eval_: bool = False) -> dict:
         d = self.cfg.data
         return dict(batch_size=(d.eval_batch_size or d.batch_size) if eval_ else d.batch_size, seed=self.cfg.seed,
-                    rank=self.rank, world_size=self.world_size, device=self.device, num_workers=d.num_workers,
+                    rank=self.dp_rank, world_size=self.dp_size, device=self.device, num_workers=d.num_workers,
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
@@ -135,7 +154,7 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
 
     def _make_step(self, metrics: list) -> Step:
-        grad_ranks = self.world_size if self.strategy in ("ddp", "fsdp") else 1
+        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
         return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, self.sched_interval), models=self.models,
                     metrics=metrics, state=self.state, schedulers=self.schedulers,
@@ -239,11 +258,15 @@ class Trainer:
         return FitPlan.for_data(self._data, self.cfg, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
+        """The schedulers; a factory gets ``total_steps``, this fit's optimizer steps (also ``self.total_steps``)."""
+        self.total_steps = plan.total_steps
         self.schedulers, self.sched_interval, note = build.build_schedulers(
-            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps)
+            self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps,
+            plan.describe(self.cfg, self.world_size), unknown=plan.unknown)
         if note:
             self.print(note)
-        plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
+        if plan.total_steps is not None:
+            plan.total_steps += self.global_step  # a second fit() of this Trainer trains as long again
 
     def _set_up_run(self, val_data: Any) -> None:
         """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
@@ -259,9 +282,9 @@ class Trainer:
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
-                                             sharded=self.strategy == "fsdp", async_save=ck.async_save)
+                                             sharded=self.layout.sharded, async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
-                                         self.world_size, self.device)
+                                         self.dp_size, self.device)
         self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
             else None
         self.resumed_from = None
@@ -272,7 +295,7 @@ class Trainer:
             step_fn=self.step_fn, train_metrics=self.train_metrics, metrics_log=self.metrics_log,
             checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
             data=self._data, ema=self.ema, signals=self._signals, run_dir=self.run_dir,
-            config_builds_model=self.config_builds_model, say=self.print,
+            config_builds_model=self.config_builds_model, say=self.print, sharded=self.layout.sharded,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
 
@@ -291,7 +314,7 @@ class Trainer:
             plan.start = self._resume(resume)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
-        if self.resumed_from is not None and (self.global_step >= plan.total_steps or plan.start[0] >= cfg.epochs
+        if self.resumed_from is not None and (plan.ends_by(self.global_step) or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
                        f"({self.resumed_from.name}); nothing to train. To train further, raise epochs or "
@@ -302,10 +325,12 @@ class Trainer:
         if cfg.log.summary:
             self.print(self.summary())
         A = cfg.accumulate
-        self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy} · "
-                   f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.world_size} × "
-                   f"{A} accumulation = {cfg.data.batch_size * self.world_size * A} global · "
-                   f"{plan.steps_per_epoch} steps/epoch"
+        split = f" · {self.layout.describe()}" if self.layout.mesh is not None else ""
+        self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy}{split} · "
+                   f"precision {self.precision.name} · batch {cfg.data.batch_size}/process × {self.dp_size} × "
+                   f"{A} accumulation = {cfg.data.batch_size * self.dp_size * A} global · "
+                   + (f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch is not None else
+                      "epochs end with the stream")
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
                       if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
@@ -332,7 +357,7 @@ class Trainer:
                 return val_metrics, "early_stop"
             if self._signals.check_now():
                 return val_metrics, "signal"
-            if self.global_step >= plan.total_steps:
+            if plan.ends_by(self.global_step):
                 break
         return val_metrics, "signal" if self._signals.check_now() else ""
 
@@ -364,7 +389,7 @@ class Trainer:
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
-        while i < plan.epoch_len:
+        while plan.epoch_len is None or i < plan.epoch_len:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -395,9 +420,10 @@ class Trainer:
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
             signalled = signals.check()
-            if state.global_step >= plan.total_steps or signalled:
+            if plan.ends_by(state.global_step) or signalled:
                 out.end_epoch()
-                return "signal" if signalled else ("" if i >= plan.epoch_len else "max_steps")
+                return "signal" if signalled else ("" if plan.epoch_len is not None and i >= plan.epoch_len
+                                                   else "max_steps")
         out.end_epoch()
         return ""
 
@@ -429,7 +455,7 @@ class Trainer:
         step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
         w_start = i - i % A
         if i == w_start:
-            size = min(A, epoch_len - w_start)
+            size = A if epoch_len is None else min(A, epoch_len - w_start)  # a stream yields whole windows
             # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
             # several micro-batches or ranks, not a whole batch on one process
             known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
@@ -503,16 +529,21 @@ class Trainer:
         return results
 
     @runtime.explain_collective_errors
-    def predict(self, data: Any, activation: str = "auto") -> Any:
-        """Model outputs for every sample, in data order, on every rank (CPU tensors): a tensor, or a
-        tuple / dict of per-sample fields for tuple / dict / ``ModelOutput`` outputs.
+    def predict(self, data: Any, activation: str = "auto", outputs: str = "prediction") -> Any:
+        """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
-        ``activation="auto"`` turns the prediction into probabilities for the classification losses,
+        ``outputs="prediction"``: one tensor, the prediction (the field the loss and the metrics use: a
+        tuple's element ``output_key``, a dict's or ``ModelOutput``'s ``logits``) whatever the output's
+        structure. ``outputs="all"``: a tuple / dict of per-sample fields for tuple / dict / ``ModelOutput``
+        outputs. ``activation="auto"`` turns the prediction into probabilities for the classification losses,
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
         bce_with_logits); ``"none"`` keeps raw outputs.
         """
+        if outputs not in ("prediction", "all"):  # the parameter hides the outputs module here
+            raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
+                             f"default) or \"all\" (the model's whole output, field by field)")
         act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
-        return inference.predict(self._eval_run(data, []), act, self.predict_fn)
+        return inference.predict(self._eval_run(data, []), act, self.predict_fn, outputs)
 
     def _eval_run(self, data: Any, metrics: list) -> inference.EvalRun:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
@@ -527,7 +558,7 @@ class Trainer:
             return to_device(next(iter(one)), self.device)
 
         return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
-                                 self.world_size, self.strategy == "fsdp" and self.world_size > 1, first_batch,
+                                 self.dp_size, self.layout.sharded and self.world_size > 1, first_batch,
                                  self._signals.beat_now)
 
     # ------------------------------------------------------------------------------ teardown

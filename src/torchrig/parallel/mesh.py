@@ -1,0 +1,136 @@
+"""The layout of a run: how many ranks replicate, shard, and split the model, on one ``DeviceMesh``.
+
+``parallel.dp_replicate × parallel.dp_shard × parallel.tp × parallel.pp`` is the world size. One degree
+may be ``-1`` (the ranks the others leave); ``auto`` on the data-parallel degrees gives the rest to the one
+``dist.strategy`` names (``ddp``: replicas, ``fsdp``: shards), so ``dist.strategy=ddp|fsdp`` alone keep
+meaning what they always did. A run that only replicates or only shards needs no mesh: DDP and FSDP2
+use the default group, as before. Once the model itself is split (``tp > 1``) or data parallelism has two
+levels (HSDP), the mesh is built once, with the dimensions ``dp_replicate``, ``dp_shard``, ``tp`` (every
+one, size 1 included), and the group of the data-parallel ranks (those with the same ``tp`` coordinate)
+becomes the one metrics and loss counts are reduced over (``runtime.set_data_parallel_group``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+from ..runtime import RuntimeSetupError
+from .wrap import resolve_strategy
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+class ParallelConfigError(RuntimeSetupError, ValueError):
+    """The degrees of ``parallel`` do not fit the job (world size, strategy, model)."""
+
+
+@dataclasses.dataclass
+class Layout:
+    """The resolved degrees, the data-parallel wrapper and (when needed) the device mesh."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    strategy: str = "none"              # the data-parallel wrapper: none, ddp, fsdp or dp
+    mesh: Any = None                    # DeviceMesh (dp_replicate, dp_shard, tp), or None: the default group
+    dp_group: Any = None                # the data-parallel ranks' group, or None: every rank
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are DTensors (FSDP2 or tensor parallel): checkpoints go through DCP."""
+        return self.strategy == "fsdp" or self.tp > 1
+
+    def submesh(self, *names: str) -> Any:
+        return self.mesh[names if len(names) > 1 else names[0]]
+
+    def describe(self) -> str:
+        return " × ".join(f"{k}={getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1) or "one process"
+
+
+def resolve_degrees(p: Any, strategy: str, world_size: int) -> dict[str, int]:
+    """The four degrees as integers whose product is ``world_size``; one line naming the key otherwise."""
+    given = {k: getattr(p, k) for k in DEGREES}
+    fixed = 1
+    for k, v in given.items():
+        if isinstance(v, int) and v > 0:
+            fixed *= v
+    named = " × ".join(f"{k}={v}" for k, v in given.items() if v not in ("auto", 1))
+    if world_size % fixed:
+        raise ParallelConfigError(
+            f"config key 'parallel': {named} needs a multiple of {fixed} processes, but the job has {world_size}; "
+            f"start {fixed} (or a multiple) with torchrig launch --nproc-per-node, or lower the degrees")
+    rest = world_size // fixed
+    out = {k: v for k, v in given.items() if isinstance(v, int) and v > 0}
+    open_ = [k for k, v in given.items() if v == -1] or [k for k, v in given.items() if v == "auto"]
+    if -1 in given.values():
+        out.update({k: 1 for k, v in given.items() if v == "auto"})
+        out[open_[0]] = rest
+    elif open_:
+        target = "dp_shard" if strategy == "fsdp" or "dp_replicate" not in open_ else "dp_replicate"
+        out.update({k: 1 for k in open_})
+        out[target] = rest
+    elif rest != 1:
+        product = " × ".join(str(given[k]) for k in DEGREES)
+        raise ParallelConfigError(
+            f"config key 'parallel': dp_replicate × dp_shard × tp × pp = {product} = {fixed} processes, but the job "
+            f"has {world_size}; set one degree to -1 (e.g. parallel.dp_replicate=-1) to give it the rest")
+    return {k: out[k] for k in DEGREES}
+
+
+def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.device) -> Layout:
+    """The run's layout: resolved degrees, wrapper and mesh. Collective when it builds a mesh."""
+    d = resolve_degrees(p, strategy_name, world_size)  # parallel.pp > 1 is refused by config.validate
+    layout = Layout(**d)
+    if d["tp"] == 1 and (d["dp_replicate"] == 1 or d["dp_shard"] == 1):
+        strategy = resolve_strategy(strategy_name, world_size, device)
+        if strategy == "ddp" and d["dp_shard"] > 1:  # auto with parallel.dp_shard: shards
+            strategy = "fsdp"
+        layout.strategy = strategy
+        runtime.set_data_parallel_group(None)
+        return layout
+    if strategy_name in ("dp", "none") and layout.dp > 1:
+        raise ParallelConfigError(f"config key 'dist.strategy': {strategy_name!r} cannot share the data-parallel "
+                                  f"ranks of {layout.describe()}; use dist.strategy=auto")
+    layout.strategy = "fsdp" if layout.dp > 1 else "none"  # with TP, data parallelism is FSDP2 (as PyTorch's 2-D)
+    layout.mesh = _mesh(layout, device)
+    layout.dp_group = _data_parallel_group(layout.mesh)
+    runtime.set_data_parallel_group(layout.dp_group)
+    return layout
+
+
+def _mesh(layout: Layout, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise ParallelConfigError(f"config key 'parallel': {layout.describe()} needs a process group; start the job "
+                                  f"with torchrig launch or torchrun")
+    return init_device_mesh(device.type, (layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def _data_parallel_group(mesh: Any) -> Any:
+    """The group of the ranks with this rank's ``tp`` coordinate (every rank takes part in making them all)."""
+    ranks = mesh.mesh  # (dp_replicate, dp_shard, tp) tensor of global ranks
+    columns = [ranks[:, :, t].flatten().tolist() for t in range(ranks.shape[2])]
+    group, _ = dist.new_subgroups_by_enumeration(columns)
+    return group
+
+
+def data_parallel_mesh(layout: Layout) -> Optional[Any]:
+    """The (sub-)mesh FSDP2 shards and replicates over: 2-D (HSDP) with replicas, else the shard dimension."""
+    if layout.mesh is None:
+        return None
+    if layout.dp_replicate > 1:
+        return layout.submesh("dp_replicate", "dp_shard")
+    return layout.submesh("dp_shard")

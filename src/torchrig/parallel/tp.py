@@ -1,0 +1,146 @@
+"""Tensor parallelism: the layers a plan names are split over the ``tp`` ranks with
+``torch.distributed.tensor.parallel.parallelize_module``.
+
+A plan maps module-name patterns (``fnmatch``: ``layers.*.mlp.up`` matches ``layers.0.mlp.up``) to a style:
+
+=====================  ==========================================================================
+``colwise``            ``ColwiseParallel()``: output features split, output stays sharded
+``rowwise``            ``RowwiseParallel()``: input features split, output summed over the ranks
+``colwise_rep``        ``ColwiseParallel(output_layouts=Replicate())``: the whole output on every rank
+                       (Hugging Face's ``colwise_gather_output`` is the same)
+``rowwise_rep``        ``RowwiseParallel()`` (Hugging Face's name)
+``sequence_parallel``  ``SequenceParallel()``: a norm or dropout over a sequence split on dim 1
+``embedding_rowwise``  ``RowwiseParallel(input_layouts=Replicate())``: an embedding's rows split
+``embedding_colwise``  ``ColwiseParallel(output_layouts=Replicate())``: its columns split
+=====================  ==========================================================================
+
+``auto`` takes the plan the model declares: a ``tp_plan`` attribute (torchrig's built-in models, or the
+user's own), or a Hugging Face model's ``config.base_model_tp_plan`` (relative to its base model) with the
+class's own ``_tp_plan`` (its head). The usual pairing is ``colwise`` into ``rowwise`` (an MLP's up and down
+projections, attention's q/k/v and output projections): the activations between them stay split and one
+all-reduce per pair joins them. An attention module must take its local head count from the shapes
+(``view(b, n, -1, head_dim)``), as Hugging Face's do.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable
+
+from torch import nn
+
+from ..errors import suggest
+from .mesh import ParallelConfigError
+
+KEY = "parallel.tp_plan"
+
+
+def _styles() -> dict[str, Callable[[], Any]]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": RowwiseParallel,
+        "sequence_parallel": SequenceParallel,
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel",
+               "embedding_rowwise", "embedding_colwise")
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The plan ``auto`` uses: ``model.tp_plan``, else a Hugging Face model's own; one line when there is none."""
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, dict) and own:
+        return dict(own)
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    plan: dict[str, str] = {}
+    if base_plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        under = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        plan.update({under + k: v for k, v in base_plan.items()})
+        plan.update(getattr(type(model), "_tp_plan", None) or {})  # the head (lm_head) of a *ForCausalLM
+    if not plan:
+        raise ParallelConfigError(
+            f"config key '{KEY}': auto, but {type(model).__name__} declares no tensor-parallel plan (no tp_plan "
+            f"attribute, no Hugging Face base_model_tp_plan); give {KEY} as a mapping of module names to styles "
+            f"({', '.join(STYLE_NAMES[:2])}, ...)")
+    return plan
+
+
+def resolve(model: nn.Module, plan: Any, tp: int) -> dict[str, str]:
+    """``{module name: style}`` for every module the plan's patterns match, checked against ``tp``."""
+    if plan == "auto":
+        plan = model_plan(model)
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLE_NAMES:
+            raise ParallelConfigError(f"config key '{KEY}': style {style!r} of {pattern!r} is not one of "
+                                      f"{', '.join(STYLE_NAMES)}{suggest(style, STYLE_NAMES)}")
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ParallelConfigError(
+                f"config key '{KEY}': {pattern!r} matches no module of {type(model).__name__}"
+                f"{suggest(pattern, names, n=3)} (module names such as {', '.join(names[:4])})")
+        for name in matched:
+            _check_divides(name, modules[name], style, tp)
+            out[name] = style
+    _check_heads(model, tp)
+    return out
+
+
+def _check_divides(name: str, module: nn.Module, style: str, tp: int) -> None:
+    """A split dimension that ``tp`` does not divide: one line naming the module and the sizes."""
+    dims: dict[str, tuple[str, int]] = {}
+    if isinstance(module, nn.Linear):
+        dims = {"colwise": ("output features", module.out_features), "rowwise": ("input features", module.in_features)}
+    elif isinstance(module, nn.Embedding):
+        dims = {"rowwise": ("rows (vocabulary)", module.num_embeddings),
+                "colwise": ("columns (embedding size)", module.embedding_dim)}
+    elif style != "sequence_parallel":
+        raise ParallelConfigError(f"config key '{KEY}': module {name!r} is a {type(module).__name__}; the style "
+                                  f"{style!r} splits nn.Linear and nn.Embedding layers only")
+    kind = "rowwise" if "rowwise" in style else "colwise"
+    if kind in dims and dims[kind][1] % tp:
+        what, size = dims[kind]
+        raise ParallelConfigError(f"config key '{KEY}': module {name!r} ({style}) has {size} {what}, which "
+                                  f"parallel.tp={tp} does not divide; choose a tp that divides {size}")
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ParallelConfigError(f"config key 'parallel.tp': {tp} does not divide the model's {heads} attention "
+                                      f"heads ({attr}); choose a tp that divides {heads}")
+
+
+def apply(model: nn.Module, plan: Any, tp_mesh: Any) -> dict[str, str]:
+    """Split ``model`` in place by ``plan`` over ``tp_mesh``; returns the resolved ``{module: style}``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = resolve(model, plan, tp_mesh.size())
+    styles = _styles()
+    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in resolved.items()})
+    out_of_place(model)
+    return resolved
+
+
+def out_of_place(model: nn.Module) -> None:
+    """In-place activation modules (``nn.ReLU(inplace=True)``, ...) compute out of place: a split layer hands
+    on a view of its DTensor's local piece, which autograd forbids changing in place. Same values, one
+    activation-sized buffer more."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inplace", None), bool) and module.inplace:
+            module.inplace = False

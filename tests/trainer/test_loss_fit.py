@@ -1,0 +1,62 @@
+"""An output that does not fit the loss is said at the first step, in one line: the output's shape, the
+targets' shape and dtype, the loss, and what would fit; PyTorch's own IndexError / broadcast error never
+reaches the user, and a loss that would silently train on nothing (cross-entropy over one output) or on
+broadcast pairs ((N, 1) against (N,)) stops too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchrig.data.batches import BatchError
+
+Y3 = torch.tensor([0, 2, 1, 2, 0, 1, 2, 0] * 2)  # class labels of 3 classes
+Y2 = torch.tensor([0, 1] * 8)
+
+CASES = {
+    "one output, cross_entropy": (1, "cross_entropy", Y3,
+        "the loss cross_entropy (config key 'loss') over the model's output float32 (8, 1) with targets int64 (8,): "
+        "over a single output it is 0 whatever the model does; for two classes use loss=bce_with_logits with "
+        "targets 0./1. (y.float()), or give the model one output per class"),
+    "one output, nn.CrossEntropyLoss, two classes": (1, nn.CrossEntropyLoss(), Y2,
+        "the loss CrossEntropyLoss() over the model's output float32 (8, 1) with targets int64 (8,): over a single "
+        "output it is 0 whatever the model does; for two classes use loss=bce_with_logits with targets 0./1. "
+        "(y.float()), or give the model one output per class"),
+    "class labels out of range": (2, nn.CrossEntropyLoss(), Y3,
+        "the loss CrossEntropyLoss(): the model's output is float32 (8, 2) and the targets are int64 (8,); the "
+        "targets hold class 2, outside the model's 2 outputs (classes 0 to 1); check the labels, or give the model "
+        "one output per class (3 or more)"),
+    "mse on class labels": (3, "mse", Y3,
+        "the loss mse (config key 'loss') compares the model's output with a target of the same shape, but the "
+        "output is float32 (8, 3) and the targets int64 (8,); these look like class indices: use "
+        "loss=cross_entropy"),
+    "nn.MSELoss on class labels": (3, nn.MSELoss(), Y3.float(),
+        "the loss MSELoss() compares the output with targets of the same shape, but the model's output is "
+        "float32 (8, 3) and the targets are float32 (8,) (The size of tensor a (3) must match the size of tensor "
+        "b (8) at non-singleton dimension 1); give targets shaped like the output, (8, 3), or a model with that "
+        "many outputs"),
+    "nn.MSELoss broadcasting (8, 1) against (8,)": (1, nn.MSELoss(), Y3.float(),
+        "the loss MSELoss() compares the model's output float32 (8, 1) with targets float32 (8,) element by "
+        "element; PyTorch would broadcast them to (8, 8), a wrong loss; give targets shaped (8, 1) (y.view(8, 1))"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_output_that_does_not_fit_the_loss_is_one_line_at_the_first_step(make_trainer, case):
+    outputs, loss, y, message = CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(len(y), 8)
+    trainer = make_trainer(nn.Linear(8, outputs), loss=loss, max_steps=2)
+    with pytest.raises(BatchError) as info:
+        trainer.fit((x, y))
+    assert str(info.value) == message
+    assert trainer.global_step == 0 and "\n" not in str(info.value)
+
+
+def test_what_fits_trains(make_trainer):
+    """The fits the messages propose: bce_with_logits on one output, and targets shaped like the output."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    make_trainer(nn.Linear(8, 1), loss="bce_with_logits", max_steps=2).fit((x, Y2.float()))
+    make_trainer(nn.Linear(8, 1), loss=nn.MSELoss(), max_steps=2, overwrite=True).fit((x, Y3.float().view(16, 1)))

@@ -1,0 +1,97 @@
+"""A scheduler sized by the run: a factory receives the run's optimizer-step count (``Trainer.total_steps``),
+and a scheduler object whose horizon is not the run's gets one line (or, for a OneCycleLR too short to reach
+the end, one error before the first step)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from torchrig.config import ConfigError
+
+
+def _trainer(make_trainer, model, scheduler, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = scheduler(opt) if scheduler is not None else None
+    return make_trainer(model, optimizer=opt, scheduler=sched, epochs=2, **kw), opt
+
+
+def test_a_factory_gets_the_runs_optimizer_steps(make_trainer, data):
+    seen = []
+
+    def factory(optimizer, total_steps):
+        seen.append(total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    t = make_trainer(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=factory, epochs=3,
+                     accumulate=2)
+    t.fit(data)  # 40 samples, batch 8: 5 batches, 3 steps per epoch with accumulate=2
+    assert seen == [9] == [t.total_steps] and t.global_step == 9
+    sch = t.schedulers["default"]
+    assert sch.last_epoch == sch.total_steps == 9  # the cycle ran to its very end, and no step further
+
+
+def test_a_given_scheduler_that_stops_short_of_its_end_says_so(make_trainer, data, capsys):
+    torch.manual_seed(0)
+    t, _ = _trainer(make_trainer, nn.Linear(8, 4),
+                    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=96),
+                    progress="lines")
+    t.fit(data)
+    line = [x for x in capsys.readouterr().out.splitlines() if "OneCycleLR" in x]  # said before the run's log
+    assert line == ["torchrig: scheduler OneCycleLR has total_steps=96, but this run takes 10 optimizer steps "
+                    "(2 epochs × 5 steps/epoch): it stops short of its end; build it from the run's count: "
+                    "Trainer(scheduler=lambda optimizer, total_steps: OneCycleLR(optimizer, ..., "
+                    "total_steps=total_steps))"]
+
+
+def test_a_one_cycle_too_short_for_the_run_stops_before_the_first_step(make_trainer, data):
+    torch.manual_seed(0)
+    t, _ = _trainer(make_trainer, nn.Linear(8, 4),
+                    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=7))
+    with pytest.raises(ConfigError) as info:
+        t.fit(data)
+    assert str(info.value) == (
+        "scheduler OneCycleLR has total_steps=7, but this run takes 10 optimizer steps (2 epochs × 5 steps/epoch); "
+        "PyTorch's OneCycleLR cannot step past total_steps (it would stop the run at step 8); build it from the "
+        "run's count: Trainer(scheduler=lambda optimizer, total_steps: OneCycleLR(optimizer, ..., "
+        "total_steps=total_steps)), or set max_steps=7")
+    assert t.global_step == 0
+
+
+def test_a_cosine_per_epoch_is_compared_with_the_epochs_and_a_matching_one_is_silent(make_trainer, data, capsys):
+    torch.manual_seed(0)
+    t, _ = _trainer(make_trainer, nn.Linear(8, 4),
+                    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5),
+                    progress="lines", scheduler_interval="epoch")
+    t.fit(data)
+    assert ("torchrig: scheduler CosineAnnealingLR has T_max=5, but this run takes 2 epochs (2 epochs × 5 "
+            "steps/epoch): it stops short of its end; set T_max=2") in capsys.readouterr().out
+    t, _ = _trainer(make_trainer, nn.Linear(8, 4),
+                    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10), progress="lines",
+                    run_dir=str(t.run_dir) + "-b", scheduler_interval="step")
+    t.fit(data)
+    assert "CosineAnnealingLR" not in str(capsys.readouterr())
+
+
+@pytest.mark.slow
+def test_two_processes_halve_the_steps_and_the_line_says_so(tmp_path):
+    from helpers import dist_procs
+    from helpers.dist_procs import HELPERS
+
+    results = dist_procs.pair("horizon", tmp_path / "out", tmp_path / "store", worker=HELPERS / "world_worker.py")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    lines = [x for x in results[0].output.splitlines() if "OneCycleLR" in x]
+    assert lines == ["torchrig: scheduler OneCycleLR has total_steps=48, but this run takes 24 optimizer steps "
+                     "(2 epochs × 12 steps/epoch on 2 processes): it stops short of its end; build it from the "
+                     "run's count: Trainer(scheduler=lambda optimizer, total_steps: OneCycleLR(optimizer, ..., "
+                     "total_steps=total_steps))"]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "out" / f"horizon-{rank}.json").read_text())
+        assert got["given_steps"] == 24 and got["factory_got"] == [24] and got["total_steps"] == 24
+        assert got["factory_stepped"] == 24
