@@ -52,7 +52,17 @@ def _check_dict_batches(ns):
     assert ns["trainer"].history[-1]["train/loss"] > 0
 
 
-CHECKS = {"BertForSequenceClassification": _check_bert, "TwoInputs": _check_two_inputs,
+def _check_torchmetrics(ns):
+    from sklearn.metrics import f1_score
+
+    x, y, trainer = ns["x"], ns["y"], ns["trainer"]
+    with torch.no_grad():
+        pred = trainer.model(x[96:]).argmax(1)
+    assert ns["scores"]["MulticlassF1Score"] == pytest.approx(f1_score(y[96:], pred, average="macro"), abs=1e-6)
+    assert {"val/accuracy", "val/MulticlassF1Score", "val/precision_w", "val/acc_micro"} <= set(trainer.history[-1])
+
+
+CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
           "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
           "input_keys=": _check_dict_batches}
 
@@ -67,8 +77,9 @@ def test_every_example_is_checked():
 
 @pytest.mark.parametrize("line,src", blocks(), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_example_runs(line, src, tmp_path, monkeypatch, capsys):
-    if "transformers" in src:
-        pytest.importorskip("transformers")
+    for package in ("transformers", "torchmetrics"):
+        if package in src:
+            pytest.importorskip(package)
     monkeypatch.chdir(tmp_path)
     ns: dict = {"__name__": "docs_example"}
     exec(compile(src, f"docs/your-code.md, block at line {line}", "exec"), ns)

@@ -3,7 +3,7 @@
 A real plain checkpoint (``torchrig train``, one process) and a real sharded one (``dist.strategy=fsdp``
 in a one-rank gloo group) are built once. Every case copies one, plants a ``__reduce__`` payload (it
 would create a marker file) in one of its non-safetensors files, and goes in one way: ``evaluate``,
-``predict``, ``train --set resume=PATH``, ``train --set resume=latest``, the Python API, and a torchrun
+``predict``, ``export``, ``train --set resume=PATH``, ``train --set resume=latest``, the Python API, and a torchrun
 restart (``TORCHELASTIC_RESTART_COUNT=1`` resumes by itself). The payload never runs; a file that the
 way reads is refused as unsafe, by name.
 """
@@ -175,6 +175,11 @@ def _predict(run, ckpt, tmp_path, capsys, monkeypatch):
                          "--output", str(tmp_path / "p.csv")])
 
 
+def _export(run, ckpt, tmp_path, capsys, monkeypatch):
+    return _cli(capsys, ["export", "--checkpoint", str(ckpt), "--format", "safetensors",
+                         "--output", str(tmp_path / "exported.safetensors")])
+
+
 def _resume_path(run, ckpt, tmp_path, capsys, monkeypatch):
     return _cli(capsys, ["train", *_sets(*QUICK, "max_steps=3", f"run_dir={tmp_path / 'new'}", f"resume={ckpt}")])
 
@@ -202,9 +207,9 @@ def _python_api(run, ckpt, tmp_path, capsys, monkeypatch):
     return 0, ""
 
 
-WAYS = {"evaluate": _evaluate, "predict": _predict, "resume=PATH": _resume_path, "resume=latest": _resume_latest,
+WAYS = {"evaluate": _evaluate, "predict": _predict, "export": _export, "resume=PATH": _resume_path, "resume=latest": _resume_latest,
         "torchrun-restart": _torchrun_restart, "python-api": _python_api}
-INFERENCE = {"evaluate", "predict"}  # they read model.safetensors, state.pt, config.yaml and meta.json only
+INFERENCE = {"evaluate", "predict", "export"}  # they read model.safetensors, state.pt, config.yaml and meta.json only
 CASES = [("plain", plant, way) for plant in ("state.pt", "config.yaml") for way in WAYS] + \
         [("sharded", plant, way) for plant in PLANTS for way in WAYS]
 

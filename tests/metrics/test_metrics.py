@@ -122,7 +122,7 @@ def test_unknown_metric_lists_valid_names():
     msg = str(err.value)
     assert "unknown metric 'acuracy'; did you mean 'accuracy'? Valid names:" in msg
     assert "Valid names: " + ", ".join(METRIC_NAMES) in msg and "topK (e.g. top3)" in msg
-    with pytest.raises(MetricError, match="a metric must be a name or a torchrig.metrics.Metric, got int"):
+    with pytest.raises(MetricError, match="a metric must be a name, a torchrig.metrics.Metric or a torchmetrics Metric / MetricCollection, got int"):
         get_metric(3)
 
 

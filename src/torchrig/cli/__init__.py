@@ -1,4 +1,4 @@
-"""The ``torchrig`` command: train, evaluate, predict, plot, doctor, launch, data, config, tune.
+"""The ``torchrig`` command: train, evaluate, predict, export, plot, doctor, launch, data, config, tune.
 
 Every error ends in one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
 """
@@ -96,8 +96,8 @@ def register_command(fn: Callable) -> Callable:
 
 
 def _register_extra(sub) -> None:
-    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.tune",
-                   "torchrig.cli.summary", "torchrig.cli.lrfind"):
+    for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export",
+                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind"):
         try:
             __import__(module)
         except ImportError:

@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--ifname", metavar="IFACE",
                    help="network interface the ranks talk over, e.g. eth0 or ib0: sets GLOO_SOCKET_IFNAME and "
                         "NCCL_SOCKET_IFNAME (default: loopback on one machine, the system's choice on several)")
+    r = p.add_argument_group("Ray (instead of torchrun)")
+    r.add_argument("--ray", metavar="ADDRESS", help="run on Ray Train workers: the cluster's address, auto (this "
+                                                    "machine's cluster, a KubeRay head) or ray://HEAD:10001")
+    r.add_argument("--workers", type=int, default=None, metavar="N", help="Ray workers (processes), with --ray")
+    r.add_argument("--ray-gpu", action="store_true", help="one GPU per Ray worker (NCCL); CPU workers use gloo")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun arguments and environment, run nothing")
     p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="what every worker runs: a torchrig sub-command (train, evaluate, …), a script.py with "
@@ -87,6 +92,8 @@ EPILOG = """examples:
       --nproc-per-node 8 --ifname eth0 -- train config.yaml
   # elastic: restart after a failure, resuming from the latest checkpoint
   torchrig launch --nproc-per-node 8 --max-restarts 3 -- train config.yaml
+  # on a Ray cluster (ray start, KubeRay): 4 Ray Train workers
+  torchrig launch --ray auto --workers 4 -- train config.yaml
 """
 
 
@@ -99,7 +106,7 @@ def _strict(parser: argparse.ArgumentParser) -> None:
         ns, extras = original(args, namespace)
         if extras:
             bad = extras[0].split("=")[0]
-            procs = "proc" in bad or bad in ("-n", "--np", "--gpus", "--workers")
+            procs = "proc" in bad or bad in ("-n", "--np", "--gpus")
             hint = suggest(bad, ["--nproc-per-node"], cutoff=0.0) if procs else suggest(bad, known)
             hint = hint or "; see torchrig launch --help"
             parser.error(f"unknown option {bad}{hint} (options for the launched command go after --)")
@@ -348,7 +355,26 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
     return 0
 
 
+def _cmd_ray(args: argparse.Namespace) -> int:
+    from .ray import RayLaunchError, run_on_ray
+
+    if args.workers is None:
+        print("torchrig launch: error: --ray needs --workers N (the number of Ray workers)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run_on_ray(args.command_args, args.workers, args.ray, use_gpu=args.ray_gpu)
+    except RayLaunchError as exc:
+        print(f"torchrig launch: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _cmd_ray(args)
+    if args.workers is not None:
+        print("torchrig launch: error: --workers goes with --ray; torchrun's processes are --nproc-per-node",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         argv, env = build(args)
     except LaunchError as exc:

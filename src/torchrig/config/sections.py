@@ -28,6 +28,8 @@ def _steps(v: Any) -> list:
 
 
 def _plot(v: Any) -> Any:
+    if v == "inline":  # shown in the notebook's cell output as well
+        return v
     return True if v == "background" else BOOL.check(v)  # "background": an older run's setting, drawn before fit returns
 
 
@@ -181,8 +183,9 @@ class LogConfig:
                         "auto (a bar on a terminal, plain lines otherwise), bar, lines or none", alias="progress")
     tensorboard: Union[bool, str] = key("auto", AUTO_BOOL, "TensorBoard event files; auto: when tensorboard is "
                                                            "installed", alias="tensorboard")
-    plot: bool = key(True, Rule("true or false", _plot),
-                     "PNG curves (RUN_DIR/plots/curves.png), drawn before fit returns; false: none", alias="plot")
+    plot: Union[bool, str] = key(True, Rule("true, false or 'inline'", _plot),
+                                 "PNG curves (RUN_DIR/plots/curves.png), drawn before fit returns; inline: also shown "
+                                 "in a Jupyter notebook's cell output; false: none", alias="plot")
     trackers: list = key([], list_of(choice(*TRACKERS), f"a list of {', '.join(TRACKERS)}"),
                          "experiment trackers: csv, tensorboard, mlflow, wandb", alias="trackers")
     mlflow_uri: Optional[str] = key(None, optional(TEXT), "MLflow tracking store; null: MLFLOW_TRACKING_URI, else "

@@ -20,7 +20,7 @@ from .errors import ModelError
 def trim_padding(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  token_type_ids: Optional[torch.Tensor]):
     """Cut trailing columns that are padding in every row (one host sync per batch)."""
-    if attention_mask is None:
+    if attention_mask is None or torch.compiler.is_exporting():  # an exported graph keeps every column
         return input_ids, attention_mask, token_type_ids
     length = int(attention_mask.sum(dim=1).max())
     length = max(length, 1)

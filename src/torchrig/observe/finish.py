@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..runtime.notebook import in_jupyter_kernel
 from .plot import plot_run_or_say
 
 
@@ -23,7 +24,13 @@ def end_of_run(trainer: Any) -> list[Path]:
         trainer.print(f"torchrig: tracker {where}")
     if not trainer.cfg.log.plot:
         return []
-    return plot_run_or_say(trainer.run_dir, trainer.print)
+    paths = plot_run_or_say(trainer.run_dir, trainer.print)
+    if trainer.cfg.log.plot == "inline" and trainer.is_main and in_jupyter_kernel():
+        from IPython.display import Image, display
+
+        for path in paths:
+            display(Image(filename=str(path)))
+    return paths
 
 
 def finished_where(trainer: Any) -> str:

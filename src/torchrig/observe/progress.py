@@ -18,6 +18,7 @@ from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 from ..config import to_dict
 from ..config.files import file_kind
 from ..errors import setting
+from ..runtime.notebook import in_jupyter_kernel
 from . import terminal
 from .trackers import TrackerSet, check_installed, tracker_names
 
@@ -26,6 +27,13 @@ def _write_error(exc: OSError, path: Path, doing: str) -> RunDirError:
     """One line naming the file, the OS error and its errno, and that the checkpoints are safe."""
     return RunDirError(f"{describe_os_error(exc)} while {doing} '{path}'; the checkpoints are intact: "
                        f"once it can be written, continue with {setting('resume', 'latest')}")
+
+
+def _has_widgets() -> bool:
+    """tqdm's notebook bar is an ipywidgets widget; without ipywidgets it would print a warning instead."""
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
 
 
 class RunLogger:
@@ -40,8 +48,10 @@ class RunLogger:
         self.enabled = enabled
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.stream = stream or sys.stderr
+        # in a Jupyter kernel (stderr is no terminal there) the bar is tqdm's notebook widget
+        self.notebook = progress in ("auto", "bar") and stream is None and in_jupyter_kernel() and _has_widgets()
         if progress == "auto":
-            progress = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+            progress = "bar" if self.notebook or getattr(self.stream, "isatty", lambda: False)() else "lines"
         self.mode = progress if enabled else "none"
         self._jsonl = None
         self._reopened = False  # metrics.jsonl was deleted or replaced during the run, and reopened
@@ -126,9 +136,11 @@ class RunLogger:
     def print(self, text: str) -> None:
         if not self.enabled:
             return
-        if self.mode == "bar":
+        if self.mode == "bar" and not self.notebook:
             text = terminal.fit_lines(text, terminal.width(self.stream))
-        if self._bar is not None:
+        if self._bar is not None and self.notebook:
+            self._bar.write(text)  # a line above the widget, in the cell's output
+        elif self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
@@ -138,7 +150,13 @@ class RunLogger:
         """``total``: the epoch's batches; None for a stream without a length (the bar counts without a total)."""
         self._epoch, self._epochs, self._total = epoch, epochs, total
         self._t0 = time.perf_counter()
-        if self.mode == "bar":
+        if self.mode == "bar" and self.notebook:
+            from tqdm.notebook import tqdm as notebook_tqdm
+
+            self._budget = 200
+            self._bar = notebook_tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", leave=True,
+                                      unit="batch")
+        elif self.mode == "bar":
             from tqdm import tqdm
 
             # A fixed width (the terminal's at the epoch's start) and a postfix cut to what is left
@@ -165,7 +183,7 @@ class RunLogger:
 
     def epoch_summary(self, epoch: int, epochs: int, step: int, row: dict) -> None:
         """One line per epoch: on a terminal the values that fit its width, else every value."""
-        if self.mode == "bar":
+        if self.mode == "bar" and not self.notebook:
             self.print(terminal.epoch_summary(epoch, epochs, step, row, terminal.width(self.stream)))
         else:
             self.print(terminal.plain_line(epoch, epochs, step, "epoch end", row))

@@ -12,6 +12,7 @@ from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
 from .modules import unwrap
+from .notebook import RunInterrupted, as_notebook_stop, in_jupyter_kernel
 
 __all__ = [
     "RuntimeSetupError", "configure_backends", "configure_threads", "select_device", "DistInfo",
@@ -21,7 +22,7 @@ __all__ = [
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
     "signal_name", "stop_phase", "data_parallel_group", "data_parallel_rank", "data_parallel_size",
-    "set_data_parallel_group",
+    "set_data_parallel_group", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",
 ]

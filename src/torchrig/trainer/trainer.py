@@ -217,6 +217,11 @@ class Trainer:
                 self._build_schedules(plan)
                 self._set_up_run(val_data)
                 result = {} if self._restore(plan) else self._train(plan)
+            except runtime.RunStopped as stop:  # a kernel interrupt reaches a notebook as a KeyboardInterrupt
+                interrupted = runtime.as_notebook_stop(stop)
+                if interrupted is stop:
+                    raise
+                raise interrupted from None
             finally:  # the save in flight is written (or its error raised) before the run directory is let go
                 self._val_loader = None  # its loader's workers stop with it
                 with self._signals.saving():
@@ -528,7 +533,7 @@ class Trainer:
         if self.checkpoints.last_step != self.global_step:
             self._save()
         stop = runtime.RunStopped.at_step(signum, self.global_step, self.run_dir / "checkpoints")
-        self.print(str(stop))
+        self.print(str(runtime.as_notebook_stop(stop)))
         if self.cfg.dist.requeue and self.is_main:
             self.print(runtime.requeue_slurm_job() or "torchrig: dist.requeue=true but SLURM_JOB_ID is not set")
         raise stop
