@@ -140,7 +140,7 @@ BAD_VALUES = [
     ('log.every_steps=-1', 'an integer >= 0, got -1'),
     ('log.progress=fancy', "one of auto, bar, lines, none, got 'fancy'"),
     ('log.tensorboard=maybe', "true, false or 'auto', got 'maybe'"),
-    ('log.plot=maybe', "true or false, got 'maybe'"),
+    ('log.plot=maybe', "true, false or 'inline', got 'maybe'"),
     ('log.trackers=[mlfow]', "a list of csv, tensorboard, mlflow, wandb, got ['mlfow']"),
     ('log.mlflow_uri=""', "a non-empty string or null, got ''"),
     ('log.project=""', "a non-empty string or null, got ''"),
