@@ -6,20 +6,11 @@ from . import add_common, register_command, set_arg
 
 
 def cmd_lr_find(args) -> int:
-    import tempfile
+    from ..recipes.run import run_without_training
 
-    from ..recipes.run import build_config, build_run
-
-    factories = [f"{key}={spec}" for key, spec in (("model.factory", args.model), ("data.factory", args.data)) if spec]
-    cfg = build_config(args.config, args.overrides + factories, args.recipe)
-    with tempfile.TemporaryDirectory() as unused:  # a recipe may name files in the run directory; none is written
-        cfg.run_dir = cfg.run_dir or unused
-        _, data, trainer = build_run(cfg)
-        try:
-            result = trainer.find_lr(data["train"], start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps,
-                                     plot=args.out)
-        finally:
-            trainer.close()
+    with run_without_training(args.config, args.overrides, args.recipe, args.model, args.data) as (data, trainer):
+        result = trainer.find_lr(data["train"], start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps,
+                                 plot=args.out)
     if result.suggestion is not None and trainer.is_main:
         print(f"torchrig: train with it: --set optim.lr={result.suggestion:.3g}")
     return 0

@@ -6,19 +6,10 @@ from . import add_common, register_command, set_arg
 
 
 def cmd_summary(args) -> int:
-    from ..recipes.run import build_config, build_run
+    from ..recipes.run import run_without_training
 
-    factories = [f"{key}={spec}" for key, spec in (("model.factory", args.model), ("data.factory", args.data)) if spec]
-    import tempfile
-
-    cfg = build_config(args.config, args.overrides + factories, args.recipe)
-    with tempfile.TemporaryDirectory() as unused:  # a recipe may name files in the run directory; none is written
-        cfg.run_dir = cfg.run_dir or unused
-        _, _, trainer = build_run(cfg)
-        try:
-            print(trainer.summary())
-        finally:
-            trainer.close()
+    with run_without_training(args.config, args.overrides, args.recipe, args.model, args.data) as (_, trainer):
+        print(trainer.summary())
     return 0
 
 

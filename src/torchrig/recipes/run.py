@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +44,7 @@ def run_train(cfg: C.Config, out=print) -> dict:
     owns_group, numbered = False, not cfg.run_dir
     try:
         if numbered:
-            owns_group = _join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
+            owns_group = join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
             cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out, resume=cfg.resume is not None))
         elif runtime.is_main_process():
             check_not_in_use(cfg.run_dir)  # at once, before seconds of building data and model
@@ -57,7 +58,7 @@ def run_train(cfg: C.Config, out=print) -> dict:
             runtime.destroy_process_group()
 
 
-def _join_process_group(cfg: C.Config) -> bool:
+def join_process_group(cfg: C.Config) -> bool:
     """Join the process group now (the Trainer then uses it); True when this call created it."""
     from .. import runtime
 
@@ -85,6 +86,25 @@ def build_run(cfg: C.Config, callbacks: Optional[list] = None):
     trainer = Trainer(model, config=cfg, **kwargs)
     trainer.config_builds_model = True  # the saved config.yaml rebuilds this model (evaluate, predict)
     return recipe, data, trainer
+
+
+@contextlib.contextmanager
+def run_without_training(config: Optional[str], overrides: list[str], recipe: Optional[str] = None,
+                         model: Optional[str] = None, data: Optional[str] = None):
+    """``(data, trainer)`` of a run as ``torchrig train`` would build it (``--model`` / ``--data`` factories
+    included), for a command that looks at the run without training it (``summary``, ``lr-find``); the trainer is
+    closed after. Without a ``run_dir`` it lives in a temporary folder: a recipe may name files there, none is kept."""
+    import tempfile
+
+    factories = [f"{key}={spec}" for key, spec in (("model.factory", model), ("data.factory", data)) if spec]
+    cfg = build_config(config, list(overrides) + factories, recipe)
+    with tempfile.TemporaryDirectory() as unused:
+        cfg.run_dir = cfg.run_dir or unused
+        _, built, trainer = build_run(cfg)
+        try:
+            yield built, trainer
+        finally:
+            trainer.close()
 
 
 def _train(cfg: C.Config, out) -> dict:

@@ -54,7 +54,9 @@ def tune(config: Union[None, str, Path, C.Config] = None, space: Union[None, str
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise TuneError(f"--parallel {parallel!r}: expected an integer >= 1, the trials run at once")
     base = _base_config(config, overrides, recipe)
-    owns_group = _join_group(base if base is not None else C.Config())
+    from ..recipes.run import join_process_group
+
+    owns_group = join_process_group(base if base is not None else C.Config())  # for the whole study
     try:
         if parallel > 1 and runtime.get_world_size() > 1:
             raise TuneError(f"--parallel {parallel}: under torchrun each trial uses every process, one trial at a time; "
@@ -100,16 +102,6 @@ def _base_config(config: Any, overrides: Optional[list[str]], recipe: Optional[s
     if config is None and not overrides and recipe is None:
         return None
     return build_config(str(config) if config is not None else None, list(overrides or []), recipe)
-
-
-def _join_group(cfg: C.Config) -> bool:
-    """Under torchrun, join the process group for the whole study (each trial's Trainer uses it)."""
-    d = cfg.dist
-    info = runtime.detect(d.init_method, d.rank, d.world_size)
-    if not info.is_distributed:
-        return False
-    device = runtime.select_device(cfg.device, info.local_rank)
-    return runtime.init_process_group(info, device, d.backend, d.init_method, d.timeout)
 
 
 def _study_dir(study_dir: Union[None, str, Path], resume: bool, out: Callable[[str], None]) -> Path:
