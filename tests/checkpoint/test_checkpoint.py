@@ -57,7 +57,8 @@ def test_checkpoint_directory_layout(make_trainer, data, run_dir):
     assert {"optimizers", "schedulers", "scaler", "counters", "rng", "tracker"} <= set(state)
     assert set(state["rng"]["ranks"][0]) >= {"python", "numpy", "torch"}  # one process: one rank's
     assert state["counters"] == {"global_step": 10, "epoch": 2, "batch_in_epoch": 0, "skipped_steps": 0,
-                                 "world_size": 1}
+                                 "world_size": 1, "samples_in_epoch": 0, "total_steps": 10,
+                                 "run_length": 2 * 1_000_003 + 0}
     assert "default" in state["schedulers"]
     assert meta["step"] == 10 and meta["precision"] == "fp32" and meta["torch"] == torch.__version__
     assert from_dict(cfg).checkpoint.every_steps == 2

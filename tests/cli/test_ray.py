@@ -4,6 +4,8 @@ Ray Train's workers, their process group made by Ray, train what 2 torchrun proc
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -29,7 +31,8 @@ def test_two_ray_workers_train_what_two_torchrun_processes_train(tmp_path, monke
     torchrun = dist_procs.torchrig(["launch", "--nproc-per-node", "2", "--", *TRAIN, "--set", "run_dir=torchrun"],
                                    timeout=240, cwd=tmp_path)
     assert torchrun.returncode == 0, torchrun.output[-3000:]
-    ray.init(num_cpus=2, include_dashboard=False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(num_cpus=2, include_dashboard=False)  # installs its own SIGTERM handler in this (pytest's) process
     try:
         # a relative run_dir: the workers run in this directory, not in Ray's session folder
         assert main(["launch", "--ray", "auto", "--workers", "2", "--", *TRAIN, "--set", "run_dir=on-ray"]) == 0
@@ -38,6 +41,8 @@ def test_two_ray_workers_train_what_two_torchrun_processes_train(tmp_path, monke
             capsys.readouterr().err
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():  # the later tests of this process expect Python's own handlers
+            signal.signal(sig, handler)
     a, b = weights(tmp_path / "on-ray"), weights(tmp_path / "torchrun")
     assert a.keys() == b.keys()
     assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-6

@@ -34,8 +34,9 @@ class SpikeError(TorchrigError, RuntimeError):
     """Loss spikes that rolling back did not cure; the message names the steps and what to try."""
 
 
-class Rollback(Exception):
-    """Raised by the loop's step end to leave the epoch; the loop goes on from ``(epoch, batch)``."""
+class Rollback(TorchrigError, RuntimeError):
+    """Raised by the loop's step end to leave the epoch; the loop goes on from ``(epoch, batch)`` (caught by the
+    loop: never seen by a user)."""
 
     def __init__(self, epoch: int, batch: int):
         super().__init__(f"rollback to epoch {epoch + 1}, batch {batch}")
