@@ -21,7 +21,8 @@ import torchrig
 from helpers import TRACKED_FINAL, TinyNet, make_classification, tracked_fit
 from torchrig.config import to_dict
 from torchrig.runtime import RunStopped
-from torchrig.observe.trackers import TensorBoardTracker, TrackerError, flatten
+from torchrig.config import flat_keys
+from torchrig.observe.trackers import TensorBoardTracker, TrackerError
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -76,7 +77,7 @@ def test_a_run_reads_back_with_tensorboard(tmp_path):
     assert set(content) == set(HPARAMS_TAGS)
     from torch.utils.tensorboard.summary import hparams
 
-    params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(to_dict(trainer.cfg)).items()}
+    params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat_keys(to_dict(trainer.cfg)).items()}
     expected = {s.value[0].tag: HParamsPluginData.FromString(s.value[0].metadata.plugin_data.content)
                 for s in hparams(params, {})}
     assert {tag: HParamsPluginData.FromString(c) for tag, c in content.items()} == expected

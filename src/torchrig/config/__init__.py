@@ -16,7 +16,7 @@ built-in sections), ``root`` (``Config``, the top-level keys and the recipe sect
 from __future__ import annotations
 
 from .checks import validate
-from .loading import from_dict, load_config, read_yaml, set_key, to_dict
+from .loading import flat_keys, from_dict, load_config, read_yaml, set_key, to_dict
 from .root import Config, aliases, declared_keys, get_key, groups, near_keys, register_section, sections
 from .schema import ConfigError, Key, Refused, Rule, key
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
@@ -27,7 +27,7 @@ RULES: dict[str, Rule] = {k.name: k.rule for k in declared_keys() if k.name.spli
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig", "CheckpointConfig",
-    "LogConfig", "ProfileConfig", "DistConfig", "ParallelConfig", "load_config", "read_yaml", "to_dict", "from_dict", "validate",
+    "LogConfig", "ProfileConfig", "DistConfig", "ParallelConfig", "load_config", "read_yaml", "to_dict", "from_dict", "flat_keys", "validate",
     "get_key", "set_key", "register_section", "sections", "key", "Key", "Rule", "Refused", "declared_keys",
     "aliases", "groups", "near_keys",
 ]

@@ -151,6 +151,18 @@ def to_dict(cfg: Config) -> dict:
     return out
 
 
+def flat_keys(mapping: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``: a config mapping by dotted key (as ``--set`` names
+    them); lists, empty mappings and other values are kept as they are."""
+    out: dict[str, Any] = {}
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def from_dict(mapping: dict) -> Config:
     cfg = Config()
     _apply_mapping(cfg, mapping)

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.loading import flat_keys
 from ..checkpoint.rundir import describe_os_error
 from ..errors import TorchrigError
 
@@ -41,17 +42,6 @@ def _numbers(values: dict) -> dict[str, float]:
     """The plain numbers of a row (no bools, strings or None)."""
     return {k: float(v) for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``; lists and other values are kept as they are."""
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class Tracker:
@@ -91,7 +81,7 @@ class CSVTracker(Tracker):
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
         self.dir = run_dir / "csv"
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_pairs(self.dir / "params.csv", {**flatten(config), "run_dir": str(run_dir)})
+        _write_pairs(self.dir / "params.csv", {**flat_keys(config), "run_dir": str(run_dir)})
         path = self.dir / "metrics.csv"
         kept = _csv_rows_up_to(path, self.start_step) if path.exists() else []
         self._fh = open(path, "w", newline="", buffering=1)
@@ -149,7 +139,7 @@ class TensorBoardTracker(Tracker):
             raise TrackerError(f"{'log.trackers' if listed else 'log.tensorboard'}: cannot write event files in "
                                f"'{folder}' ({describe_os_error(exc)}); make it a writable folder or {undo}") from None
         params = None if self.start_step else {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                               for k, v in flatten(config).items()}
+                                               for k, v in flat_keys(config).items()}
         self._writer = EventThread(folder, self.start_step + 1, params, str(run_dir))
         return None
 
@@ -293,7 +283,7 @@ class MLflowTracker(Tracker):
             self.client = client = MlflowClient(tracking_uri=uri)
             self.run_id = self._continue(resume_id) or self._given_run() or self._create(run_dir)
             got = client.get_run(self.run_id)
-            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in got.data.params]
+            params = [Param(k, str(v)[:6000]) for k, v in flat_keys(config).items() if k not in got.data.params]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(self.run_id, params=params[i:i + 100])
             self.where = self._where(got.info.experiment_id)

@@ -49,16 +49,6 @@ def _harmless(key: str) -> bool:
     return key in HARMLESS or any(key.startswith(p) for p in HARMLESS if p.endswith("."))
 
 
-def _flat(mapping: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in mapping.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _show(value: Any) -> str:
     if value is _MISSING:
         return "(not set)"
@@ -78,8 +68,8 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
     (saved by an older version) is not compared, nor a key of a section one side has not at all (a recipe's
     section, registered only in a process that imported the recipe: a run cannot read a section its process
     does not have)."""
-    old, new = _flat(saved), _flat(now)
-    declared = set(_flat(C.to_dict(C.Config())))
+    old, new = C.flat_keys(saved), C.flat_keys(now)
+    declared = set(C.flat_keys(C.to_dict(C.Config())))
     refused, length = [], []
     # the same data.global_batch_size: how each process makes its share (batch, micro-batches, accumulation) is
     # derived from the world size and changes nothing computed
