@@ -318,7 +318,11 @@ class CheckpointManager:
                                  else None)
         try:
             for k, opt in optimizers.items():
-                if k in state["optimizers"]:
+                if k in state["optimizers"] and self.sharded and not (path / "sharded").exists():
+                    from . import sharded  # a plain run's optimizer (by position) into split parameters
+
+                    sharded.load_full_optimizer(model, k, opt, state["optimizers"][k], path)
+                elif k in state["optimizers"]:
                     opt.load_state_dict(state["optimizers"][k])
             for k, obj in states.items():
                 if k not in ("model", "optimizers") and k in state:

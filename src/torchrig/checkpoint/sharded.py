@@ -12,8 +12,11 @@ saves (``checkpoint.async_save``) the shards go through DCP's ``async_save`` int
 and rank 0's writer thread moves them into the checkpoint once every rank's are written.
 
 DCP reshards on load: a checkpoint written by 4 ranks loads into 2, into 1, or into a plain
-(non-FSDP) model and optimizer; the keys are parameter names, not positions. Every rank must be able
-to read and write the run directory (a shared file system when the ranks are on several machines).
+(non-FSDP) model and optimizer; the keys are parameter names, not positions. The same holds across
+layouts: a tensor-parallel or FSDP2 × TP checkpoint loads into one process or under DDP, and a plain
+checkpoint (one process, DDP) loads into a split model, its optimizer state (saved by position) renamed
+to the parameters' names and cut into the new pieces by ``set_optimizer_state_dict``. Every rank must be
+able to read and write the run directory (a shared file system when the ranks are on several machines).
 """
 
 from __future__ import annotations
@@ -135,8 +138,31 @@ def load_full_weights(model: torch.nn.Module, path: Path) -> None:
     """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model."""
     dsd = _dsd()
     full = load_weights_file(path)
-    _check_keys(set(full), set(model.state_dict()), path)
+    own = model.state_dict()
+    _check_keys(set(full), set(own), path)
+    check_shapes({k: tuple(v.shape) for k, v in full.items()}, own, path)
     dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer(model: torch.nn.Module, name: str, optimizer: torch.optim.Optimizer, saved: dict,
+                        path: Path) -> None:
+    """An optimizer state saved whole by a plain run (``optimizer.state_dict()``: parameters by position) into
+    ``optimizer`` over split parameters (DTensors). Positions become parameter names through this optimizer's
+    own groups (the same construction orders them alike), and ``set_optimizer_state_dict`` cuts every full
+    moment into this rank's piece, as it does for the weights."""
+    dsd = _dsd()
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    mine = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    theirs = [i for g in saved.get("param_groups", []) for i in g["params"]]
+    if None in mine or len(mine) != len(theirs) or len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint '{path}': optimizer '{name}' holds {len(theirs)} parameters in "
+                              f"{len(saved.get('param_groups', []))} group(s), this run's "
+                              f"{len(mine)} in {len(optimizer.param_groups)}; was it saved from a different model "
+                              f"or optimizer? (resume_weights_only=true loads the weights alone)")
+    fqn = dict(zip(theirs, mine))
+    full = {"state": {fqn[i]: s for i, s in saved["state"].items()},
+            "param_groups": [dict(g, params=[fqn[i] for i in g["params"]]) for g in saved["param_groups"]]}
+    dsd.set_optimizer_state_dict(model, optimizer, full, options=dsd.StateDictOptions(full_state_dict=True))
 
 
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print) -> None:
@@ -155,14 +181,16 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     from . import safe_dcp
 
     try:
-        saved = set(safe_dcp.read_metadata_file(path / SHARDS / ".metadata").state_dict_metadata)
+        saved = safe_dcp.read_metadata_file(path / SHARDS / ".metadata").state_dict_metadata
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
                               f"checkpoint, or its model.safetensors for the weights alone") from None
     target = _sharded_state(model, optimizers)
+    shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path)
+    check_shapes(shapes, target["model"], path)
     missing_optim = [name for name in target["optim"] if not any(k.startswith(f"optim.{name}.") for k in saved)]
     for name in missing_optim:  # a different optimizer set-up: keep those fresh, say so
         print_fn(f"torchrig: checkpoint '{path}' has no state for optimizer '{name}'; it starts fresh")
@@ -194,3 +222,14 @@ def _plain(value: Any) -> Any:
 
 def _check_keys(saved: set, expected: set, path: Path) -> None:
     check_keys(saved, expected, f"checkpoint '{path}'")
+
+
+def check_shapes(saved: dict[str, tuple], model_state: dict[str, Any], path: Path) -> None:
+    """One line naming the first parameter whose whole shape in the checkpoint differs from the model's (a split
+    parameter's whole shape: a DTensor's ``shape`` is the global one, whatever the layout)."""
+    for key in sorted(saved):
+        own = model_state.get(key)
+        if own is not None and hasattr(own, "shape") and tuple(own.shape) != tuple(saved[key]):
+            raise CheckpointError(f"checkpoint '{path}' does not fit the model: parameter '{key}' has shape "
+                                  f"{tuple(saved[key])} in the checkpoint and {tuple(own.shape)} in the model; "
+                                  f"was it saved from a different model or config?")

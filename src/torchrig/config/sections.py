@@ -285,8 +285,12 @@ class ParallelConfig:
     tp_plan: Union[dict, str, None] = key(
         None, optional(Rule("'auto' or a mapping of module-name patterns to styles", _tp_plan)),
         "with tp > 1: {module pattern: colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel, "
-        "embedding_rowwise, embedding_colwise}; auto: the model's own plan (its tp_plan attribute, or a Hugging "
-        "Face config's base_model_tp_plan)", alias="tp_plan")
+        "embedding_rowwise, embedding_colwise, colwise_loss_parallel}; auto: the model's own plan (its tp_plan "
+        "attribute, or a Hugging Face config's base_model_tp_plan)", alias="tp_plan")
+    loss_parallel: Union[bool, str] = key(
+        "auto", AUTO_BOOL, "the cross-entropy of logits left split by class (an output layer planned "
+        "colwise_loss_parallel) without gathering them; auto: on with such a layer and a cross-entropy loss",
+        alias="loss_parallel")
 
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",

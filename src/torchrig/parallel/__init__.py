@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import loss
 from . import tp as tensor_parallel
 from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
@@ -17,7 +18,7 @@ from .wrap import no_sync, no_sync_all, resolve_strategy, shard_model, wrap_mode
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
            "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel", "devices_of",
-           "placed_device", "to_output_device"]
+           "placed_device", "to_output_device", "loss"]
 
 
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,
@@ -28,7 +29,7 @@ def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device
         if isinstance(model, nn.ModuleDict):
             raise ParallelConfigError("config key 'parallel.tp': tensor parallelism splits one model; a dict of "
                                       "models (a GAN's networks) is not supported")
-        tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
+        layout.plan = tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
     if layout.strategy == "fsdp":
         return shard_model(model, device, cfg.dist, dtype, mesh=data_parallel_mesh(layout))
     return model

@@ -40,6 +40,7 @@ class Layout:
     strategy: str = "none"              # the data-parallel wrapper: none, ddp, fsdp or dp
     mesh: Any = None                    # DeviceMesh (dp_replicate, dp_shard, tp), or None: the default group
     dp_group: Any = None                # the data-parallel ranks' group, or None: every rank
+    plan: dict = dataclasses.field(default_factory=dict)  # {module: tensor-parallel style} once split
 
     @property
     def dp(self) -> int:
@@ -53,6 +54,10 @@ class Layout:
 
     def submesh(self, *names: str) -> Any:
         return self.mesh[names if len(names) > 1 else names[0]]
+
+    def degrees(self) -> dict[str, int]:
+        """The four degrees and the world size, as a checkpoint records them."""
+        return {**{k: getattr(self, k) for k in DEGREES}, "world_size": self.dp * self.tp * self.pp}
 
     def describe(self) -> str:
         return " × ".join(f"{k}={getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1) or "one process"

@@ -12,6 +12,9 @@ A plan maps module-name patterns (``fnmatch``: ``layers.*.mlp.up`` matches ``lay
 ``sequence_parallel``  ``SequenceParallel()``: a norm or dropout over a sequence split on dim 1
 ``embedding_rowwise``  ``RowwiseParallel(input_layouts=Replicate())``: an embedding's rows split
 ``embedding_colwise``  ``ColwiseParallel(output_layouts=Replicate())``: its columns split
+``colwise_loss_parallel``  ``ColwiseParallel(use_local_output=False)``: an output layer (LM head) split by
+                       class whose output stays a split DTensor, for the cross-entropy of
+                       ``parallel.loss_parallel`` (``parallel/loss.py``)
 =====================  ==========================================================================
 
 ``auto`` takes the plan the model declares: a ``tp_plan`` attribute (torchrig's built-in models, or the
@@ -48,11 +51,12 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "sequence_parallel": SequenceParallel,
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_loss_parallel": lambda: ColwiseParallel(use_local_output=False),
     }
 
 
 STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel",
-               "embedding_rowwise", "embedding_colwise")
+               "embedding_rowwise", "embedding_colwise", "colwise_loss_parallel")
 
 
 def model_plan(model: nn.Module) -> dict[str, str]:

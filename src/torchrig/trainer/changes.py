@@ -29,6 +29,10 @@ HARMLESS = frozenset({
     "dist.find_unused_parameters", "dist.static_graph", "dist.bucket_cap_mb", "dist.gradient_as_bucket_view",
     "dist.fsdp_wrap", "dist.fsdp_min_params", "dist.fsdp_cpu_offload", "dist.fsdp_reshard_after_forward",
     "dist.requeue", "dist.stop_timeout",
+    # the layout: how the model is spread over the processes (checkpoints are resharded on load, see
+    # checkpoint/sharded.py; the same computation up to the order of float sums)
+    "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.tp_plan",
+    "parallel.tp_plan.", "parallel.loss_parallel",
     # how batches are delivered (the same samples in the same order), and what is evaluated when
     "data.num_workers", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor", "data.fast_path",
     "data.eval_batch_size", "data.val_path", "data.test_path", "eval_every_epochs",
@@ -63,8 +67,9 @@ _MISSING = object()
 def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[list[tuple], list[tuple]]:
     """``(refused, length)``: ``(key, old, new, note)`` for each setting that differs and is not harmless,
     and for each change of the run's length (``epochs``, ``max_steps``). ``worlds`` are the saved and the
-    current number of processes: ``data.batch_size`` is per process, so what must stay is the global batch
-    (2 processes of 4 resume exactly as 1 of 8). A key that this torchrig declares and the checkpoint lacks
+    current number of data-parallel ranks (processes that see different samples): ``data.batch_size`` is per
+    such rank, so what must stay is the global batch (2 ranks of 4 resume exactly as 1 of 8; tensor-parallel
+    ranks share their samples). A key that this torchrig declares and the checkpoint lacks
     (saved by an older version) is not compared, nor a key of a section one side has not at all (a recipe's
     section, registered only in a process that imported the recipe: a run cannot read a section its process
     does not have)."""
@@ -90,7 +95,7 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
         if key == "data.batch_size" and worlds[0] != worlds[1] and isinstance(a, int) and isinstance(b, int):
             if a * worlds[0] == b * worlds[1]:
                 continue
-            note = f" (global batch {a * worlds[0]} → {b * worlds[1]} over {worlds[0]} → {worlds[1]} processes)"
+            note = f" (global batch {a * worlds[0]} → {b * worlds[1]} over {worlds[0]} → {worlds[1]} data-parallel ranks)"
         if key in ("epochs", "max_steps"):
             length.append((key, a, b, note))
         elif not _harmless(key):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import runtime
+from .. import parallel, runtime
 from ..data import padding_batches, to_device
 from ..data.batches import batch_size_of, predict_inputs
 from ..data.iterable_eval import IterableEvalBatches
@@ -169,7 +169,7 @@ def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, out
     field alone) or ``"all"`` (the output's structure); None: what ``predict(outputs=...)`` asked for."""
     inputs = predict_inputs(step.model, batch, step.io.label_key)
     with step.autocast():
-        out = O.call_model(step.model, inputs, step.io.input_keys)
+        out = parallel.loss.whole(O.call_model(step.model, inputs, step.io.input_keys))  # split logits: whole
     if (outputs or getattr(step, "predict_outputs", "prediction")) == "prediction":
         return O.predict_prediction(out, step.io.output_key, activation)
     return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))

@@ -50,6 +50,8 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
     c.state.samples_in_epoch = c.data.samples_before(c.state.batch_in_epoch)  # the position, in any world size
     meta = {"step": c.state.global_step, "epoch": c.state.epoch, "batch_in_epoch": c.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
+    if c.layout is not None:  # the degrees it was saved in: a resume in another layout says so
+        meta["layout"] = c.layout.degrees()
     factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
@@ -73,12 +75,18 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
-    saved_world = read_meta(path).get("world_size")
+    meta = read_meta(path)
+    saved_layout = layout_of(meta)
+    now = c.layout.degrees() if c.layout is not None else {"world_size": c.world_size}
     changes.check(read_config(path), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
-                  worlds=(saved_world if isinstance(saved_world, int) else c.world_size, c.world_size))
+                  worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
     restored = states(c)
     c.checkpoints.load(path, restored, print_fn=c.say)
+    if isinstance(meta.get("layout"), dict) and _layout_key(saved_layout) != _layout_key(now):
+        c.say(f"torchrig: resumed a {describe_layout(saved_layout)} checkpoint ({path.name}) in "
+              f"{describe_layout(now)}: model and optimizer state resharded, step counters and the data position "
+              f"kept; equal to the run in its saved layout up to float rounding, not bitwise")
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate),
@@ -87,3 +95,36 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         if line:
             c.say(line)
     return path, epoch, batch
+
+
+def layout_of(meta: dict) -> dict:
+    """The layout a checkpoint was saved in (``meta.json``: its degrees and world size); a checkpoint from
+    before layouts were recorded: its world size alone, taken as data-parallel."""
+    saved = meta.get("layout")
+    out = {k: v for k, v in saved.items() if isinstance(v, int)} if isinstance(saved, dict) else {}
+    if not out and isinstance(meta.get("world_size"), int):
+        out = {"dp_replicate": meta["world_size"]}
+    if out and isinstance(meta.get("world_size"), int):
+        out["world_size"] = meta["world_size"]
+    return out
+
+
+def data_parallel(layout: dict, default: int) -> int:
+    """Ranks that see different samples in ``layout`` (``default`` when it is not known)."""
+    if not layout:
+        return default
+    return max(1, layout.get("dp_replicate", 1) * layout.get("dp_shard", 1))
+
+
+def _layout_key(layout: dict) -> tuple:
+    return tuple(layout.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")) + (layout.get("world_size", 1),)
+
+
+def describe_layout(layout: dict) -> str:
+    """``tp=2``, ``dp_shard=2 × tp=2``, ``DDP over 2 processes``, ``one process``."""
+    split = " × ".join(f"{k}={layout[k]}" for k in ("dp_shard", "tp", "pp") if layout.get(k, 1) > 1)
+    world = layout.get("world_size", 1)
+    if split:
+        replicas = layout.get("dp_replicate", 1)
+        return (f"dp_replicate={replicas} × " if replicas > 1 else "") + split
+    return f"DDP over {world} processes" if world > 1 else "one process"

@@ -91,6 +91,7 @@ class ModelCalls:
         self._loss_checked = False  # check_loss_fit runs on the first batch only
         self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
         self.predict_outputs = "prediction"  # in predict: "prediction" or "all" (see inference.predict)
+        self.loss_parallel = False  # the training loss of split logits runs split (parallel.loss_parallel)
 
     def autocast(self):
         return self.precision.autocast()
@@ -109,19 +110,29 @@ class ModelCalls:
         model = model or self.model
         if type(inputs) is torch.Tensor and self.io.input_keys is None:  # the common case, as call_model does it
             try:
-                return model(inputs)
+                out = model(inputs)
             except RuntimeError as exc:
                 raise outputs.explain_forward_error(exc, model, inputs) or exc
+            return out if type(out) is torch.Tensor else self._output(out)
         labels = None
         if target is not None and isinstance(inputs, dict) and outputs.uses_model_loss(self.loss_fn):
             name = label_keyword(model, self.io.label_key)
             labels = (name, target) if name is not None and name not in inputs else None
-        return call_model(model, inputs, self.io.input_keys, labels)
+        return self._output(call_model(model, inputs, self.io.input_keys, labels))
+
+    def _output(self, out: Any) -> Any:
+        """Logits left split over the tensor-parallel ranks (a DTensor) stay split for the loss under
+        ``parallel.loss_parallel``; otherwise they are gathered whole here (``parallel/loss.py``)."""
+        if isinstance(out, torch.Tensor) and not self.loss_parallel:
+            return parallel.loss.whole(out)
+        return out
 
     def loss(self, output: Any, target: Any) -> tuple[Any, torch.Tensor]:
         """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
         if self.spread:
             target = parallel.to_output_device(output, target)
+        if self.loss_parallel and parallel.loss.is_split(output):  # split logits, cross-entropy split likewise
+            return output, parallel.loss.split_loss(self._tensor_loss or self.loss_fn, output, target)
         if not self._loss_checked:  # the first batch: an output the loss cannot take is said now, in one line
             self._check_loss_fit(output, target)
         if type(output) is torch.Tensor and self._tensor_loss is not None and self.io.output_key is None:
@@ -143,6 +154,8 @@ class ModelCalls:
         """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""
         if target is None or not self.metrics or self.weight == 0:
             return
+        if self.loss_parallel:  # the metrics read the whole logits
+            output = parallel.loss.whole(output)
         if self.spread:
             target = parallel.to_output_device(output, target)
         out = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
@@ -323,6 +336,10 @@ class Step(ModelCalls):
         scaled = self._weighted(loss, count)
         if self.precision.scaler is not None:
             scaled = self.precision.scaler.scale(scaled)
+        if self.loss_parallel:  # the split cross-entropy's backward runs split too
+            with parallel.loss.context(True):
+                scaled.backward(retain_graph=retain_graph)
+            return
         scaled.backward(retain_graph=retain_graph)
 
     def _weighted(self, loss: torch.Tensor, count: Optional[normalize.Count]) -> torch.Tensor:

@@ -161,10 +161,12 @@ class Trainer:
 
     def _make_step(self, metrics: list) -> Step:
         grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
-        return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
+        step = Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, self.sched_interval), models=self.models,
                     metrics=metrics, state=self.state, schedulers=self.schedulers,
                     io=outputs.ModelIO.from_config(self.cfg))
+        step.loss_parallel = parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan, self.loss_fn)
+        return step
 
     def _metric_objects(self) -> list[Metric]:
         return get_metrics(self._objects.get("metrics", self.cfg.metrics), device=self.device)
@@ -303,6 +305,7 @@ class Trainer:
             checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
             data=self._data, ema=self.ema, signals=self._signals, run_dir=self.run_dir,
             config_builds_model=self.config_builds_model, say=self.print, sharded=self.layout.sharded,
+            layout=self.layout,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
         self._spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back

@@ -1,0 +1,104 @@
+"""Checkpoints across layouts (tp=2, one process, DDP, dp_shard=2 × tp=2) and loss parallelism.
+
+Real gloo process groups on the CPU (tests/helpers/layouts_worker.py): one pair of processes for the runs that
+need two, one group of four for FSDP2 × TP, one pair for DDP after it; the one-process runs here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchrig
+
+from helpers import dist_procs
+from helpers import layouts_worker as L
+from helpers import parallel_worker as W
+
+WORKER = dist_procs.HELPERS / "layouts_worker.py"
+
+
+def group(scenario: str, out, n: int) -> None:
+    for r in dist_procs.group(scenario, out, out.parent / f"store-{scenario}", n, timeout=400, worker=WORKER):
+        assert r.returncode == 0, r.output[-3000:]
+
+
+def worst(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def fit_one(make_model, data, run_dir, capsys=None, **kw):
+    t = torchrig.Trainer(W.build(make_model), **W.settings(run_dir, **kw))
+    t.fit(data)
+    return t
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-process run that the pair resumes at tp=2, then the pair, the four and the DDP pair after them."""
+    out = tmp_path_factory.mktemp("layouts")
+    t = fit_one(W.Block, L.blocks(), out / "one", **L.EVERY)
+    torch.save(W.params(t.model), out / "one-whole.pt")
+    group("pair", out, 2)
+    group("fsdp_tp", out, 4)
+    group("to_ddp", out, 2)
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_resumes_in_one_process_within_1e_6(runs, tmp_path, capsys):
+    """Stopped mid-epoch (step 7 of 10) at tp=2, resumed in one process: the run ends within 1e-6 of the
+    uninterrupted tp=2 run; model and optimizer state resharded by DCP, the data position and counters kept, and
+    the start says so in one line."""
+    ckpt = runs / "tp" / "checkpoints" / "step-00000007"
+    t = fit_one(W.Block, L.blocks(), tmp_path / "resumed", resume=str(ckpt), epochs=2)
+    assert t.global_step == 20
+    gap = worst(W.params(t.model), torch.load(runs / "tp-whole.pt"))
+    assert gap < 1e-6, f"tp=2 → one process: {gap:.3g} from the uninterrupted tp=2 run"
+    said = [line for line in capsys.readouterr().out.splitlines() if "resumed a" in line]
+    assert said == [f"torchrig: resumed a tp=2 checkpoint (step-00000007) in one process: model and optimizer "
+                    f"state resharded, step counters and the data position kept; equal to the run in its saved "
+                    f"layout up to float rounding, not bitwise"]
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_at_tp2(runs):
+    """A one-process checkpoint (weights and AdamW moments by position) resumed at tp=2 ends where the
+    uninterrupted one-process run ends, within tensor parallelism's 1e-5."""
+    got, steps = torch.load(runs / "one-to-tp.pt")
+    assert steps == 20
+    assert worst(got, torch.load(runs / "one-whole.pt")) < 1e-5
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_tp_checkpoints_load_into_each_other_and_one_process(runs, tmp_path):
+    """DDP (2 processes) step 7 → dp_shard=2 × tp=2 (4 processes) → its step 14 → DDP, and → one process: each
+    ends within 1e-5 of the uninterrupted DDP run (the same global batch of 8 throughout)."""
+    whole = torch.load(runs / "ddp-whole.pt")
+    for name in ("ddp-to-fsdp_tp", "fsdp_tp-to-ddp"):
+        got, steps = torch.load(runs / f"{name}.pt")
+        assert steps == 20 and worst(got, whole) < 1e-5, name
+    ckpt = runs / "fsdp_tp" / "checkpoints" / "step-00000014"
+    assert (ckpt / "sharded" / ".metadata").is_file()
+    t = fit_one(W.TokenBlock, L.tokens(2), tmp_path / "one", loss=W.token_loss, batch_size=8, epochs=2,
+                resume=str(ckpt))
+    assert t.global_step == 20 and worst(W.params(t.model), whole) < 1e-5
+
+
+@pytest.mark.slow
+def test_loss_parallel_matches_one_process_and_halves_the_logits(runs, tmp_path):
+    """tp=2 with the output layer split by class (colwise_loss_parallel) and loss_parallel on (auto, for
+    cross_entropy): 20 AdamW steps within 1e-5 of one process, and each rank holds half of the logits."""
+    seen = json.loads((runs / "lp.json").read_text())
+    assert seen["on"] is True
+    captured = []
+    model = W.build(L.VocabBlock)
+    model.head.register_forward_hook(lambda m, a, out: captured.append(out.untyped_storage().nbytes()))
+    t = torchrig.Trainer(model, **W.settings(tmp_path / "one-lp", loss="cross_entropy", metrics=["accuracy"]))
+    t.fit(L.vocab_data(W.BATCH * W.STEPS))
+    assert worst(W.params(t.model), torch.load(runs / "lp.pt")) < 1e-5
+    assert seen["bytes"] * 2 == captured[0] == W.BATCH * L.VOCAB * 4
+    assert abs(seen["accuracy"] - t.evaluate(L.vocab_data(16))["accuracy"]) < 1e-6
