@@ -59,7 +59,7 @@ def test_tp2_checkpoint_resumes_in_one_process_within_1e_6(runs, tmp_path, capsy
     gap = worst(W.params(t.model), torch.load(runs / "tp-whole.pt"))
     assert gap < 1e-6, f"tp=2 → one process: {gap:.3g} from the uninterrupted tp=2 run"
     said = [line for line in capsys.readouterr().out.splitlines() if "resumed a" in line]
-    assert said == [f"torchrig: resumed a tp=2 checkpoint (step-00000007) in one process: model and optimizer "
+    assert said == [f"torchrig: resumed a checkpoint saved at tp=2 (step-00000007) in one process: model and optimizer "
                     f"state resharded, step counters and the data position kept; equal to the run in its saved "
                     f"layout up to float rounding, not bitwise"]
 
@@ -89,6 +89,20 @@ def test_ddp_and_fsdp_tp_checkpoints_load_into_each_other_and_one_process(runs, 
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_other_shapes_is_one_line_naming_the_parameter(runs, tmp_path):
+    """A tp=2 checkpoint of a block 16 wide into one 32 wide: one line naming the first parameter and both
+    whole shapes, before anything is loaded."""
+    ckpt = runs / "tp" / "checkpoints" / "step-00000007"
+    t = torchrig.Trainer(W.build(lambda: W.Block(dim=32)), **W.settings(tmp_path / "wide", resume=str(ckpt),
+                                                                       epochs=2, resume_changes="allow"))
+    with pytest.raises(torchrig.checkpoint.CheckpointError) as err:
+        t.fit(L.blocks())
+    assert str(err.value) == (f"checkpoint '{ckpt}' does not fit the model: parameter 'attn.k.weight' has shape "
+                              f"(16, 16) in the checkpoint and (32, 32) in the model; was it saved from a different "
+                              f"model or config?")
+
+
+@pytest.mark.slow
 def test_loss_parallel_matches_one_process_and_halves_the_logits(runs, tmp_path):
     """tp=2 with the output layer split by class (colwise_loss_parallel) and loss_parallel on (auto, for
     cross_entropy): 20 AdamW steps within 1e-5 of one process, and each rank holds half of the logits."""
@@ -102,3 +116,22 @@ def test_loss_parallel_matches_one_process_and_halves_the_logits(runs, tmp_path)
     assert worst(W.params(t.model), torch.load(runs / "lp.pt")) < 1e-5
     assert seen["bytes"] * 2 == captured[0] == W.BATCH * L.VOCAB * 4
     assert abs(seen["accuracy"] - t.evaluate(L.vocab_data(16))["accuracy"]) < 1e-6
+
+
+def test_the_layout_may_change_on_resume_and_the_global_batch_counts_data_parallel_ranks():
+    """parallel.* layout keys pass a resume without resume_changes=allow; data.batch_size is per data-parallel
+    rank (tensor-parallel ranks share their samples), so 4 per rank at dp_shard=2 × tp=2 is 8 in one process."""
+    from torchrig.trainer import changes, saving
+
+    saved = {"parallel": {"tp": 2, "dp_shard": 2, "tp_plan": {"attn.q": "colwise"}, "loss_parallel": True},
+             "data": {"batch_size": 4}}
+    now = {"parallel": {"tp": 1, "dp_shard": "auto", "tp_plan": None, "loss_parallel": "auto"}, "data": {"batch_size": 8}}
+    meta = {"world_size": 4, "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1, "world_size": 4}}
+    dp = saving.data_parallel(saving.layout_of(meta), 4)
+    assert dp == 2 and changes.changed(saved, now, (dp, 1)) == ([], [])
+    assert changes.changed(saved, now, (4, 1))[0] == [("data.batch_size", 4, 8, " (global batch 16 → 8 over 4 → 1 "
+                                                                              "data-parallel ranks)")]
+    assert saving.data_parallel(saving.layout_of({"world_size": 3}), 1) == 3  # saved before layouts were recorded
+    assert [saving.describe_layout(saving.layout_of({"world_size": w, "layout": d})) for w, d in [
+        (4, meta["layout"]), (2, {"dp_replicate": 2, "world_size": 2}), (1, {"world_size": 1})]] == [
+        "at dp_shard=2 × tp=2", "under DDP on 2 processes", "in one process"]

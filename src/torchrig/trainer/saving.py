@@ -84,7 +84,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     restored = states(c)
     c.checkpoints.load(path, restored, print_fn=c.say)
     if isinstance(meta.get("layout"), dict) and _layout_key(saved_layout) != _layout_key(now):
-        c.say(f"torchrig: resumed a {describe_layout(saved_layout)} checkpoint ({path.name}) in "
+        c.say(f"torchrig: resumed a checkpoint saved {describe_layout(saved_layout)} ({path.name}) "
               f"{describe_layout(now)}: model and optimizer state resharded, step counters and the data position "
               f"kept; equal to the run in its saved layout up to float rounding, not bitwise")
     for opt in c.optimizers.values():
@@ -121,10 +121,10 @@ def _layout_key(layout: dict) -> tuple:
 
 
 def describe_layout(layout: dict) -> str:
-    """``tp=2``, ``dp_shard=2 × tp=2``, ``DDP over 2 processes``, ``one process``."""
+    """``at tp=2``, ``at dp_shard=2 × tp=2``, ``under DDP on 2 processes``, ``in one process``."""
     split = " × ".join(f"{k}={layout[k]}" for k in ("dp_shard", "tp", "pp") if layout.get(k, 1) > 1)
     world = layout.get("world_size", 1)
     if split:
         replicas = layout.get("dp_replicate", 1)
-        return (f"dp_replicate={replicas} × " if replicas > 1 else "") + split
-    return f"DDP over {world} processes" if world > 1 else "one process"
+        return "at " + (f"dp_replicate={replicas} × " if replicas > 1 else "") + split
+    return f"under DDP on {world} processes" if world > 1 else "in one process"
