@@ -172,6 +172,7 @@ BAD_VALUES = [
     ('parallel.tp=-2', "an integer >= 1, or -1 for the ranks the other degrees leave, got -2"),
     ('parallel.pp=1.5', "an integer >= 1, or -1 for the ranks the other degrees leave, got 1.5"),
     ('parallel.tp_plan=everything', "'auto' or a mapping of module-name patterns to styles or null, got 'everything'"),
+    ('parallel.loss_parallel=maybe', "true, false or 'auto', got 'maybe'"),
     ('ema_decay=1', 'a number in (0, 1) or null, got 1'),
     ('ema_warmup=maybe', "true or false, got 'maybe'"),
     ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),

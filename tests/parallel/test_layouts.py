@@ -59,9 +59,9 @@ def test_tp2_checkpoint_resumes_in_one_process_within_1e_6(runs, tmp_path, capsy
     gap = worst(W.params(t.model), torch.load(runs / "tp-whole.pt"))
     assert gap < 1e-6, f"tp=2 → one process: {gap:.3g} from the uninterrupted tp=2 run"
     said = [line for line in capsys.readouterr().out.splitlines() if "resumed a" in line]
-    assert said == [f"torchrig: resumed a checkpoint saved at tp=2 (step-00000007) in one process: model and optimizer "
-                    f"state resharded, step counters and the data position kept; equal to the run in its saved "
-                    f"layout up to float rounding, not bitwise"]
+    assert said == ["torchrig: resumed a checkpoint saved at tp=2 (step-00000007) in one process: model and optimizer "
+                    "state resharded, step counters and the data position kept; equal to the run in its saved "
+                    "layout up to float rounding, not bitwise"]
 
 
 @pytest.mark.slow
