@@ -350,3 +350,19 @@ def test_launch_help_lists_examples(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--max-restarts" in out and "--ifname" in out
+
+
+@pytest.mark.parametrize("separator", [["--"], []])
+def test_the_commands_arguments_reach_it_as_written(separator, tmp_path):
+    """Options of the launched command that begin a torchrun / launch option (``--start`` of ``--start-method``,
+    ``--max`` of ``--max-restarts``, ``--rdzv``, ``--nnodes`` itself) are the command's, with or without ``--``."""
+    script = tmp_path / "job.py"
+    script.write_text("")
+    mine = ["--start", "3", "--max", "1", "--rdzv", "x", "--nnodes", "7", "--", "--log", "y"]
+    for command in (["train", *mine], [str(script), *mine]):
+        args = _args("--nproc-per-node", "2", "--max-restarts", "1", *separator, *command)
+        assert args.command_args[len(separator):] == command and args.nnodes == "1" and args.start_method is None
+        targs = L.torchrun_args(L.build(args)[0])
+        assert (targs.nproc_per_node, targs.max_restarts, targs.nnodes, targs.start_method) == ("2", 1, "1", "spawn")
+        assert [targs.training_script, *targs.training_script_args] == (
+            ["torchrig", *command] if command[0] == "train" else command)

@@ -121,7 +121,8 @@ def _register(sub) -> None:
                        description="Start N worker processes on this machine (and M machines), each running the "
                                    "command after --, with the torchrun environment set. The same command runs "
                                    "unchanged on one process.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)  # `launch … train --start 3`: --start is train's, not --start-method
     add_arguments(p)
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     p.set_defaults(handler=cmd_launch)
@@ -329,6 +330,22 @@ def _clean_stop(exc) -> Optional[int]:
     return None
 
 
+def torchrun_args(argv: list[str], parse_args=None) -> argparse.Namespace:
+    """torchrun's namespace for ``build``'s argv, whose command's arguments reach the workers as written.
+
+    torchrun's own parser reads abbreviations everywhere, so a command option that begins one of its options
+    (``--start``, ``--max``, ``--rdzv``) would be refused or taken as torchrun's; only the options ``build``
+    wrote (each with its value) and the script are parsed here, and the rest is handed over untouched."""
+    if parse_args is None:
+        from torch.distributed.run import parse_args
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if argv[i] in ("-m", "--no-python") else 2
+    targs = parse_args(argv[:i + 1])
+    targs.training_script_args = list(argv[i + 1:])
+    return targs
+
+
 def launch(argv: list[str], env: dict[str, str]) -> int:
     """Run torchrun in this process (so the loopback rendezvous is available); returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -336,7 +353,7 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
 
     _register_loopback_backend()
     os.environ.update(env)
-    targs = parse_args(argv)
+    targs = torchrun_args(argv, parse_args)
     try:
         run(targs)
     except ChildFailedError as exc:
