@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -75,13 +77,15 @@ def runs(tmp_path_factory):
     """The uninterrupted runs on 1, 2 and 3 processes and the resumed ones: 1 → 2 and 3 → 2 in one 2-process
     group, 2 → 3 in a second 3-process group, 2 → 1 in this process."""
     out = tmp_path_factory.mktemp("elastic")
-    got = {"one": _one_process(out, "one")}
+    got = {"one": _one_process(out, "one"), "fsdp_one": _one_process(out, "fsdp_one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw"])[0].output
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw", "fsdp",
+                              f"fsdp_one_to_two={out / 'fsdp_one' / 'checkpoints' / CUT}"])[0].output
     said["two_to_three"] = _group(out, 3, [f"two_to_three={out / 'two' / 'checkpoints' / CUT}"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
     got["clean"] = _one_process(out, "clean")
+    got["fsdp_two_to_one"] = _one_process(out, "fsdp_two_to_one", out / "fsdp" / "checkpoints" / CUT)
     said["stream"] = _said(lambda: _one_process(out, "stream_to_one", out / "stream" / "checkpoints" / CUT))
     said["streamw"] = _said(lambda: _one_process(out, "streamw_to_one", out / "streamw" / "checkpoints" / CUT))
     got.update({name: _read(out, name, 1) for name in ("stream_to_one", "streamw_to_one")})
@@ -89,7 +93,8 @@ def runs(tmp_path_factory):
     got["spike"] = _read(out, "spike", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2),
-                "two_to_three": _read(out, "two_to_three", 3)})
+                "two_to_three": _read(out, "two_to_three", 3), "fsdp": _read(out, "fsdp", 2),
+                "fsdp_one_to_two": _read(out, "fsdp_one_to_two", 2)})
     return got, said
 
 
@@ -97,15 +102,17 @@ def test_one_global_batch_is_the_same_mathematics_on_any_number_of_processes(run
     got, said = runs
     assert "batch 4/process × 3 × 1 accumulation = 12 global (data.global_batch_size)" in said[3]
     assert "batch 3/process × 2 × 2 accumulation = 12 global (data.global_batch_size)" in said[2]
-    for name in ("one", "two", "three"):
+    for name in ("one", "two", "three", "fsdp", "fsdp_one"):
         assert got[name]["steps"] == {16}, name
     assert _max_diff(got["two"]["params"], got["one"]["params"]) < ATOL
     assert _max_diff(got["three"]["params"], got["one"]["params"]) < ATOL
+    assert _max_diff(got["fsdp"]["params"], got["fsdp_one"]["params"]) < ATOL  # FSDP2 on tokens
+    assert _max_diff(got["fsdp"]["params"], E.token_model().state_dict()) > 1e-2  # and it learned something
 
 
-def _trained(rows_of_ranks: list, after: int = 0, upto: int = 10 ** 9) -> dict:
+def _trained(rows_of_ranks: list, after: int = 0, upto: int = 10 ** 9, tokens: bool = False) -> dict:
     """{epoch: Counter of sample indices} over every rank's rows of the steps in (after, upto]."""
-    index = {v: i for i, v in enumerate(W.train_data()[0][:, 0].tolist())}
+    index = {v: i for i, v in enumerate((E.token_data() if tokens else W.train_data())[0][:, 0].tolist())}
     seen: dict = {}
     for rows in rows_of_ranks:
         for epoch, step, firsts in rows:
@@ -115,10 +122,15 @@ def _trained(rows_of_ranks: list, after: int = 0, upto: int = 10 ** 9) -> dict:
 
 
 @pytest.mark.parametrize("resumed, original", [("two_to_one", "two"), ("one_to_two", "one"),
-                                               ("three_to_two", "three"), ("two_to_three", "two")])
+                                               ("three_to_two", "three"), ("two_to_three", "two"),
+                                               ("fsdp_two_to_one", "fsdp"), ("fsdp_one_to_two", "fsdp_one")])
 def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_processes_exactly(runs, resumed, original):
+    """``fsdp…``: FSDP2 on 2 processes (a sharded checkpoint) and one unwrapped process, micro-batches of 3
+    accumulated (2 or 4 per step), the loss normalised over the valid tokens of the whole global batch, the
+    epoch's last global batch short (9 sequences)."""
     got, said = runs
     run, before = got[resumed], got[original]
+    tokens = resumed.startswith("fsdp")
     assert run["steps"] == {16}
     assert _max_diff(run["params"], before["params"]) < ATOL  # the uninterrupted run at the original size
     # the one-cycle schedule kept its horizon (16 steps), stepped 16 times, and ended at the same learning rate
@@ -126,20 +138,20 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_processes_exactly(r
     first = min(step for rows in run["rows"] for _, step, _ in rows)
     assert first == E.CUT + 1, "it goes on with the step after the checkpoint's"
     # every sample once per epoch: epoch 1 and the first 3 steps of epoch 2 before the checkpoint, the rest after
-    seen = _trained(before["rows"], upto=E.CUT)
-    for epoch, counts in _trained(run["rows"]).items():
+    seen = _trained(before["rows"], upto=E.CUT, tokens=tokens)
+    for epoch, counts in _trained(run["rows"], tokens=tokens).items():
         seen.setdefault(epoch, Counter()).update(counts)
     assert sorted(seen) == [0, 1]
     for epoch, counts in seen.items():
         assert sorted(counts) == list(range(W.N_TRAIN)) and set(counts.values()) == {1}, epoch
     # and in the uninterrupted run's order, step by step
-    assert _order(run["rows"]) == _order(before["rows"], after=E.CUT)
+    assert _order(run["rows"], tokens=tokens) == _order(before["rows"], after=E.CUT, tokens=tokens)
     for text in said.values():
         assert "resuming at the start of epoch" not in text
 
 
-def _order(rows_of_ranks: list, after: int = 0) -> list:
-    index = {v: i for i, v in enumerate(W.train_data()[0][:, 0].tolist())}
+def _order(rows_of_ranks: list, after: int = 0, tokens: bool = False) -> list:
+    index = {v: i for i, v in enumerate((E.token_data() if tokens else W.train_data())[0][:, 0].tolist())}
     steps: dict = {}
     for rows in rows_of_ranks:
         for _, step, firsts in rows:
@@ -184,3 +196,54 @@ def test_a_stream_read_by_workers_starts_its_epoch_over_in_one_line(runs):
             "16") in said["streamw"]
     assert got["streamw_to_one"]["steps"] == {16}
     assert min(step for rows in got["streamw_to_one"]["rows"] for _, step, _ in rows) == E.CUT + 1
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, seconds: float = 60) -> None:
+    import socket
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the first agent's rendezvous store did not listen on 127.0.0.1:{port}")
+
+
+def test_an_elastic_launch_that_loses_a_node_resumes_mid_epoch_on_the_one_left(runs, tmp_path):
+    """Two ``torchrig launch --nnodes 1:2 --nproc-per-node 1 --max-restarts 1`` agents meet in a c10d rendezvous on
+    127.0.0.1 and train the poisoned data with ``on_spike: rollback`` (a rollback at step 5, the checkpoint at step
+    11, in the middle of epoch 2). Before step 13 the second node dies (its agent and worker SIGKILLed); the
+    first one's worker loses its peer, torchrun restarts it alone (a group of 1) and torchrig resumes from step 11
+    at the same global batch of 12: the parameters of the run that never held the poisoned step's samples (1e-6),
+    and the ledger names them once. ``--start`` is the script's own option (torchrun has ``--start-method``)."""
+    got, _ = runs
+    port = dist_procs.free_port()
+    command = ["launch", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-timeout", "60",
+               "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2", "--",
+               str(dist_procs.HELPERS / "elastic_worker.py"), "--launched", str(tmp_path), "spike_launch",
+               "--start", str(E.CUT + 2)]
+    env = dist_procs._env({"GLOO_SOCKET_IFNAME": "lo"})
+    agents = []
+    try:
+        for node in (0, 1):  # the first agent hosts the rendezvous store (it must outlive the second): started first
+            agents.append(subprocess.Popen([sys.executable, "-m", "torchrig", *command], stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                           env=dict(env, **({"KILL_NODE": "1"} if node else {}))))
+            _wait_for_port(port, agents[0]) if node == 0 else None
+        out = agents[0].communicate(timeout=180)[0]
+        agents[1].communicate(timeout=30)
+    finally:
+        for agent in agents:
+            dist_procs._kill_group(agent)
+    assert (tmp_path / "killed").read_text().endswith(f"of 2 before step {E.CUT + 2}\n"), out[-4000:]
+    assert agents[1].returncode == -9 and agents[0].returncode == 0, out[-4000:]
+    assert "restart 1 by torchrun; resumed from" in out and "step-00000011" in out
+    assert "torchrig: 1 process(es) on cpu" in out and "12 global (data.global_batch_size)" in out
+    rows = json.loads((tmp_path / "spike_launch-rows-0.json").read_text())
+    assert rows["step"] == 14 and min(step for _, step, _ in rows["rows"]) == E.CUT + 1
+    assert _max_diff(torch.load(tmp_path / "spike_launch.pt"), got["clean"]["params"]) < ATOL
+    ledger = [json.loads(line) for line in (tmp_path / "spike_launch" / "skipped_samples.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["samples"]) for e in ledger] == [(5, E.POISONED_STEP)]

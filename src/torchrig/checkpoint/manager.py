@@ -317,8 +317,13 @@ class CheckpointManager:
                 obj.load_weights(load_weights_file(path / obj.weights_file) if (path / obj.weights_file).exists()
                                  else None)
         try:
+            full_into_shards = self.sharded and not (path / "sharded").exists()  # a plain checkpoint into FSDP2
             for k, opt in optimizers.items():
-                if k in state["optimizers"]:
+                if k in state["optimizers"] and full_into_shards:
+                    from .sharded import load_full_optimizer
+
+                    load_full_optimizer(model, opt, state["optimizers"][k])
+                elif k in state["optimizers"]:
                     opt.load_state_dict(state["optimizers"][k])
             for k, obj in states.items():
                 if k not in ("model", "optimizers") and k in state:

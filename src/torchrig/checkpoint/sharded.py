@@ -183,6 +183,23 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
             dsd.set_optimizer_state_dict(model, opt, target["optim"][name])
 
 
+def load_full_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
+    """An optimizer's plain ``state_dict()`` (from ``state.pt`` of a DDP or single-process run) into the optimizer of
+    an FSDP2 model: its states keyed by parameter names, then sharded like the parameters (DCP's state-dict
+    helpers), so momentum and Adam moments carry over to another layout."""
+    dsd = _dsd()
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups, state = [], {}
+    for mine, theirs in zip(opt.param_groups, saved["param_groups"]):
+        fqns = [names[id(p)] for p in mine["params"]]
+        for fqn, index in zip(fqns, theirs["params"]):
+            if index in saved["state"]:
+                state[fqn] = saved["state"][index]
+        groups.append({**theirs, "params": fqns})
+    dsd.set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups},
+                                 options=dsd.StateDictOptions(full_state_dict=True))
+
+
 def _plain(value: Any) -> Any:
     """The config as YAML-safe builtins (tuples become lists)."""
     if isinstance(value, dict):

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
                    help="rendezvous endpoint for --rdzv-backend")
     g.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="job id shared by all machines (with --rdzv-backend)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", metavar="KEY=VALUE,…",
+                   help="torchrun's rendezvous settings with --rdzv-backend, e.g. last_call_timeout=5 (how long a "
+                        "group that has MIN machines waits for more) or keep_alive_interval=2 (how soon a lost "
+                        "machine is noticed); join_timeout is --rdzv-timeout")
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="SECONDS",
                    help="how often torchrun checks its workers (torchrun's default)")
     g.add_argument("--log-dir", "--log_dir", metavar="DIR", help="torchrun's per-worker log directory")
@@ -221,13 +225,18 @@ def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise LaunchError("--rdzv-timeout must be positive (seconds)")
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise LaunchError(f"--master-port {args.master_port} is not a TCP port (0-65535)")
+    elastic = bool(args.rdzv_backend) and args.rdzv_backend != "static"
+    if args.rdzv_conf and not elastic:
+        raise LaunchError(f"--rdzv-conf {args.rdzv_conf!r} is for an elastic rendezvous: add --rdzv-backend c10d "
+                          f"and --rdzv-endpoint HOST:PORT")
     argv = ["--nproc-per-node", nproc, "--max-restarts", str(args.max_restarts)]
     timeout = str(int(args.rdzv_timeout))
-    if args.rdzv_backend and args.rdzv_backend != "static":  # elastic rendezvous: torchrun's flags as given
+    if elastic:  # elastic rendezvous: torchrun's flags as given
         if not args.rdzv_endpoint:
             raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
         argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend,
-                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-conf", f"join_timeout={timeout}"]
+                 "--rdzv-endpoint", args.rdzv_endpoint,
+                 "--rdzv-conf", ",".join([f"join_timeout={timeout}", *([args.rdzv_conf] if args.rdzv_conf else [])])]
         if args.rdzv_id:
             argv += ["--rdzv-id", args.rdzv_id]
     elif hi == 1 and _is_loopback(args.master_addr):

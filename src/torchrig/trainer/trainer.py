@@ -36,7 +36,7 @@ from .context import FitContext
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
-from .spikes import Rollback, SpikeGuard, replan
+from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
 
 
@@ -305,7 +305,7 @@ class Trainer:
             config_builds_model=self.config_builds_model, say=self.print, sharded=self.layout.sharded,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
-        self._spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
+        self._spikes = c.spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -324,6 +324,9 @@ class Trainer:
                 self.print(note)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
+        if self.is_main:  # the rollbacks of the state resumed (none on a fresh start): see spikes.keep_ledger
+            excluded = getattr(getattr(plan.batches, "sampler", None), "excluded", None)  # no collective, no read
+            keep_ledger(self.run_dir, [] if excluded is None else excluded.tolist())
         if self.resumed_from is not None and (plan.ends_by(self.global_step) or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
