@@ -10,7 +10,7 @@ here by rank 0 when the fit runs in one process).
 ``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``fsdp…`` trains ``token_model`` on
 ``token_data`` under FSDP2 (in one process: unwrapped) with micro-batches of 3 and the loss over the valid tokens.
 A fit named ``spike…`` trains on data whose sample 50 is
-scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
+scaled by -1000, not shuffled, with ``on_spike: rollback`` (``spike…fsdp``: under FSDP2); one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
 of that sample's step, not shuffled. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
@@ -143,6 +143,8 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
         extra.update(loss=token_loss, loss_normalization="tokens", micro_batch_size=3, metrics=[],
                      **{"dist.fsdp_min_params": 500})
         strategy = "fsdp" if kw.get("world_size", 1) > 1 else "none"
+    if name.startswith("spike") and name.endswith("fsdp") and kw.get("world_size", 1) > 1:
+        strategy = "fsdp"  # the rollback's snapshot and restore of sharded parameters and optimizer state
     if kw.get("world_size", 1) == 1 and "WORLD_SIZE" in os.environ:  # under torchrun: its processes
         strategy = "ddp" if int(os.environ["WORLD_SIZE"]) > 1 else "none"
     step = W.recording_step(rows)
@@ -158,7 +160,7 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
         sched = t.schedulers.get("default")  # the one-cycle schedule: its horizon and where it stands
         schedule = [sched.total_steps, sched.last_epoch, t._lr()] if sched is not None else []
         (out / f"{name}-rows-{rank}.json").write_text(json.dumps(
-            {"rows": rows, "step": t.global_step, "schedule": schedule}))
+            {"rows": rows, "step": t.global_step, "schedule": schedule, "strategy": t.strategy}))
         params = W.params(t.model)  # collective under FSDP2: every rank gathers
         if rank == 0:
             torch.save(params, out / f"{name}.pt")

@@ -57,7 +57,7 @@ def _said(fn) -> str:
 def _read(out, name, world) -> dict:
     ranks = [json.loads((out / f"{name}-rows-{r}.json").read_text()) for r in range(world)]
     return {"params": torch.load(out / f"{name}.pt"), "rows": [r["rows"] for r in ranks],
-            "steps": {r["step"] for r in ranks}, "run": out / name, "schedule": {tuple(r["schedule"]) for r in ranks}}
+            "steps": {r["step"] for r in ranks}, "strategy": {r["strategy"] for r in ranks}, "run": out / name, "schedule": {tuple(r["schedule"]) for r in ranks}}
 
 
 def _group(out, world, specs) -> list:
@@ -80,7 +80,7 @@ def runs(tmp_path_factory):
     got = {"one": _one_process(out, "one"), "fsdp_one": _one_process(out, "fsdp_one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw", "fsdp",
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw", "fsdp", "spikefsdp",
                               f"fsdp_one_to_two={out / 'fsdp_one' / 'checkpoints' / CUT}"])[0].output
     said["two_to_three"] = _group(out, 3, [f"two_to_three={out / 'two' / 'checkpoints' / CUT}"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
@@ -91,6 +91,7 @@ def runs(tmp_path_factory):
     got.update({name: _read(out, name, 1) for name in ("stream_to_one", "streamw_to_one")})
     got["stream"] = _read(out, "stream", 2)
     got["spike"] = _read(out, "spike", 2)
+    got["spikefsdp"] = _read(out, "spikefsdp", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2),
                 "two_to_three": _read(out, "two_to_three", 3), "fsdp": _read(out, "fsdp", 2),
@@ -131,6 +132,8 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_processes_exactly(r
     got, said = runs
     run, before = got[resumed], got[original]
     tokens = resumed.startswith("fsdp")
+    two = run if resumed.endswith("two") else before  # the 2-process side: FSDP2 or DDP
+    assert two["strategy"] == ({"fsdp"} if tokens else {"ddp"})
     assert run["steps"] == {16}
     assert _max_diff(run["params"], before["params"]) < ATOL  # the uninterrupted run at the original size
     # the one-cycle schedule kept its horizon (16 steps), stepped 16 times, and ended at the same learning rate
@@ -160,16 +163,19 @@ def _order(rows_of_ranks: list, after: int = 0, tokens: bool = False) -> list:
     return [sorted(steps[s]) for s in sorted(steps)]
 
 
-def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs):
-    """on_spike: rollback under DDP (2 processes of 3, 2 accumulated): the sample scaled by -1000 makes step 5's
-    loss spike; both ranks return to the snapshot of step 4, leave the step's 12 samples out and end with
-    the parameters of one process trained on the 81 others (1e-6)."""
+@pytest.mark.parametrize("name", ["spike", "spikefsdp"])
+def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs, name):
+    """on_spike: rollback under DDP and FSDP2 (2 processes of 3, 2 accumulated): the sample scaled by -1000 makes
+    step 5's loss spike; both ranks return to the snapshot of step 4 (FSDP2: each its shards of the parameters
+    and optimizer state), leave the step's 12 samples out and end with the parameters of one process trained on
+    the 81 others (1e-6)."""
     got, said = runs
-    ledger = [json.loads(line) for line in (got["spike"]["run"] / "skipped_samples.jsonl").read_text().splitlines()]
+    ledger = [json.loads(line) for line in (got[name]["run"] / "skipped_samples.jsonl").read_text().splitlines()]
     assert [(e["step"], e["rolled_back_to"], e["samples"]) for e in ledger] == [(5, 4, E.POISONED_STEP)]
     assert "torchrig: spike at step 5 (loss " in said[2]
-    assert got["spike"]["steps"] == got["clean"]["steps"] == {14}
-    assert _max_diff(got["spike"]["params"], got["clean"]["params"]) < ATOL
+    assert got[name]["steps"] == got["clean"]["steps"] == {14}
+    assert _max_diff(got[name]["params"], got["clean"]["params"]) < ATOL
+    assert got[name]["strategy"] == ({"fsdp"} if name.endswith("fsdp") else {"ddp"})
 
 
 def test_a_stream_read_in_order_resumes_on_another_number_of_processes_exactly(runs):

@@ -205,6 +205,15 @@ def _nnodes(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _elastic(args: argparse.Namespace, timeout: str) -> list[str]:
+    """torchrun's flags of an elastic rendezvous, as given (join_timeout is --rdzv-timeout)."""
+    if not args.rdzv_endpoint:
+        raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
+    conf = ",".join([f"join_timeout={timeout}", *([args.rdzv_conf] if args.rdzv_conf else [])])
+    return (["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
+             "--rdzv-conf", conf] + (["--rdzv-id", args.rdzv_id] if args.rdzv_id else []))
+
+
 def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """torchrun's argv and the environment variables the launch sets; raises LaunchError on bad input."""
     cmd = worker_command(args.command_args)
@@ -231,14 +240,8 @@ def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
                           f"and --rdzv-endpoint HOST:PORT")
     argv = ["--nproc-per-node", nproc, "--max-restarts", str(args.max_restarts)]
     timeout = str(int(args.rdzv_timeout))
-    if elastic:  # elastic rendezvous: torchrun's flags as given
-        if not args.rdzv_endpoint:
-            raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
-        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend,
-                 "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-conf", ",".join([f"join_timeout={timeout}", *([args.rdzv_conf] if args.rdzv_conf else [])])]
-        if args.rdzv_id:
-            argv += ["--rdzv-id", args.rdzv_id]
+    if elastic:
+        argv += _elastic(args, timeout)
     elif hi == 1 and _is_loopback(args.master_addr):
         # One machine: a store bound to 127.0.0.1 only, and gloo / nccl on the loopback interface.
         port = args.master_port if args.master_port is not None else 0
