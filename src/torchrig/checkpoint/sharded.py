@@ -187,6 +187,9 @@ def load_full_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, save
     """An optimizer's plain ``state_dict()`` (from ``state.pt`` of a DDP or single-process run) into the optimizer of
     an FSDP2 model: its states keyed by parameter names, then sharded like the parameters (DCP's state-dict
     helpers), so momentum and Adam moments carry over to another layout."""
+    if not saved.get("state"):  # no tensors (plain SGD): the hyperparameters alone, as any optimizer takes them
+        opt.load_state_dict(saved)
+        return
     dsd = _dsd()
     names = {id(p): name for name, p in model.named_parameters()}
     groups, state = [], {}
