@@ -283,7 +283,7 @@ class Trainer:
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
-        self.monitor = Monitor(name, cfg.checkpoint.mode)
+        self.monitor = Monitor(name, cfg.checkpoint.mode, self.train_metrics)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
