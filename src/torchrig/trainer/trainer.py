@@ -283,7 +283,7 @@ class Trainer:
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
-        self.monitor = Monitor(name, cfg.checkpoint.mode)
+        self.monitor = Monitor(name, cfg.checkpoint.mode, self.train_metrics)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
@@ -292,6 +292,7 @@ class Trainer:
                                              sharded=self.layout.sharded, async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.dp_size, self.device)
+        self.metrics_log.staged = cfg.on_nonfinite == "skip"  # a skipped window's loss is not logged
         self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
             else None
         self.resumed_from = None
@@ -497,6 +498,8 @@ class Trainer:
             self._spikes.observe(values)
         if not step.sync_gradients or not step.end_window():
             return None
+        if self.metrics_log.staged:
+            self.metrics_log.end_window(step.window_skipped)
         return values if values is not None else {}  # a step function may return nothing to log
 
     def _log_interval(self, epoch: int, batch: int) -> None:
