@@ -228,7 +228,7 @@ def test_an_elastic_launch_that_loses_a_node_resumes_mid_epoch_on_the_one_left(r
     port = dist_procs.free_port()
     command = ["launch", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-timeout", "60",
-               "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2", "--",
+               "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2", "--",
                str(dist_procs.HELPERS / "elastic_worker.py"), "--launched", str(tmp_path), "spike_launch",
                "--start", str(E.CUT + 2)]
     env = dist_procs._env({"GLOO_SOCKET_IFNAME": "lo"})
