@@ -21,7 +21,7 @@ import yaml
 
 from torchrig.cli import main
 
-from helpers import forkserver, one_line_error, record_checksums
+from helpers import UserProject, forget_modules, forkserver, one_line_error, record_checksums
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "trustproj"  # a package name no other test uses
@@ -55,25 +55,14 @@ def build(cfg):
 '''
 
 
-def _forget(*prefixes: str) -> None:
-    for name in [m for m in sys.modules if m.split(".")[0] in prefixes]:
-        del sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A project folder with the user's own factories and one run trained from them."""
     root = tmp_path_factory.mktemp("project")
-    (root / PKG).mkdir()
-    (root / PKG / "__init__.py").write_text("")
-    (root / PKG / "task.py").write_text(textwrap.dedent(TASK))
-    mp = pytest.MonkeyPatch()
-    mp.chdir(root)
-    mp.setattr(sys, "path", list(sys.path))
+    project = UserProject(root, PKG, TASK)
     code = main(["train", "--model", f"{PKG}.task:build_model", "--data", f"{PKG}.task:build_data", *QUICK,
                  "--set", "epochs=1", "--set", f"run_dir={root / 'run'}"])
-    mp.undo()
-    _forget(PKG)
+    project.close()
     assert code == 0
     return root
 
@@ -88,7 +77,7 @@ def victim(project, tmp_path, monkeypatch):
     monkeypatch.chdir(here)
     monkeypatch.setattr(sys, "path", list(sys.path))
     yield here
-    _forget(PKG, "shared_model", "payload", "bare")
+    forget_modules(PKG, "shared_model", "payload", "bare")
 
 
 def _latest(run: Path) -> Path:
@@ -213,7 +202,7 @@ def test_a_moved_project_is_named_again_on_the_command_line(project, tmp_path, m
         assert main(["evaluate", "--checkpoint", str(moved / "run"), "--set", f"model.factory={spec}",
                      "--set", f"data.factory={PKG}.task:build_data"]) == 0
     finally:
-        _forget(PKG)
+        forget_modules(PKG)
 
 
 def test_an_edited_factory_or_a_checkpoint_without_a_record_is_refused(victim, capsys):

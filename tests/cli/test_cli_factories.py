@@ -19,7 +19,7 @@ from torch import nn
 from torchrig import Trainer
 from torchrig.cli import main
 
-from helpers import one_line_error, record_checksums
+from helpers import UserProject, one_line_error, record_checksums
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "rigfactories"  # a package name no other test uses
@@ -61,17 +61,9 @@ answer = 42
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A folder holding a tiny package, made the current directory (as a user runs from their project)."""
-    root = tmp_path_factory.mktemp("project")
-    (root / PKG).mkdir()
-    (root / PKG / "__init__.py").write_text("")
-    (root / PKG / "task.py").write_text(textwrap.dedent(TASK))
-    mp = pytest.MonkeyPatch()
-    mp.chdir(root)
-    mp.setattr(sys, "path", list(sys.path))  # the CLI puts the current directory on sys.path
-    yield root
-    mp.undo()
-    for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
-        del sys.modules[name]
+    project = UserProject(tmp_path_factory.mktemp("project"), PKG, TASK)
+    yield project.root
+    project.close()
 
 
 @pytest.fixture(scope="module")

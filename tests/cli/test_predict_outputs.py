@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 from torchrig.cli import main
 
-from helpers import one_line_error
+from helpers import UserProject, one_line_error
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]
 PKG = "rigpredictoutputs"  # a package name no other test uses
@@ -49,14 +48,8 @@ def build_data(cfg):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("project")
-    (root / PKG).mkdir()
-    (root / PKG / "__init__.py").write_text("")
-    (root / PKG / "task.py").write_text(textwrap.dedent(TASK))
-    mp = pytest.MonkeyPatch()
-    mp.chdir(root)
-    mp.setattr(sys, "path", list(sys.path))
-    run = root / "run"
+    project = UserProject(tmp_path_factory.mktemp("project"), PKG, TASK)
+    root, run = project.root, project.root / "run"
     assert main(["train", "--model", f"{PKG}.task:build_model", "--data", f"{PKG}.task:build_data", *QUICK,
                  "--set", "epochs=1", "--set", f"run_dir={run}"]) == 0
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
@@ -68,9 +61,7 @@ def trained(tmp_path_factory):
     with torch.no_grad():
         expected = model(x)
     yield root, run, expected
-    mp.undo()
-    for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
-        del sys.modules[name]
+    project.close()
 
 
 def test_predict_writes_the_prediction_field_as_probabilities(trained):

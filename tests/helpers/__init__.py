@@ -215,3 +215,33 @@ def tracked_fit(run_dir: Path, **kw):
     trainer.logger.finish(TRACKED_FINAL)
     trainer.close()
     return trainer
+
+
+class UserProject:
+    """A user's project folder: package ``package`` with ``task.py`` holding ``source``, made the current
+    directory with a copy of ``sys.path`` (the CLI puts the current directory on it), as when a user runs
+    ``torchrig`` from their project. ``close()`` gives both back and forgets the package's modules, so
+    another test's package of the same name is imported afresh."""
+
+    def __init__(self, root: Path, package: str, source: str):
+        import textwrap
+
+        import pytest
+
+        self.root, self.package = root, package
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text("")
+        (root / package / "task.py").write_text(textwrap.dedent(source))
+        self._mp = pytest.MonkeyPatch()
+        self._mp.chdir(root)
+        self._mp.setattr(sys, "path", list(sys.path))
+
+    def close(self) -> None:
+        self._mp.undo()
+        forget_modules(self.package)
+
+
+def forget_modules(*packages: str) -> None:
+    """Drop ``packages`` and their submodules from ``sys.modules``."""
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
+        del sys.modules[name]

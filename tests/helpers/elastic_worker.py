@@ -7,8 +7,10 @@ Started by ``dist_procs.group`` (``TEST_INIT``, ``TEST_RANK``, ``TEST_WORLD``: a
 samples) under DDP, with a one-cycle schedule and a checkpoint at step 11 (epoch 2, 3 of its 8 steps done);
 ``NAME=CHECKPOINT`` resumes from a copy of CHECKPOINT in the fit's run directory (made by the caller, or
 here by rank 0 when the fit runs in one process).
-``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``spike…`` trains on data whose sample 50 is
-scaled by -1000, not shuffled, with ``on_spike: rollback``; one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
+``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``fsdp…`` trains ``token_model`` on
+``token_data`` under FSDP2 (in one process: unwrapped) with micro-batches of 3 and the loss over the valid tokens.
+A fit named ``spike…`` trains on data whose sample 50 is
+scaled by -1000, not shuffled, with ``on_spike: rollback`` (``spike…fsdp``: under FSDP2); one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
 of that sample's step, not shuffled. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
@@ -62,6 +64,32 @@ class Stream(torch.utils.data.IterableDataset):
         self.start = int(state["pos"])
 
 
+VOCAB, LENGTH = 128, 8
+
+
+def token_data():
+    """93 sequences of up to 8 tokens (sequence i starts with token i: its name in the recorded rows), labelled
+    per token, -100 after each one's length (2 … 8): the loss is normalised over the valid tokens."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, VOCAB, (W.N_TRAIN, LENGTH), generator=g)
+    x[:, 0] = torch.arange(W.N_TRAIN)
+    lengths = torch.randint(2, LENGTH + 1, (W.N_TRAIN, 1), generator=g)
+    y = torch.where(torch.arange(LENGTH) < lengths, (x * 7 + 3) % 5, -100)
+    return x, y
+
+
+def token_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Tanh(), torch.nn.Linear(16, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 5))
+
+
+def token_loss(logits, labels):
+    """The mean cross-entropy over the valid tokens."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)
+
+
 def relu_model() -> torch.nn.Module:
     """Its logits and gradients grow with the input (a tanh layer would saturate): a scaled sample spikes."""
     torch.manual_seed(1234)
@@ -83,7 +111,7 @@ def settings(run_dir: Path, **extra) -> dict:
     return kw
 
 
-def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, **kw) -> dict:
+def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, step_fn=None, **kw) -> dict:
     from torchrig import Trainer
 
     run = out / name
@@ -110,17 +138,56 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
     rows: list = []
     strategy = "ddp" if kw.get("world_size", 1) > 1 else "none"
     model = relu_model() if name.startswith(("spike", "clean")) else W.make_model()
-    with Trainer(model, step_fn=W.recording_step(rows), **settings(run, strategy=strategy, **extra),
+    if name.startswith("fsdp"):  # FSDP2 on tokens: accumulation of micro-batches of 3, loss over the valid tokens
+        data, model = token_data(), token_model()
+        extra.update(loss=token_loss, loss_normalization="tokens", micro_batch_size=3, metrics=[],
+                     **{"dist.fsdp_min_params": 500})
+        strategy = "fsdp" if kw.get("world_size", 1) > 1 else "none"
+    if name.startswith("spike") and name.endswith("fsdp") and kw.get("world_size", 1) > 1:
+        strategy = "fsdp"  # the rollback's snapshot and restore of sharded parameters and optimizer state
+    if kw.get("world_size", 1) == 1 and "WORLD_SIZE" in os.environ:  # under torchrun: its processes
+        strategy = "ddp" if int(os.environ["WORLD_SIZE"]) > 1 else "none"
+    step = W.recording_step(rows)
+    if step_fn is not None:  # the same rows, around the caller's step
+        def step(s, b, inner=step_fn):
+            if s.weight:
+                rows.append([s.epoch, s.global_step + 1, b[0][:, 0].tolist()])
+            return inner(s, b)
+    with Trainer(model, step_fn=step, **settings(run, strategy=strategy, **extra),
                  **kw) as t:
         t.fit(data)
         rank = t.rank
         sched = t.schedulers.get("default")  # the one-cycle schedule: its horizon and where it stands
         schedule = [sched.total_steps, sched.last_epoch, t._lr()] if sched is not None else []
         (out / f"{name}-rows-{rank}.json").write_text(json.dumps(
-            {"rows": rows, "step": t.global_step, "schedule": schedule}))
+            {"rows": rows, "step": t.global_step, "schedule": schedule, "strategy": t.strategy}))
+        params = W.params(t.model)  # collective under FSDP2: every rank gathers
         if rank == 0:
-            torch.save(W.params(t.model), out / f"{name}.pt")
+            torch.save(params, out / f"{name}.pt")
     return {"rows": rows, "step": t.global_step}
+
+
+def launched(argv: list[str]) -> None:
+    """``elastic_worker.py --launched OUT NAME --start STEP``, started by ``torchrig launch`` (torchrun's environment):
+    the fit NAME; in the first attempt the worker of the node started with ``KILL_NODE=1`` SIGKILLs its agent (the
+    whole node) and itself before optimizer step STEP. ``--start`` is this script's: torchrun must not read it as
+    its ``--start-method``."""
+    import signal
+
+    from torchrig.trainer.step import default_step
+
+    out, name = Path(argv[0]), argv[1]
+    start = int(argv[argv.index("--start") + 1])
+
+    def node_dies(step, batch):
+        if step.global_step + 1 == start and os.environ.get("KILL_NODE") and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            (out / "killed").write_text(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} before step {start}\n")
+            os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent: it will not come back
+            os.kill(os.getpid(), signal.SIGKILL)
+        return default_step(step, batch)
+
+    fit(out, name, None, step_fn=node_dies)
 
 
 def main(out: Path, specs: list[str]) -> None:
@@ -138,4 +205,7 @@ def main(out: Path, specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    if sys.argv[1] == "--launched":
+        launched(sys.argv[2:])
+    else:
+        main(Path(sys.argv[1]), sys.argv[2:])

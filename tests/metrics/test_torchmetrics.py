@@ -100,3 +100,30 @@ def test_what_cannot_be_summed_is_refused_by_name():
         f1.update(torch.randn(4, 5), torch.tensor([0, 1, 2, 0]))
     c = MetricCollection([MulticlassAccuracy(3)])
     assert [m.name for m in get_metrics(c)] == ["MulticlassAccuracy"]
+
+
+def test_the_monitor_takes_its_direction_from_the_metric_not_its_name(tmp_path):
+    """``MeanSquaredError`` under a name that says nothing ("fit") is lower-is-better because torchmetrics says
+    so; a torchrig metric class declares its own; a key with no metric object behind it goes by its name."""
+    from torchmetrics import MeanSquaredError
+
+    from torchrig.trainer.callbacks import Monitor
+
+    (fit,) = get_metrics(MetricCollection({"fit": MeanSquaredError()}))
+    assert Monitor("val/fit", None, [fit]).mode == "min"
+    assert Monitor("val/fit", "max", [fit]).mode == "max"  # checkpoint.mode, when given, decides
+    assert Monitor("val/fit", None, []).mode == "max"  # by name alone "fit" would be maximised
+    (mae,) = get_metrics("mae")
+    assert Monitor("val/mae", None, [mae]).mode == "min" and Monitor("val/val_loss", None, []).mode == "min"
+
+    class Score(torchrig.metrics.MeanValue):  # a user's subclass keeps the direction its class chain declares
+        pass
+
+    assert Monitor("val/score", None, [Score("score")]).mode == "min"
+    from torchmetrics.classification import MulticlassHammingDistance
+
+    x, y = W.data()  # the Trainer hands its metric objects to the monitor: "val/wrong" is minimised
+    t = torchrig.Trainer(W.model(), **W.settings(tmp_path / "run", metrics=[MetricCollection(
+        {"wrong": MulticlassHammingDistance(W.CLASSES)})], monitor="val/wrong"))
+    t.fit((x, y), (x, y))
+    assert t.monitor.name == "val/wrong" and t.monitor.mode == "min"

@@ -20,7 +20,7 @@ class TwoParts(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.a = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).to(first)
-        self.b = nn.Linear(16, 4).to(second)
+        self.b = nn.Linear(16, 4, bias=False).to(second)  # a bias before a batch norm has no gradient: AdamW would step on noise
         self.bn = nn.BatchNorm1d(4).to(second)
 
     def forward(self, x):

@@ -314,6 +314,11 @@ def test_elastic_rendezvous_passes_through():
                             "--rdzv-id", "job7", "--", "train"))
     joined = " ".join(argv)
     assert "--nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint head:29400" in joined and "--rdzv-id job7" in joined
+    assert "--rdzv-conf join_timeout=900 " in joined
+    argv, _ = L.build(_args("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
+                            "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2", "--", "train"))
+    assert "--rdzv-conf join_timeout=900,last_call_timeout=5,keep_alive_interval=2 " in " ".join(argv)
+    assert L.torchrun_args(argv).rdzv_conf == "join_timeout=900,last_call_timeout=5,keep_alive_interval=2"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -326,6 +331,9 @@ def test_elastic_rendezvous_passes_through():
     (["--nnodes", "x", "--", "train"], "--nnodes 'x' is not a number or MIN:MAX"),
     (["--rdzv-backend", "c10d", "--", "train"], "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (on machine 0)"),
     (["--nproc-per-node", "0", "--", "train"], "--nproc-per-node '0': give a number >= 1, or gpu / cpu / auto"),
+    (["--rdzv-conf", "last_call_timeout=5", "--", "train"],
+     "--rdzv-conf 'last_call_timeout=5' is for an elastic rendezvous: add --rdzv-backend c10d and --rdzv-endpoint "
+     "HOST:PORT"),
     (["--ifname", "definitely-not-an-if", "--", "train"],
      "--ifname 'definitely-not-an-if': no such network interface on this machine; it has lo, eth0 (see `ip -brief "
      "address`)"),
@@ -350,3 +358,19 @@ def test_launch_help_lists_examples(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--max-restarts" in out and "--ifname" in out
+
+
+@pytest.mark.parametrize("separator", [["--"], []])
+def test_the_commands_arguments_reach_it_as_written(separator, tmp_path):
+    """Options of the launched command that begin a torchrun / launch option (``--start`` of ``--start-method``,
+    ``--max`` of ``--max-restarts``, ``--rdzv``, ``--nnodes`` itself) are the command's, with or without ``--``."""
+    script = tmp_path / "job.py"
+    script.write_text("")
+    mine = ["--start", "3", "--max", "1", "--rdzv", "x", "--nnodes", "7", "--", "--log", "y"]
+    for command in (["train", *mine], [str(script), *mine]):
+        args = _args("--nproc-per-node", "2", "--max-restarts", "1", *separator, *command)
+        assert args.command_args[len(separator):] == command and args.nnodes == "1" and args.start_method is None
+        targs = L.torchrun_args(L.build(args)[0])
+        assert (targs.nproc_per_node, targs.max_restarts, targs.nnodes, targs.start_method) == ("2", 1, "1", "spawn")
+        assert [targs.training_script, *targs.training_script_args] == (
+            ["torchrig", *command] if command[0] == "train" else command)

@@ -26,14 +26,17 @@ def test_a_global_batch_that_cannot_be_split_names_the_nearest_that_can():
     with pytest.raises(ConfigError) as err:
         split_global_batch(50, 3)
     assert str(err.value) == ("config key 'data.global_batch_size': 50 cannot be split evenly over 3 process(es) (it "
-                              "must be a multiple of 3); the nearest that can: 48 and 51")
+                              "must be a multiple of 3); the nearest that can: 48 and 51; or keep 50 on 2 or 5 processes")
     with pytest.raises(ConfigError) as err:
         split_global_batch(20, 2, 4)
     assert str(err.value) == ("config key 'data.global_batch_size': 20 cannot be split evenly over 2 process(es) × "
                               "micro-batches of 4 (it must be a multiple of 8); the nearest that can: 16 and 24; or "
-                              "change data.micro_batch_size")
-    with pytest.raises(ConfigError, match="the nearest that can: 8$"):
+                              "keep 20 on 1 or 5 processes; or change data.micro_batch_size")
+    with pytest.raises(ConfigError, match="the nearest that can: 8; or keep 5 on 5 processes$"):
         split_global_batch(5, 8)
+    with pytest.raises(ConfigError) as err:  # a 2-process checkpoint's global batch 16, resumed on 3
+        split_global_batch(16, 3)
+    assert str(err.value).endswith("the nearest that can: 15 and 18; or keep 16 on 2 or 4 processes")
 
 
 def test_one_process_accumulating_micro_batches_equals_one_batch(make_trainer, data, capfd, restore_threads):

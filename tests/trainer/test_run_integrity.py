@@ -97,6 +97,27 @@ def test_non_finite_gradient_is_skipped_with_on_nonfinite_skip(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_skipped_window_is_left_out_of_the_logged_loss(tmp_path, accumulate):
+    """One NaN sample in 93 (batch 16): its window is skipped and the logged epoch loss is the mean over the
+    other windows' samples, not NaN. The learning rate is so small that the weights do not move, so the
+    expected value is the still model's loss over those samples, computed by hand."""
+    torch.manual_seed(0)
+    x, y = torch.randn(93, 8), torch.randint(0, 3, (93,))
+    x[20] = float("nan")  # the second batch of 16, in the first window of 2 batches under accumulation
+    model = nn.Linear(8, 3)
+    bad = slice(16 * accumulate * (20 // (16 * accumulate)), 16 * accumulate * (20 // (16 * accumulate) + 1))
+    keep = torch.ones(93, dtype=torch.bool)
+    keep[bad] = False
+    with torch.no_grad():
+        want = nn.functional.cross_entropy(model(x[keep]), y[keep]).item()
+    t = torchrig.Trainer(model, "sgd", lr=1e-30, batch_size=16, accumulate=accumulate, epochs=1, shuffle=False,
+                         on_nonfinite="skip", run_dir=str(tmp_path / "run"), **QUIET)
+    t.fit((x, y))
+    assert t.skipped_steps == 1
+    assert t.history[-1]["train/loss"] == pytest.approx(want, rel=1e-6)
+
+
 def test_a_checkpoint_is_never_written_with_non_finite_parameters(tmp_path):
     def poisoning_step(step, batch):
         out = default_step(step, batch)

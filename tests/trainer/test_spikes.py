@@ -87,3 +87,22 @@ def test_a_non_finite_loss_is_rolled_back(make_trainer, run_dir, restore_threads
     ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
     assert ledger[0]["samples"] == WINDOW and ledger[0]["reason"].startswith("a non-finite value")
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+def test_a_resume_from_before_a_rollback_writes_its_ledger_line_once(make_trainer, run_dir, restore_threads):
+    """A crash after a rollback and before the next checkpoint (then a restart) resumes from a checkpoint that still
+    trains the poisoned samples: the ledger drops the rollback that checkpoint does not hold, and the replay,
+    meeting the spike again, writes it once more. The result: one line, and the run without those samples."""
+    first = _fit(make_trainer, _data(), **SPIKE, checkpoint_every=4, keep_last=10)
+    ledger = run_dir / "skipped_samples.jsonl"
+    assert len(ledger.read_text().splitlines()) == 1
+    again = _fit(make_trainer, _data(), **SPIKE, checkpoint_every=4, keep_last=10,
+                 resume=str(run_dir / "checkpoints" / "step-00000004"))  # saved before the spike at step 5
+    assert [(e["step"], e["samples"]) for e in map(json.loads, ledger.read_text().splitlines())] == [(5, WINDOW)]
+    assert again.global_step == first.global_step == 14
+    for a, b in zip(again.model.parameters(), first.model.parameters()):
+        assert (a - b).abs().max().item() < ATOL
+    resumed = _fit(make_trainer, _data(), **SPIKE, checkpoint_every=4, keep_last=10, epochs=3,  # after the rollback:
+                   resume=str(run_dir / "checkpoints" / "step-00000008"))  # it holds the left-out samples: kept
+    assert [e["step"] for e in map(json.loads, ledger.read_text().splitlines())] == [5]
+    assert resumed.global_step == 21

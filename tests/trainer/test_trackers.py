@@ -405,3 +405,17 @@ def test_importing_torchrig_imports_no_tracker_package():
     env = dict(__import__("os").environ, PYTHONPATH=str(Path(torchrig.__file__).parent.parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_run_id_that_is_no_id_starts_a_new_tracker_run(tmp_path, capsys):
+    """trackers.json lives in a run directory that may come from someone else: only id-like values are
+    continued; a path, a traversal or a non-string is dropped with one line naming the file and the tracker."""
+    from torchrig.observe.trackers import _read_ids
+
+    path = tmp_path / "trackers.json"
+    path.write_text(json.dumps({"mlflow": "0123456789abcdef0123456789abcdef", "wandb": "../../etc/passwd",
+                                "csv": "a..b", "tensorboard": 7}))
+    assert _read_ids(path) == {"mlflow": "0123456789abcdef0123456789abcdef"}
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "'wandb' run id '../../etc/passwd' is not a run id" in err[0] and "trackers.json" in err[0]
+    assert "wandb starts a new run" in err[0] and "'csv' run id 'a..b'" in err[1]

@@ -317,11 +317,12 @@ class CheckpointManager:
                 obj.load_weights(load_weights_file(path / obj.weights_file) if (path / obj.weights_file).exists()
                                  else None)
         try:
+            full_into_shards = self.sharded and not (path / "sharded").exists()  # a plain checkpoint into FSDP2
             for k, opt in optimizers.items():
-                if k in state["optimizers"] and self.sharded and not (path / "sharded").exists():
-                    from . import sharded  # a plain run's optimizer (by position) into split parameters
+                if k in state["optimizers"] and full_into_shards:
+                    from .sharded import load_full_optimizer
 
-                    sharded.load_full_optimizer(model, k, opt, state["optimizers"][k], path)
+                    load_full_optimizer(model, opt, state["optimizers"][k])
                 elif k in state["optimizers"]:
                     opt.load_state_dict(state["optimizers"][k])
             for k, obj in states.items():

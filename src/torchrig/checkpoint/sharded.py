@@ -144,27 +144,6 @@ def load_full_weights(model: torch.nn.Module, path: Path) -> None:
     dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
 
 
-def load_full_optimizer(model: torch.nn.Module, name: str, optimizer: torch.optim.Optimizer, saved: dict,
-                        path: Path) -> None:
-    """An optimizer state saved whole by a plain run (``optimizer.state_dict()``: parameters by position) into
-    ``optimizer`` over split parameters (DTensors). Positions become parameter names through this optimizer's
-    own groups (the same construction orders them alike), and ``set_optimizer_state_dict`` cuts every full
-    moment into this rank's piece, as it does for the weights."""
-    dsd = _dsd()
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    mine = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-    theirs = [i for g in saved.get("param_groups", []) for i in g["params"]]
-    if None in mine or len(mine) != len(theirs) or len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"checkpoint '{path}': optimizer '{name}' holds {len(theirs)} parameters in "
-                              f"{len(saved.get('param_groups', []))} group(s), this run's "
-                              f"{len(mine)} in {len(optimizer.param_groups)}; was it saved from a different model "
-                              f"or optimizer? (resume_weights_only=true loads the weights alone)")
-    fqn = dict(zip(theirs, mine))
-    full = {"state": {fqn[i]: s for i, s in saved["state"].items()},
-            "param_groups": [dict(g, params=[fqn[i] for i in g["params"]]) for g in saved["param_groups"]]}
-    dsd.set_optimizer_state_dict(model, optimizer, full, options=dsd.StateDictOptions(full_state_dict=True))
-
-
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print) -> None:
     """Load model and optimizer state of checkpoint ``path``, at any world size.
 
@@ -209,6 +188,29 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     for name, opt in optimizers.items():
         if name in target["optim"]:
             dsd.set_optimizer_state_dict(model, opt, target["optim"][name])
+
+
+def load_full_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
+    """An optimizer's plain ``state_dict()`` (from ``state.pt`` of a DDP or single-process run) into the optimizer of
+    an FSDP2 model: its states keyed by parameter names, then sharded like the parameters (DCP's state-dict
+    helpers), so momentum and Adam moments carry over to another layout."""
+    if not saved.get("state"):  # no tensors (plain SGD): the hyperparameters alone, as any optimizer takes them
+        opt.load_state_dict(saved)
+        return
+    sizes = [len(g["params"]) for g in opt.param_groups], [len(g["params"]) for g in saved["param_groups"]]
+    if sizes[0] != sizes[1]:  # another model or optimizer set-up: said in one line, with the path, by the caller
+        raise ValueError(f"its optimizer holds parameter groups of {sizes[1]} parameters, this run's {sizes[0]}")
+    dsd = _dsd()
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups, state = [], {}
+    for mine, theirs in zip(opt.param_groups, saved["param_groups"]):
+        fqns = [names[id(p)] for p in mine["params"]]
+        for fqn, index in zip(fqns, theirs["params"]):
+            if index in saved["state"]:
+                state[fqn] = saved["state"][index]
+        groups.append({**theirs, "params": fqns})
+    dsd.set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups},
+                                 options=dsd.StateDictOptions(full_state_dict=True))
 
 
 def _plain(value: Any) -> Any:

@@ -27,6 +27,20 @@ def set_arg(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set optim.lr=0.01 (repeatable)")
 
 
+def run_args(p: argparse.ArgumentParser, detailed: bool = False) -> None:
+    """What a command that builds a run takes besides its config: the recipe, the user's model and data."""
+    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
+    if detailed:
+        p.add_argument("--model", metavar="MODULE:FN", help="your model: FN(config) returns an nn.Module, imported "
+                       "from MODULE with the current directory on sys.path (config key model.factory)")
+        p.add_argument("--data", metavar="MODULE:FN", help="your data: FN(config) returns the training data, "
+                       "(train, val) or (train, val, test) (config key data.factory; recipe 'custom' unless one is "
+                       "named)")
+    else:
+        p.add_argument("--model", metavar="MODULE:FN", help="your model, as for torchrig train")
+        p.add_argument("--data", metavar="MODULE:FN", help="your data, as for torchrig train")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrig", description="Train PyTorch models on one CPU, one GPU, many GPUs or many machines.")
@@ -37,11 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config and --set overrides. With no arguments, trains the "
                                    "embedded default job (a small CNN on the 8x8 digits).")
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
-    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
-    p.add_argument("--model", metavar="MODULE:FN", help="your model: FN(config) returns an nn.Module, imported from "
-                   "MODULE with the current directory on sys.path (config key model.factory)")
-    p.add_argument("--data", metavar="MODULE:FN", help="your data: FN(config) returns the training data, "
-                   "(train, val) or (train, val, test) (config key data.factory; recipe 'custom' unless one is named)")
+    run_args(p, detailed=True)
     p.add_argument("--profile", action="store_true",
                    help="profile optimizer steps 10-15 (or profile.steps) with torch.profiler; writes RUN_DIR/profile")
     set_arg(p)

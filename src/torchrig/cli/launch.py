@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
                    help="rendezvous endpoint for --rdzv-backend")
     g.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="job id shared by all machines (with --rdzv-backend)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", metavar="KEY=VALUE,…",
+                   help="torchrun's rendezvous settings with --rdzv-backend, e.g. last_call_timeout=5 (how long a "
+                        "group that has MIN machines waits for more) or keep_alive_interval=2 (how soon a lost "
+                        "machine is noticed); join_timeout is --rdzv-timeout")
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="SECONDS",
                    help="how often torchrun checks its workers (torchrun's default)")
     g.add_argument("--log-dir", "--log_dir", metavar="DIR", help="torchrun's per-worker log directory")
@@ -121,7 +125,8 @@ def _register(sub) -> None:
                        description="Start N worker processes on this machine (and M machines), each running the "
                                    "command after --, with the torchrun environment set. The same command runs "
                                    "unchanged on one process.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)  # `launch … train --start 3`: --start is train's, not --start-method
     add_arguments(p)
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     p.set_defaults(handler=cmd_launch)
@@ -200,6 +205,15 @@ def _nnodes(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _elastic(args: argparse.Namespace, timeout: str) -> list[str]:
+    """torchrun's flags of an elastic rendezvous, as given (join_timeout is --rdzv-timeout)."""
+    if not args.rdzv_endpoint:
+        raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
+    conf = ",".join([f"join_timeout={timeout}", *([args.rdzv_conf] if args.rdzv_conf else [])])
+    return (["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
+             "--rdzv-conf", conf] + (["--rdzv-id", args.rdzv_id] if args.rdzv_id else []))
+
+
 def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """torchrun's argv and the environment variables the launch sets; raises LaunchError on bad input."""
     cmd = worker_command(args.command_args)
@@ -220,15 +234,14 @@ def build(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise LaunchError("--rdzv-timeout must be positive (seconds)")
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise LaunchError(f"--master-port {args.master_port} is not a TCP port (0-65535)")
+    elastic = bool(args.rdzv_backend) and args.rdzv_backend != "static"
+    if args.rdzv_conf and not elastic:
+        raise LaunchError(f"--rdzv-conf {args.rdzv_conf!r} is for an elastic rendezvous: add --rdzv-backend c10d "
+                          f"and --rdzv-endpoint HOST:PORT")
     argv = ["--nproc-per-node", nproc, "--max-restarts", str(args.max_restarts)]
     timeout = str(int(args.rdzv_timeout))
-    if args.rdzv_backend and args.rdzv_backend != "static":  # elastic rendezvous: torchrun's flags as given
-        if not args.rdzv_endpoint:
-            raise LaunchError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (on machine 0)")
-        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", args.rdzv_backend,
-                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-conf", f"join_timeout={timeout}"]
-        if args.rdzv_id:
-            argv += ["--rdzv-id", args.rdzv_id]
+    if elastic:
+        argv += _elastic(args, timeout)
     elif hi == 1 and _is_loopback(args.master_addr):
         # One machine: a store bound to 127.0.0.1 only, and gloo / nccl on the loopback interface.
         port = args.master_port if args.master_port is not None else 0
@@ -329,6 +342,22 @@ def _clean_stop(exc) -> Optional[int]:
     return None
 
 
+def torchrun_args(argv: list[str], parse_args=None) -> argparse.Namespace:
+    """torchrun's namespace for ``build``'s argv, whose command's arguments reach the workers as written.
+
+    torchrun's own parser reads abbreviations everywhere, so a command option that begins one of its options
+    (``--start``, ``--max``, ``--rdzv``) would be refused or taken as torchrun's; only the options ``build``
+    wrote (each with its value) and the script are parsed here, and the rest is handed over untouched."""
+    if parse_args is None:
+        from torch.distributed.run import parse_args
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if argv[i] in ("-m", "--no-python") else 2
+    targs = parse_args(argv[:i + 1])
+    targs.training_script_args = list(argv[i + 1:])
+    return targs
+
+
 def launch(argv: list[str], env: dict[str, str]) -> int:
     """Run torchrun in this process (so the loopback rendezvous is available); returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -336,7 +365,7 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
 
     _register_loopback_backend()
     os.environ.update(env)
-    targs = parse_args(argv)
+    targs = torchrun_args(argv, parse_args)
     try:
         run(targs)
     except ChildFailedError as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import add_common, register_command, set_arg
+from . import add_common, register_command, run_args, set_arg
 
 
 def cmd_lr_find(args) -> int:
@@ -29,9 +29,7 @@ def _add(sub) -> None:
     p.add_argument("--end-lr", type=float, default=10.0, metavar="LR", help="the last learning rate (default 10)")
     p.add_argument("--steps", type=int, default=200, metavar="N", help="batches in the sweep (default 200)")
     p.add_argument("--out", default="lr_find.png", metavar="FILE.png", help="the plot (default ./lr_find.png)")
-    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
-    p.add_argument("--model", metavar="MODULE:FN", help="your model, as for torchrig train")
-    p.add_argument("--data", metavar="MODULE:FN", help="your data, as for torchrig train")
+    run_args(p)
     set_arg(p)
     add_common(p)
     p.set_defaults(handler=cmd_lr_find)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import add_common, register_command, set_arg
+from . import add_common, register_command, run_args, set_arg
 
 
 def cmd_summary(args) -> int:
@@ -21,9 +21,7 @@ def _add(sub) -> None:
                                    "(trainable, frozen) and size; the totals; the memory of weights, gradients and "
                                    "optimizer state per process.")
     p.add_argument("config", nargs="?", help="YAML config file (optional: the default digits job)")
-    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
-    p.add_argument("--model", metavar="MODULE:FN", help="your model, as for torchrig train")
-    p.add_argument("--data", metavar="MODULE:FN", help="your data, as for torchrig train")
+    run_args(p)
     set_arg(p)
     add_common(p)
     p.set_defaults(handler=cmd_summary)

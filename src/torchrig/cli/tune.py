@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import add_common, set_arg, register_command
+from . import add_common, register_command, run_args, set_arg
 
 
 def cmd_tune(args) -> int:
@@ -41,9 +41,7 @@ def _add(sub) -> None:
     p.add_argument("--parallel", type=int, default=1, metavar="K",
                    help="run K one-process trials at once on this machine (not under torchrun, where each trial "
                         "uses every process)")
-    p.add_argument("--recipe", help="recipe name (overrides the config's 'recipe')")
-    p.add_argument("--model", metavar="MODULE:FN", help="your model, as for torchrig train")
-    p.add_argument("--data", metavar="MODULE:FN", help="your data, as for torchrig train")
+    run_args(p)
     set_arg(p)
     add_common(p)
     p.set_defaults(handler=cmd_tune)

@@ -81,7 +81,8 @@ class Config:
     metrics: list = key(["accuracy"], list_of(TEXT, "a list of metric names"),
                         "accuracy, topK (top5), precision, recall, f1 (macro), *_weighted, mse, mae")
     on_nonfinite: str = key("error", choice("error", "skip"), "a non-finite loss or gradient: error stops naming "
-                                                              "the step; skip skips the update and counts it")
+                                                              "the step; skip skips the update, counts it and leaves its "
+                                                              "loss out of train/loss")
     on_spike: str = key("off", choice("off", "rollback"), "a loss or gradient-norm spike (see spike.*) or a non-finite "
                                                           "value: rollback returns to the last snapshot, leaves the "
                                                           "step's samples out (RUN_DIR/skipped_samples.jsonl) and "

@@ -166,7 +166,8 @@ class CheckpointConfig:
                                                        "val/accuracy; null: the first val metric, else val/loss",
                                  alias="monitor")
     mode: Optional[str] = key(None, optional(choice("min", "max")), "whether a lower (min) or higher (max) monitor "
-                                                                    "is better; null: inferred from its name",
+                                                                    "is better; null: what the monitored metric declares, else "
+                                                                    "inferred from its name",
                               alias="monitor_mode")
     save_final: bool = key(True, BOOL, "save a checkpoint when training ends")
     async_save: bool = key(True, BOOL, "write in a background thread (DCP async_save under FSDP2); training waits "

@@ -33,7 +33,20 @@ def split_global_batch(global_batch: int, world_size: int,
     over = f"{world_size} process(es)" + (f" × micro-batches of {micro_batch}" if isinstance(micro_batch, int) else "")
     raise ConfigError(f"config key 'data.global_batch_size': {global_batch} cannot be split evenly over {over} (it "
                       f"must be a multiple of {piece}); the nearest that can: {nearest}"
+                      + _nearest_worlds(global_batch, world_size, micro_batch)
                       + ("; or change data.micro_batch_size" if isinstance(micro_batch, int) else ""))
+
+
+def _nearest_worlds(global_batch: int, world_size: int, micro_batch: Union[int, str, None]) -> str:
+    """The process counts nearest ``world_size`` that split ``global_batch`` evenly: what keeps a resumed run's
+    global batch (and so its steps) the checkpoint's."""
+    micro = micro_batch if isinstance(micro_batch, int) else 1
+    fits = [w for w in range(1, global_batch // micro + 1) if global_batch % (w * micro) == 0]
+    below = [w for w in fits if w < world_size][-1:]
+    above = [w for w in fits if w > world_size][:1]
+    if not below + above:
+        return ""
+    return f"; or keep {global_batch} on {' or '.join(str(w) for w in below + above)} processes"
 
 
 def describe(batch: int, world_size: int, accumulate: int, global_batch: Optional[int] = None) -> str:

@@ -41,6 +41,11 @@ class MetricsLogger:
         self.wait = 0.0                         # seconds spent waiting for data in the interval
         self.epoch_sums: dict[str, float] = {}  # folded in at each flush, so per step costs nothing extra
         self.epoch_count = 0
+        # with on_nonfinite=skip a window's values wait here until the step decides whether its update was
+        # applied: a skipped window's loss (NaN, as a rule) is no part of the logged means
+        self.staged = False
+        self._window: dict[str, Any] = {}
+        self._window_count: Any = 0
         self._t_last = time.perf_counter()
 
     # -- per micro-batch ------------------------------------------------------------------------
@@ -52,7 +57,10 @@ class MetricsLogger:
         or valid tokens, a tensor that stays on the device), so that a logged mean is the mean over the
         items of every rank, as the optimizer step's loss is (sums and counts are added over the ranks at a
         row). ``batch`` gives the token count of token data."""
-        self.count = self.count + weight
+        if self.staged:
+            self._window_count = self._window_count + weight
+        else:
+            self.count = self.count + weight
         self.samples += n
         if batch is not None:
             tokens = tokens_of(batch)
@@ -60,7 +68,7 @@ class MetricsLogger:
                 self.tokens = tokens if self.tokens is None else self.tokens + tokens
         if out:
             unweighted = not isinstance(weight, torch.Tensor) and weight == 1
-            sums = self.sums
+            sums = self._window if self.staged else self.sums
             for k, v in out.items():
                 if isinstance(v, torch.Tensor):
                     if self.host and v.ndim == 0 and v.is_cpu:
@@ -71,6 +79,23 @@ class MetricsLogger:
                     v = v * weight
                 s = sums.get(k)
                 sums[k] = v if s is None else s + v
+
+    def end_window(self, skipped: Any) -> None:
+        """With ``staged``: the window's values join the interval's sums unless its update was skipped;
+        ``skipped`` is a bool (decided on the host) or a 0-d tensor on the device (1.0: skipped), used
+        without reading it back."""
+        window, count = self._window, self._window_count
+        self._window, self._window_count = {}, 0
+        if isinstance(skipped, torch.Tensor):
+            keep = skipped == 0
+            count = torch.where(keep, count, 0.0) if isinstance(count, torch.Tensor) else keep * float(count)
+            window = {k: torch.where(keep, torch.as_tensor(v, device=keep.device), 0.0) for k, v in window.items()}
+        elif skipped:
+            return
+        self.count = self.count + count
+        for k, v in window.items():
+            s = self.sums.get(k)
+            self.sums[k] = v if s is None else s + v
 
     def start_epoch(self, resumed: bool) -> None:
         """A new epoch starts from empty sums, unless it goes on from a checkpoint's."""

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -543,12 +544,27 @@ class TrackerSet:
             t.finish(dict(final_metrics or {}), status)
 
 
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # MLflow's hex ids, W&B's ids; nothing a path can use
+
+
 def _read_ids(path: Path) -> dict[str, str]:
+    """The tracker run ids a resumed run continues. The file sits in a run directory that may come from
+    someone else, so an id is used only if it looks like one (letters, digits, ``_ . -``, no ``..``); any
+    other value starts a new run of that tracker, said in one line."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+    ids = {}
+    for k, v in (data.items() if isinstance(data, dict) else ()):
+        if not (isinstance(k, str) and isinstance(v, str)):
+            continue
+        if _RUN_ID.fullmatch(v) and ".." not in v:
+            ids[k] = v
+        else:
+            print(f"torchrig: {path}: the {k!r} run id {v[:80]!r} is not a run id (letters, digits, _ . -); "
+                  f"{k} starts a new run", file=sys.stderr, flush=True)
+    return ids
 
 
 def _write_ids(path: Path, ids: dict[str, str]) -> None:

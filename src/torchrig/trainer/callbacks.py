@@ -17,10 +17,10 @@ checkpoint and restored on resume. Early stopping and best-checkpoint tracking a
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..config import ConfigError
-from ..metrics import higher_is_better
+from ..metrics import Metric, higher_is_better
 from ..errors import setting
 
 HOOKS = ("on_fit_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_fit_end", "on_exception")
@@ -51,12 +51,29 @@ class Callbacks:
                 cb.load_state_dict(state[k])
 
 
+def _higher_is_better(name: str, metrics: Sequence[Any]) -> bool:
+    """The direction a metric object declares for the key it logs (torchmetrics' ``higher_is_better``, a
+    torchrig metric class's own), else the key's name (``loss``, ``error`` … are lower-is-better)."""
+    base = name.split("/")[-1]
+    for m in metrics:
+        if getattr(m, "name", None) == base and _declares_direction(m):
+            return bool(m.higher_is_better)
+    return higher_is_better(name)
+
+
+def _declares_direction(metric: Any) -> bool:
+    """Whether the object or a class below torchrig's ``Metric`` base sets ``higher_is_better``."""
+    if "higher_is_better" in vars(metric):
+        return True
+    return any("higher_is_better" in vars(k) for k in type(metric).__mro__ if k is not Metric and k is not object)
+
+
 class Monitor:
     """A logged value to watch (``val/accuracy`` …), whether higher is better, and its best so far."""
 
-    def __init__(self, name: Optional[str], mode: Optional[str] = None):
+    def __init__(self, name: Optional[str], mode: Optional[str] = None, metrics: Sequence[Any] = ()):
         self.name = name
-        self.mode = mode or ("max" if name and higher_is_better(name) else "min")
+        self.mode = mode or ("max" if name and _higher_is_better(name, metrics) else "min")
         self.best: Optional[float] = None
 
     def improved(self, value: float) -> bool:

@@ -46,4 +46,5 @@ class FitContext:
     notify: Callable[..., None]     # notify(hook, *args): the fit's callbacks, given the Trainer
     micro: Any = None               # MicroBatcher, set once built (it reads this context)
     sharded: bool = False           # parameters are DTensors (FSDP2, tensor parallel): weights go through DCP
+    spikes: Optional[Any] = None    # SpikeGuard (on_spike: rollback): its running statistics are saved
     layout: Any = None              # parallel.Layout: the degrees a checkpoint records and a resume compares

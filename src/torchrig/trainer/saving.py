@@ -35,6 +35,7 @@ def states(c: FitContext) -> dict[str, Any]:
         "data": c.data,  # the training data's position where it can report one
         **({"ema": c.ema} if c.ema is not None else {}),
         "micro_batch": c.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
+        **({"spikes": c.spikes} if c.spikes is not None else {}),  # the spike check's recent steps
     }
 
 

@@ -18,16 +18,21 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from .. import runtime
 from ..checkpoint import find_checkpoint
+from ..checkpoint.io import write_bytes_atomic
 from ..errors import TorchrigError
 from . import saving
 from .context import FitContext
 from .state import FitPlan
+
+
+LEDGER = "skipped_samples.jsonl"  # in the run directory: one line per rollback
 
 
 class SpikeError(TorchrigError, RuntimeError):
@@ -71,13 +76,13 @@ class SpikeGuard:
         step = self.c.state.global_step
         if self.every and (self.snapshot is None or self.c.state.batch_in_epoch == 0 or step % self.every == 0) \
                 and step != self.snapshot_step:
-            self.snapshot = {name: copy.deepcopy(_state_of(obj)) for name, obj in saving.states(self.c).items()}
+            self.snapshot = {name: copy.deepcopy(_state_of(obj)) for name, obj in self._states().items()}
             self.snapshot_step = step
 
     def _restore(self) -> None:
         c = self.c
         if self.every:
-            for name, obj in saving.states(c).items():
+            for name, obj in self._states().items():
                 _load_into(obj, copy.deepcopy(self.snapshot[name]))
             return
         c.checkpoints.wait()  # the save in flight is the latest
@@ -86,7 +91,23 @@ class SpikeGuard:
             raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {c.state.global_step} but no "
                              f"checkpoint to return to (spike.snapshot_every=0); set spike.snapshot_every, or "
                              f"checkpoint.every_steps")
-        c.checkpoints.load(path, saving.states(c), print_fn=lambda line: None)
+        c.checkpoints.load(path, self._states(), print_fn=lambda line: None)
+
+    def _states(self) -> dict:
+        """What a rollback restores: the checkpoint's states but this guard's own (its count of spikes in a row
+        goes on; its history is cut to the step returned to)."""
+        return {name: obj for name, obj in saving.states(self.c).items() if obj is not self}
+
+    # -- in a checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The accepted steps the check compares with and the spikes in a row: a resumed run (a restart) judges
+        its next steps as the uninterrupted run would."""
+        return {"history": [list(h) for h in self.history], "in_a_row": self.in_a_row,
+                "last_spike": self.last_spike}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [(int(s), float(loss), float(norm)) for s, loss, norm in state.get("history", [])]
+        self.in_a_row, self.last_spike = int(state.get("in_a_row", 0)), int(state.get("last_spike", -1))
 
     # -- after a window --------------------------------------------------------------------------
     def check(self, first_batch: int, batches: int) -> None:
@@ -139,12 +160,26 @@ class SpikeGuard:
         back = c.state.global_step
         self.history = [h for h in self.history if h[0] <= back]
         if c.rank == 0 and c.run_dir is not None:
-            with open(c.run_dir / "skipped_samples.jsonl", "a") as f:
+            with open(c.run_dir / LEDGER, "a") as f:
                 f.write(json.dumps({"step": step, "epoch": epoch + 1, "reason": why, "rolled_back_to": back,
                                     "samples": sorted(samples)}) + "\n")
         c.say(f"torchrig: spike at step {step} ({why}): rolled back to step {back}; its {len(samples)} samples are "
               f"left out from now on (listed in {c.run_dir / 'skipped_samples.jsonl'})")
         raise Rollback(c.state.epoch, c.state.batch_in_epoch)
+
+
+def keep_ledger(run_dir: Any, excluded: list) -> None:
+    """At a fit's start (rank 0): ``skipped_samples.jsonl`` keeps the rollbacks whose samples the restored state
+    leaves out. One made after the checkpoint the run resumed from (then a crash, a restart) belongs to a
+    stretch the checkpoint does not hold: it is dropped, and the replay, meeting that spike again, writes it
+    once more; so the ledger names each left-out sample once, whatever restarts happened."""
+    path = None if run_dir is None else Path(run_dir) / LEDGER
+    if path is None or not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if set(json.loads(line).get("samples", [])) <= set(excluded)]
+    if keep != lines:
+        write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())
 
 
 def _state_of(obj: Any) -> Any:

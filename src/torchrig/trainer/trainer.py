@@ -36,7 +36,7 @@ from .context import FitContext
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
 from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
-from .spikes import Rollback, SpikeGuard, replan
+from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
 
 
@@ -285,7 +285,7 @@ class Trainer:
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
-        self.monitor = Monitor(name, cfg.checkpoint.mode)
+        self.monitor = Monitor(name, cfg.checkpoint.mode, self.train_metrics)
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
@@ -294,6 +294,7 @@ class Trainer:
                                              sharded=self.layout.sharded, async_save=ck.async_save)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.dp_size, self.device)
+        self.metrics_log.staged = cfg.on_nonfinite == "skip"  # a skipped window's loss is not logged
         self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
             else None
         self.resumed_from = None
@@ -308,7 +309,7 @@ class Trainer:
             layout=self.layout,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
         c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
-        self._spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
+        self._spikes = c.spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -327,6 +328,9 @@ class Trainer:
                 self.print(note)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
+        if self.is_main:  # the rollbacks of the state resumed (none on a fresh start): see spikes.keep_ledger
+            excluded = getattr(getattr(plan.batches, "sampler", None), "excluded", None)  # no collective, no read
+            keep_ledger(self.run_dir, [] if excluded is None else excluded.tolist())
         if self.resumed_from is not None and (plan.ends_by(self.global_step) or plan.start[0] >= cfg.epochs
                                               or self.early_stopping.should_stop):
             self.print(f"torchrig: the run in {self.run_dir} already finished at step {self.global_step} "
@@ -497,6 +501,8 @@ class Trainer:
             self._spikes.observe(values)
         if not step.sync_gradients or not step.end_window():
             return None
+        if self.metrics_log.staged:
+            self.metrics_log.end_window(step.window_skipped)
         return values if values is not None else {}  # a step function may return nothing to log
 
     def _log_interval(self, epoch: int, batch: int) -> None:
