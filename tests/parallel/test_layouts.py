@@ -123,7 +123,8 @@ def test_the_layout_may_change_on_resume_and_the_global_batch_counts_data_parall
     rank (tensor-parallel ranks share their samples), so 4 per rank at dp_shard=2 × tp=2 is 8 in one process."""
     from torchrig.trainer import changes, saving
 
-    saved = {"parallel": {"tp": 2, "dp_shard": 2, "tp_plan": {"attn.q": "colwise"}, "loss_parallel": True},
+    saved = {"parallel": {"tp": 2, "dp_shard": 2, "tp_plan": {"attn.q": "colwise"}, "loss_parallel": True,
+                          "pp_schedule": "1f1b"},
              "data": {"batch_size": 4}}
     now = {"parallel": {"tp": 1, "dp_shard": "auto", "tp_plan": None, "loss_parallel": "auto"}, "data": {"batch_size": 8}}
     meta = {"world_size": 4, "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1, "world_size": 4}}
