@@ -12,10 +12,10 @@ A plan maps module-name patterns (``fnmatch``: ``layers.*.mlp.up`` matches ``lay
 ``sequence_parallel``  ``SequenceParallel()``: a norm or dropout over a sequence split on dim 1
 ``embedding_rowwise``  ``RowwiseParallel(input_layouts=Replicate())``: an embedding's rows split
 ``embedding_colwise``  ``ColwiseParallel(output_layouts=Replicate())``: its columns split
-``colwise_loss_parallel``  ``ColwiseParallel(use_local_output=False)``: an output layer (LM head) split by
-                       class whose output stays a split DTensor, for the cross-entropy of
-                       ``parallel.loss_parallel`` (``parallel/loss.py``)
 =====================  ==========================================================================
+
+``colwise_loss_parallel`` is ``ColwiseParallel(use_local_output=False)``: an output layer (an LM head) split by
+class whose output stays a split DTensor, for the cross-entropy of ``parallel.loss_parallel`` (``parallel/loss.py``).
 
 ``auto`` takes the plan the model declares: a ``tp_plan`` attribute (torchrig's built-in models, or the
 user's own), or a Hugging Face model's ``config.base_model_tp_plan`` (relative to its base model) with the
