@@ -136,3 +136,19 @@ def test_the_layout_may_change_on_resume_and_the_global_batch_counts_data_parall
     assert [saving.describe_layout(saving.layout_of({"world_size": w, "layout": d})) for w, d in [
         (4, meta["layout"]), (2, {"dp_replicate": 2, "world_size": 2}), (1, {"world_size": 1})]] == [
         "at dp_shard=2 × tp=2", "under DDP on 2 processes", "in one process"]
+
+
+def test_a_plain_optimizer_state_of_other_groups_is_refused_before_anything_loads():
+    """An optimizer saved with two parameter groups does not go into one with one group: the state is keyed by
+    position within each group, so it would land on the wrong parameters."""
+    from torchrig.checkpoint.sharded import load_full_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    saved_opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    model(torch.randn(3, 4)).sum().backward()
+    saved_opt.step()
+    opt = torch.optim.AdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter groups of \[2, 2\] parameters, this run's \[4\]"):
+        load_full_optimizer(model, opt, saved_opt.state_dict())
+    assert not opt.state and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
