@@ -136,11 +136,15 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def _dynamic_dims(program) -> list[set[int]]:
     """For each tensor input of a ``torch.export`` program (in order), the dimensions it left dynamic."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
     user = set(program.graph_signature.user_inputs)
     dims = []
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in user and isinstance(node.meta.get("val"), torch.Tensor):
-            dims.append({d for d, n in enumerate(node.meta["val"].shape) if isinstance(n, torch.SymInt)})
+            # a dimension torch.export fixed (a feature size) may still be a SymInt holding a number
+            dims.append({d for d, n in enumerate(node.meta["val"].shape)
+                         if isinstance(n, torch.SymInt) and not is_concrete_int(n)})
     return dims
 
 
