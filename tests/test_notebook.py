@@ -85,7 +85,7 @@ def test_quickstart_notebook_runs_in_a_kernel(tmp_path):
 
     error = next(o for o in outputs(nb.cells[n]) if o["output_type"] == "error")
     assert error["ename"] == "RunInterrupted", error  # a KeyboardInterrupt, not SystemExit
-    assert "stopped by SIGINT at step" in error["evalue"] and 'continue with resume="latest"' in error["evalue"]
+    assert "stopped by SIGINT at step" in error["evalue"] and 'resume="latest"' in error["evalue"]
     step = int(error["evalue"].split("at step ")[1].split(";")[0])
     assert (tmp_path / "runs" / "interrupted" / "checkpoints" / f"step-{step:08d}").is_dir()
     last = "".join(o.get("text", "") for o in outputs(nb.cells[n + 1]))

@@ -62,4 +62,9 @@ def setting(key: str, value: object) -> str:
     return f"**{{\"{key}\": {python}}}" if "." in key else f"{key}={python}"
 
 
-__all__ = ["TorchrigError", "command_line", "setting", "suggest"]
+def settings(*pairs: tuple[str, object]) -> str:
+    """Several settings as the user gives them together: ``--set a=1 --set b=2`` or ``a=1, b=2``."""
+    return (" " if _COMMAND_LINE[0] else ", ").join(setting(k, v) for k, v in pairs)
+
+
+__all__ = ["TorchrigError", "command_line", "setting", "settings", "suggest"]

@@ -51,7 +51,7 @@ def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, na
         _fit(run, step_fn=step_with_signal)
     assert stop.value.code == CODES[name]
     line = (f"stopped by {name} at step {at}; checkpoint {run}/checkpoints/step-{at:08d}; continue with "
-            f"resume=\"latest\"")  # the Python API names the Trainer keyword
+            f"run_dir=\"{run}\", resume=\"latest\"")  # the Python API names the Trainer keywords, the run first
     assert str(stop.value) == line
     assert line in capsys.readouterr().err
     assert resolve("latest", run).name == f"step-{at:08d}"
@@ -109,7 +109,7 @@ def test_ctrl_c_with_dataloader_workers_is_the_same_every_time(tmp_path):
         step = int(resolve("latest", run).name.split("-")[1])
         outcomes.append(code)
         assert f"stopped by SIGINT at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; continue with " \
-               f"resume=\"latest\"" in err, err[-2000:]
+               f"run_dir=\"{run}\", resume=\"latest\"" in err, err[-2000:]
         assert "Traceback" not in err and "exited unexpectedly" not in err, err[-2000:]
     assert outcomes == [130] * 5
 
@@ -244,7 +244,7 @@ def test_a_signal_during_a_long_save_lets_it_finish(tmp_path, async_save):
     step = int(resolve("latest", run).name.split("-")[1])
     assert step == (1 if async_save == "false" else 2)
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with resume=\"latest\"" in err
+           f"continue with run_dir=\"{run}\", resume=\"latest\"" in err
 
 
 @pytest.mark.slow
@@ -321,7 +321,7 @@ def test_cli_train_sigterm_then_resume(tmp_path):
     assert code == 143, err[-2000:]
     step = int(resolve("latest", run).name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with --set resume=latest" in err
+           f"continue with --set run_dir={run} --set resume=latest" in err
     done = subprocess.run([PYTHON, *args, "--set", "resume=latest"], capture_output=True, text=True,
                           env=subprocess_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import setting
+from ..errors import settings
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
@@ -54,10 +54,11 @@ class RunStopped(SystemExit):
         self.message = f"stopped by {signal_name(signum)} {where}"
 
     @classmethod
-    def at_step(cls, signum: int, step: int, checkpoints: Any) -> "RunStopped":
-        """The loop's stop: after optimizer step ``step``, whose checkpoint is in ``checkpoints``."""
-        return cls(signum, f"at step {step}; checkpoint {checkpoints}/step-{step:08d}; continue with "
-                           f"{setting('resume', 'latest')}", step)
+    def at_step(cls, signum: int, step: int, run_dir: Any) -> "RunStopped":
+        """The loop's stop: after optimizer step ``step``, whose checkpoint is in ``run_dir``. The way on names
+        the run: ``resume=latest`` alone would resume the newest run of the recipe, which may be another."""
+        return cls(signum, f"at step {step}; checkpoint {run_dir}/checkpoints/step-{step:08d}; continue with "
+                           f"{settings(('run_dir', str(run_dir)), ('resume', 'latest'))}", step)
 
     def __str__(self) -> str:
         return self.message

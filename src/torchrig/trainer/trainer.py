@@ -541,7 +541,7 @@ class Trainer:
         signum = self._signals.check_now()
         if self.checkpoints.last_step != self.global_step:
             self._save()
-        stop = runtime.RunStopped.at_step(signum, self.global_step, self.run_dir / "checkpoints")
+        stop = runtime.RunStopped.at_step(signum, self.global_step, self.run_dir)
         self.print(str(runtime.as_notebook_stop(stop)))
         if self.cfg.dist.requeue and self.is_main:
             self.print(runtime.requeue_slurm_job() or "torchrig: dist.requeue=true but SLURM_JOB_ID is not set")
