@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers import dist_worker as W  # noqa: E402
 
+from torchrig import runtime  # noqa: E402
 import torchrig.recipes  # noqa: E402,F401  (their config sections, as in a test process that imported them: a
 # checkpoint's config.yaml then holds the same sections whichever process wrote it)
 
@@ -201,7 +202,7 @@ def main(out: Path, specs: list[str]) -> None:
         name, _, checkpoint = spec.partition("=")
         fit(out, name, checkpoint or None, **kw)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        runtime.destroy_process_group()  # torchrig's: gives gloo's threads a moment before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -151,7 +151,9 @@ def main() -> None:
     res.update(device_spy_checks(out))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
-    dist.destroy_process_group()
+    from torchrig import runtime
+
+    runtime.destroy_process_group()  # gives gloo's threads a moment before the interpreter exits
 
 
 if __name__ == "__main__":
