@@ -500,3 +500,13 @@ def test_cli_resume_without_run_dir_continues_the_newest_run_and_failed_starts_l
     assert "resumed at step 3" in more.stdout + more.stderr
     state, _, _ = read_checkpoint(resolve(root / "1"))
     assert state["counters"]["global_step"] == 6 and sorted(p.name for p in root.iterdir()) == ["1", "last"]
+    # a checkpoint named by its path is no "newest run": it resumes into a new numbered run, and the newest run
+    # (here the same run 1, now at step 6) is left as it is
+    path = subprocess.run([PYTHON, "-m", "torchrig.cli", *common[:2], "max_steps=6", *common[3:],
+                           "--set", f"resume={root / '1' / 'checkpoints' / 'step-00000003'}"], cwd=tmp_path,
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert path.returncode == 0, path.stderr[-2000:]
+    said = path.stdout + path.stderr
+    assert "resuming the newest run" not in said and f"writing to {Path('runs/digits/2')}" in said, said[-2000:]
+    assert read_checkpoint(resolve(root / "2"))[0]["counters"]["global_step"] == 6
+    assert read_checkpoint(resolve(root / "1"))[0]["counters"]["global_step"] == 6  # untouched

@@ -45,7 +45,8 @@ def run_train(cfg: C.Config, out=print) -> dict:
     try:
         if numbered:
             owns_group = join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
-            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out, resume=cfg.resume is not None))
+            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out,
+                                                  resume=cfg.resume in ("latest", "best")))  # a path: a new run
         elif runtime.is_main_process():
             check_not_in_use(cfg.run_dir)  # at once, before seconds of building data and model
         return _train(cfg, out)

@@ -145,7 +145,9 @@ class Trainer:
         """Claim, lock and check the run directory (``fit`` does this first; call it to write files there
         before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
         new_run = self.cfg.resume is None and runtime.restart_count() == 0
-        path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print)
+        newest = self.cfg.resume in ("latest", "best")  # a checkpoint's path resumes into a new numbered run
+        path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
+                              newest=not new_run and (newest or self.cfg.resume is None))
         self.cfg.run_dir = str(path)
         return path
 
