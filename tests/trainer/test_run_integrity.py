@@ -98,7 +98,7 @@ def test_non_finite_gradient_is_skipped_with_on_nonfinite_skip(tmp_path):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_skipped_window_is_left_out_of_the_logged_loss(tmp_path, accumulate):
+def test_a_skipped_window_is_left_out_of_the_logged_loss(tmp_path, capsys, accumulate):
     """One NaN sample in 93 (batch 16): its window is skipped and the logged epoch loss is the mean over the
     other windows' samples, not NaN. The learning rate is so small that the weights do not move, so the
     expected value is the still model's loss over those samples, computed by hand."""
@@ -116,6 +116,9 @@ def test_a_skipped_window_is_left_out_of_the_logged_loss(tmp_path, accumulate):
     t.fit((x, y))
     assert t.skipped_steps == 1
     assert t.history[-1]["train/loss"] == pytest.approx(want, rel=1e-6)
+    # said where a user looks: the epoch row (terminal, metrics.jsonl, history) and the last line
+    assert t.history[-1]["skipped_steps"] == 1
+    assert "1 skipped (non-finite values or an fp16 overflow)" in capsys.readouterr().err
 
 
 def test_a_checkpoint_is_never_written_with_non_finite_parameters(tmp_path):

@@ -51,6 +51,10 @@ def summary(trainer: Any) -> str:
     steps = trainer.global_step - out.start_step
     parts = [f"torchrig: done · {steps} step{'s' if steps != 1 else ''} in {seconds:.1f} s",
              f"{steps / max(seconds, 1e-9):.1f} steps/s"]
+    if trainer.step is not None:
+        trainer.step.settle()  # windows decided on the device, read once here
+    if trainer.skipped_steps:
+        parts.append(f"{trainer.skipped_steps} skipped (non-finite values or an fp16 overflow)")
     best = trainer.checkpoints.index.get("best") or []
     name = trainer.monitor.name
     if best and name:

@@ -529,6 +529,9 @@ class Trainer:
         if self.sched_interval == "epoch":
             build.step_epoch_schedulers(self.schedulers, row, self.monitor.name)
         row["lr"] = self._lr()
+        self.step.settle()  # the windows skipped on the device: one read per epoch
+        if self.skipped_steps:
+            row["skipped_steps"] = self.skipped_steps
         self.state.epoch, self.state.batch_in_epoch = epoch + 1, 0
         self.history.append(dict(row, epoch=epoch + 1, step=self.global_step))
         self.metrics_log.log_epoch(self.global_step, epoch + 1, row)
