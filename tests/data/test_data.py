@@ -321,8 +321,12 @@ def test_empty_evaluation_data(make_trainer):
 
 
 def test_no_batch_with_drop_last(make_trainer, data):
-    with pytest.raises(ValueError, match=r"the training data gives no batch \(batch_size=64, drop_last=True\); "
-                                         r"lower data.batch_size"):
+    from torchrig.config import ConfigError
+
+    n = len(data)
+    with pytest.raises(ConfigError, match=rf"config key 'data.batch_size': 64 per process is more than the {n} "
+                                          r"training samples give each process \(data.drop_last=true drops the only, "
+                                          r"partial batch\); lower data.batch_size or set data.drop_last=false"):
         make_trainer(batch_size=64, drop_last=True).fit(data)
 
 

@@ -200,8 +200,14 @@ class FitPlan:
             return cls(batches, None, None, cfg.max_steps, val_data)
         epoch_len = len(batches)
         if epoch_len == 0:
-            raise ValueError(f"the training data gives no batch (batch_size={cfg.data.batch_size}, "
-                             f"drop_last={cfg.data.drop_last}); lower data.batch_size")
+            from ..config import ConfigError
+
+            sampler = getattr(batches, "sampler", None)
+            count = getattr(sampler, "count", None)  # the data set's samples (in every process's order)
+            n = f"the {count} training samples" if isinstance(count, int) else "the training data"
+            raise ConfigError(f"config key 'data.batch_size': {cfg.data.batch_size} per process is more than {n} give each process "
+                              f"(data.drop_last={str(cfg.data.drop_last).lower()} drops the only, partial batch); "
+                              f"lower data.batch_size or set data.drop_last=false")
         if cfg.data.steps_per_epoch:  # an epoch shorter than the data (a stream's length is this already)
             epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
         steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
