@@ -132,6 +132,10 @@ def test_the_layout_may_change_on_resume_and_the_global_batch_counts_data_parall
     assert dp == 2 and changes.changed(saved, now, (dp, 1)) == ([], [])
     assert changes.changed(saved, now, (4, 1))[0] == [("data.batch_size", 4, 8, " (global batch 16 → 8 over 4 → 1 "
                                                                               "data-parallel ranks)")]
+    # the same 32 per process on 1 instead of 2: the global batch halves, so it is no exact resume
+    assert changes.changed({"data": {"batch_size": 32}}, {"data": {"batch_size": 32}}, (2, 1))[0] == [
+        ("data.batch_size", 32, 32, " (global batch 64 → 32 over 2 → 1 data-parallel ranks)")]
+    assert changes.changed({"data": {"batch_size": 32}}, {"data": {"batch_size": 32}}, (2, 2)) == ([], [])
     assert saving.data_parallel(saving.layout_of({"world_size": 3}), 1) == 3  # saved before layouts were recorded
     assert [saving.describe_layout(saving.layout_of({"world_size": w, "layout": d})) for w, d in [
         (4, meta["layout"]), (2, {"dp_replicate": 2, "world_size": 2}), (1, {"world_size": 1})]] == [

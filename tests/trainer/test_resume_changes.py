@@ -125,11 +125,16 @@ def test_another_model_class_with_the_same_keys_is_refused(make_trainer, data, r
 
 @pytest.mark.parametrize("worlds, before, after, refused", [
     ((2, 1), 4, 8, ""), ((1, 2), 8, 4, ""), ((2, 2), 4, 8, "data.batch_size 4 → 8"),
-    ((2, 1), 4, 6, "data.batch_size 4 → 6 (global batch 8 → 6 over 2 → 1 data-parallel ranks)"), ((2, 1), 4, 4, "")])
-def test_the_batch_size_that_must_stay_is_the_global_one(worlds, before, after, refused):
-    """data.batch_size is per process: a checkpoint of 2 ranks of 4 resumes exactly in 1 process of 8. A new
-    number of processes alone (an elastic restart) is the resume's own business, as before."""
+    ((2, 1), 4, 6, "data.batch_size 4 → 6 (global batch 8 → 6 over 2 → 1 data-parallel ranks)"),
+    ((2, 1), 4, 4, "data.batch_size 4 → 4 (global batch 8 → 4 over 2 → 1 data-parallel ranks)"),
+    pytest.param((2, 1), 4, 4, "", id="restarted")])
+def test_the_batch_size_that_must_stay_is_the_global_one(worlds, before, after, refused, request, monkeypatch):
+    """data.batch_size is per process: a checkpoint of 2 ranks of 4 resumes exactly in 1 process of 8, and the same
+    4 per process on 1 instead of 2 is refused by a resume asked for by hand. A job that torchrun (or Slurm)
+    restarted on another number of processes, with the same command line, goes on."""
     from torchrig.trainer import changes
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if "restarted" in request.node.name else "0")
 
     saved, now = {"data": {"batch_size": before}}, {"data": {"batch_size": after}}
     found, _ = changes.changed(saved, now, worlds)

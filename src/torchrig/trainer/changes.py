@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import config as C
+from .. import runtime
 from ..errors import setting
 
 HARMLESS = frozenset({
@@ -84,7 +85,12 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
         else set()
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
-        if a == b or key in NOT_COMPARED or key in derived or (key in declared and _MISSING in (a, b)):
+        # the batch per rank on another number of ranks: the global batch changes even where the key does not.
+        # A job restarted with fewer or more processes (torchrun, a Slurm requeue: the same command line) goes
+        # on as before; a resume asked for by hand is held to the global batch (or data.global_batch_size)
+        per_rank = key == "data.batch_size" and worlds[0] != worlds[1] and key not in derived \
+            and isinstance(a, int) and isinstance(b, int) and (a != b or runtime.restart_count() == 0)
+        if (a == b and not per_rank) or key in NOT_COMPARED or key in derived or (key in declared and _MISSING in (a, b)):
             continue
         section = key.split(".")[0]
         if "." in key and (section not in saved or section not in now):
@@ -93,7 +99,7 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
             continue  # one side built from the config (a recipe, --model), the other in Python: maybe the same;
             # or saved under FSDP2 before its own subclass was seen through: not known
         note = ""
-        if key == "data.batch_size" and worlds[0] != worlds[1] and isinstance(a, int) and isinstance(b, int):
+        if per_rank:
             if a * worlds[0] == b * worlds[1]:
                 continue
             note = f" (global batch {a * worlds[0]} → {b * worlds[1]} over {worlds[0]} → {worlds[1]} data-parallel ranks)"
