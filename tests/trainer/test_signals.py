@@ -547,3 +547,31 @@ def test_workers_end_with_a_launcher_killed_by_sigkill(tmp_path):
     assert latest is not None and "second SIGTERM" not in out, out[-3000:]  # one SIGTERM each, not two
     step = int(latest.name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out
+
+
+def test_a_signal_after_a_loop_that_failed_is_not_said_to_come_at_start_up(tmp_path):
+    """The command's handler around fit learns what a signal would stop when fit's own handler is put away. A loop
+    that ended on an error (a peer died under torchrun, which then sends SIGTERM) has written checkpoints: its line
+    must not say that nothing was written."""
+    from torchrig.runtime.signals import STARTING, StopSignal
+
+    class Boom(RuntimeError):
+        pass
+
+    def step_fn(step, batch):
+        if step.global_step == 3:
+            raise Boom("a peer died")
+        return default_step(step, batch)
+
+    outer = StopSignal(where=STARTING).install()
+    try:
+        with pytest.raises(Boom):
+            torchrig.Trainer(TinyNet(), epochs=1, batch_size=8, run_dir=str(tmp_path / "run"), step_fn=step_fn,
+                             **{"checkpoint.every_steps": 2}, **QUIET).fit(make_classification())
+        assert outer.where.startswith("after an error ended the training loop; the checkpoints written before it")
+        with pytest.raises(RunStopped, match="stopped by SIGTERM after an error ended the training loop"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                time.sleep(0.01)
+    finally:
+        outer.uninstall()

@@ -43,6 +43,7 @@ from ..errors import settings
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
+FAILED_LOOP = "after an error ended the training loop; the checkpoints written before it are kept"
 
 
 class RunStopped(SystemExit):
@@ -166,8 +167,9 @@ class StopSignal:
 
     # -- modes ----------------------------------------------------------------------------------
     def stop_at_steps(self) -> None:
-        """The loop starts: a signal now stops the run after the optimizer step under way."""
-        self.at_steps = True
+        """The loop starts: a signal now stops the run after the optimizer step under way. Should the loop end
+        on an error instead (a peer died), a signal that comes after it is said to have come then."""
+        self.at_steps, self.where = True, FAILED_LOOP
 
     def immediately(self, where: str) -> None:
         """No step to finish from here on: a signal stops the process at once, saying ``stopped by SIG… {where}``.
