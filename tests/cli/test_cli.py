@@ -245,6 +245,10 @@ def test_predict_reads_the_class_folders_of_export_digits(trained, tmp_path, cap
     (None, "torchrig: error: input '{path}' does not exist"),
     (np.zeros((3, 5), np.float32), "input '{path}' has shape (3, 5); expected (N, 8, 8) or (N, 64) values in [0, 1]"),
     (b"not an array", "input '{path}' is not a readable .npy array ("),
+    (np.full((2, 64), 16.0, np.float32), "input '{path}' holds values in [16, 16]; the digits model takes values in "
+                                         "[0, 1]; scikit-learn's load_digits gives 0-16: divide by 16"),
+    (np.full((2, 8, 8), -3.0, np.float32), "input '{path}' holds values in [-3, -3]; the digits model takes values "
+                                           "in [0, 1]"),
 ])
 def test_predict_bad_input(trained, tmp_path, capsys, content, fragment):
     path = tmp_path / "in.npy"

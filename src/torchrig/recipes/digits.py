@@ -73,6 +73,11 @@ class DigitsRecipe(Recipe):
                 a = a[None]
             if a.ndim != 3 or a.shape[1:] != (8, 8):
                 raise RecipeError(f"input '{f}' has shape {a.shape}; expected (N, 8, 8) or (N, 64) values in [0, 1]")
+            low, high = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+            if low < -1e-3 or high > 1 + 1e-3:  # the model learnt [0, 1]: other values give confident nonsense
+                hint = "; scikit-learn's load_digits gives 0-16: divide by 16" if 1 < high <= 16 and low >= 0 else ""
+                raise RecipeError(f"input '{f}' holds values in [{low:g}, {high:g}]; the digits model takes values "
+                                  f"in [0, 1]{hint}")
             arrays.append(a)
             name = f.relative_to(path).as_posix() if path.is_dir() else f.name  # "3/test_0004.png" in a tree
             names += [name] if len(a) == 1 else [f"{name}[{i}]" for i in range(len(a))]
