@@ -164,12 +164,14 @@ def test_resolve_forms(make_trainer, data, run_dir):
     assert resolve(run_dir / "checkpoints" / "latest") == latest
     assert resolve(latest / "model.safetensors") == latest
     assert resolve("latest", run_dir / "empty") is None  # nothing saved yet: a fresh start
-    with pytest.raises(CheckpointError, match=r"checkpoint '.*nope' does not exist; give a checkpoint directory, "
-                                              r"a run directory or 'latest'"):
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*nope' does not exist; give a checkpoint directory "
+                                              r"\(RUN_DIR/checkpoints/step-N, .../latest, .../best\) or a run "
+                                              r"directory"):
         resolve(run_dir / "nope")
     with pytest.raises(CheckpointError, match=r"is not a torchrig checkpoint \(no model.safetensors inside\)"):
         resolve(run_dir.parent)
-    with pytest.raises(CheckpointError, match="resume='latest' needs run_dir"):
+    with pytest.raises(CheckpointError, match=r"'latest' names a checkpoint of a run directory: give "
+                                              r"RUN_DIR/checkpoints/latest, or run_dir with resume='latest'"):
         resolve("latest")
 
 
@@ -182,8 +184,8 @@ def test_resume_latest_with_nothing_saved_starts_fresh(make_trainer, data):
 def test_resume_from_missing_path(make_trainer, data, tmp_path):
     with pytest.raises(CheckpointError) as err:
         make_trainer(resume=str(tmp_path / "missing")).fit(data)
-    assert str(err.value) == (f"checkpoint '{tmp_path / 'missing'}' does not exist; give a checkpoint directory, "
-                              f"a run directory or 'latest'")
+    assert str(err.value) == (f"checkpoint '{tmp_path / 'missing'}' does not exist; give a checkpoint directory "
+                              f"(RUN_DIR/checkpoints/step-N, .../latest, .../best) or a run directory")
 
 
 def test_load_weights_public_api(make_trainer, data, run_dir):

@@ -97,7 +97,8 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
     p = Path(path)
     if str(path) in ("latest", "best"):
         if run_dir is None:
-            raise CheckpointError(f"resume={path!r} needs run_dir")
+            raise CheckpointError(f"'{path}' names a checkpoint of a run directory: give RUN_DIR/checkpoints/{path}, "
+                                  f"or run_dir with resume={path!r}")
         link = Path(run_dir) / "checkpoints" / str(path)
         if not (link.exists() or link.is_symlink()):
             return None
@@ -111,7 +112,8 @@ def resolve(path: str | Path, run_dir: Optional[str | Path] = None) -> Optional[
     elif p.is_symlink():
         p = p.resolve()
     if not p.exists():
-        raise CheckpointError(f"checkpoint '{path}' does not exist; give a checkpoint directory, a run directory or 'latest'")
+        raise CheckpointError(f"checkpoint '{path}' does not exist; give a checkpoint directory "
+                              f"(RUN_DIR/checkpoints/step-N, .../latest, .../best) or a run directory")
     if p.is_file() and p.name == "model.safetensors":
         p = p.parent
     if not (p / "model.safetensors").exists():
