@@ -210,10 +210,12 @@ def test_python_api_checkpoint_fails_with_the_exact_message(workdir, capsys, tmp
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     assert saved["model"]["python_class"] == f"{TinyNet.__module__}:TinyNet"
     message = (f"torchrig: error: checkpoint '{ckpt}': this checkpoint was saved from a model built in Python "
-               f"({cls}); rebuild it in Python and use Trainer.evaluate, or train with --model pkg:fn")
+               f"({cls}); rebuild it in Python and load its model.safetensors (Trainer.evaluate, torch.onnx.export …), "
+               f"or pass --set model.factory=MODULE:FN, a function of yours that builds it")
     assert one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "py")]) == message
     resumed = one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path / 'py'}", "--set", "resume=latest"])
-    assert resumed == message.replace("use Trainer.evaluate", "pass resume= to its Trainer")
+    assert resumed == message.replace("load its model.safetensors (Trainer.evaluate, torch.onnx.export …)",
+                                      "pass resume= to its Trainer")
     np.save(tmp_path / "x.npy", x.numpy())
     assert one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "py"), "--input",
                                     str(tmp_path / "x.npy"), "--output", str(tmp_path / "p.csv")]) == message

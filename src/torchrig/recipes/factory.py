@@ -263,10 +263,12 @@ def as_splits(value: Any, where: str) -> dict[str, Any]:
     return parts
 
 
-def python_built_message(path: Any, python_class: str, then: str = "use Trainer.evaluate") -> str:
+def python_built_message(path: Any, python_class: str,
+                         then: str = "load its model.safetensors (Trainer.evaluate, torch.onnx.export …)") -> str:
     """The one line for a checkpoint whose model was built in Python, not from its config."""
     return (f"checkpoint '{path}': this checkpoint was saved from a model built in Python "
-            f"({python_class.replace(':', '.')}); rebuild it in Python and {then}, or train with --model pkg:fn")
+            f"({python_class.replace(':', '.')}); rebuild it in Python and {then}, or pass --set "
+            f"model.factory=MODULE:FN, a function of yours that builds it")
 
 
 def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
