@@ -87,6 +87,9 @@ def test_postfix_and_summary_cut_to_the_budget():
     row = {"train/loss": 0.5, "train/accuracy": 0.8, "val/loss": 0.45, "val/accuracy": 0.85, "lr": 0.001}
     line = terminal.epoch_summary(3, 10, 450, row, 60)
     assert line == "epoch 3/10 · step 450 · train/loss 0.5000 · val/loss 0.4500" and len(line) <= 60
+    # where leaving out the step count makes room for one more value, the value wins
+    assert terminal.epoch_summary(3, 10, 450, row, 70) == ("epoch 3/10 · train/loss 0.5000 · val/loss 0.4500 · "
+                                                          "val/accuracy 0.8500")
     assert terminal.epoch_summary(3, 10, 450, row, 200).endswith("· val/accuracy 0.8500 · train/accuracy 0.8000 "
                                                                   "· lr 0.0010")
     wrapped = terminal.fit_lines("torchrig: a · " + "b" * 50 + " · c", 40)

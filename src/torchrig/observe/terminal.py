@@ -106,12 +106,22 @@ def _ordered(row: dict) -> list[str]:
 def epoch_summary(epoch: int, epochs: int, step: int, row: dict, columns: int) -> str:
     """One terminal line of at most ``columns`` characters: the values that fit, most read first
     (the first that does not fit ends the line, so no value is shown ahead of a more useful one)."""
-    text = f"epoch {epoch}/{epochs}{SEP}step {step}"
-    for k in _ordered(row):
-        part = f"{SEP}{k} {short(row[k])}"
-        if len(text) + len(part) > columns:
-            break
-        text += part
+    keys = _ordered(row)
+
+    def line(head: str) -> tuple[str, int]:
+        text, shown = head, 0
+        for k in keys:
+            part = f"{SEP}{k} {short(row[k])}"
+            if len(text) + len(part) > columns:
+                break
+            text, shown = text + part, shown + 1
+        return text, shown
+
+    text, shown = line(f"epoch {epoch}/{epochs}{SEP}step {step}")
+    if shown < len(keys):  # a value is worth more than the step count (the progress bar showed it)
+        shorter, more = line(f"epoch {epoch}/{epochs}")
+        if more > shown:
+            return shorter
     return text
 
 
