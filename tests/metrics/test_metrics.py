@@ -116,7 +116,12 @@ def test_regression_metrics(name, fn):
                                                             rel=1e-12)
 
 
-def test_unknown_metric_lists_valid_names():
+def test_unknown_metric_lists_valid_names(tmp_path):
+    import torchrig
+
+    with pytest.raises(MetricError, match="unknown metric 'acuracy'; did you mean 'accuracy'"):  # at once, as a loss
+        torchrig.Trainer(torch.nn.Linear(3, 2), metrics=["acuracy"], run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
     with pytest.raises(MetricError) as err:
         get_metric("acuracy")
     msg = str(err.value)
@@ -127,9 +132,8 @@ def test_unknown_metric_lists_valid_names():
 
 
 def test_unknown_metric_through_trainer(make_trainer, data):
-    trainer = make_trainer(metrics=["accuracy", "f2"])
-    with pytest.raises(MetricError) as err:
-        trainer.fit(data)
+    with pytest.raises(MetricError) as err:  # when the Trainer is made, as an unknown loss or optimizer
+        make_trainer(metrics=["accuracy", "f2"])
     assert str(err.value) == f"unknown metric 'f2'. Valid names: {', '.join(METRIC_NAMES)}, topK (e.g. top3)"
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.batches import BatchError, describe
-from .optimizers import NameError_, unknown_name
+from .optimizers import UnknownNameError, unknown_name
 
 
 class AutoLoss:
@@ -58,7 +58,7 @@ def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
     if callable(spec):
         return spec
     if not isinstance(spec, str):
-        raise NameError_(f"loss must be a name or a callable(output, target), got {type(spec).__name__}")
+        raise UnknownNameError(f"loss must be a name or a callable(output, target), got {type(spec).__name__}")
     key = spec.lower()
     # The functional forms: what nn.CrossEntropyLoss & co. call, without a module call per step.
     table = {

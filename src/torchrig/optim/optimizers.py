@@ -12,12 +12,15 @@ from torch import nn
 from ..errors import TorchrigError, suggest
 
 
-class NameError_(TorchrigError, ValueError):
+class UnknownNameError(TorchrigError, ValueError):
     """An unknown optimizer / loss / scheduler name (the message lists the valid ones)."""
 
 
-def unknown_name(kind: str, name: str, valid: list[str]) -> NameError_:
-    return NameError_(f"unknown {kind} '{name}'{suggest(name, valid, listing='Valid names: ' + ', '.join(valid))}")
+NameError_ = UnknownNameError  # its first name, kept for code that catches it
+
+
+def unknown_name(kind: str, name: str, valid: list[str]) -> UnknownNameError:
+    return UnknownNameError(f"unknown {kind} '{name}'{suggest(name, valid, listing='Valid names: ' + ', '.join(valid))}")
 
 
 # ----------------------------------------------------------------------------- optimizers

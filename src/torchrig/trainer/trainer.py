@@ -93,6 +93,7 @@ class Trainer:
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device)
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
+            get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here, not in fit
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
