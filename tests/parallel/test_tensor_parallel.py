@@ -53,7 +53,6 @@ def test_degrees_that_do_not_fit_the_world_name_the_key(world, given, words):
                                                         "dist.strategy=ddp replicates it"),
     ({"parallel.tp": 2}, "config key 'parallel.tp_plan': parallel.tp=2 splits the layers a plan names, and no "
                          "plan is set"),
-    ({"parallel.pp": 2}, "config key 'parallel.pp': 2: pipeline parallelism is not available"),
 ])
 def test_bad_combinations_are_one_line_naming_the_key(sets, words):
     cfg = Config()
