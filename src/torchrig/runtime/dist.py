@@ -370,12 +370,16 @@ def is_last_stage() -> bool:
 
 
 def from_last_stage(obj: Any) -> Any:
-    """``obj`` as the last pipeline stage has it, on every rank of the pipeline (plain data: see :func:`gather`);
-    ``obj`` itself without a pipeline. Collective over the pipeline's ranks."""
+    """``obj`` as the last pipeline stage has it (plain data: see :func:`gather`; the other stages may pass anything,
+    None), on every rank of the pipeline; ``obj`` itself without a pipeline. Collective over the pipeline's ranks.
+    A tensor of the same shape and dtype on every rank is filled in place instead (no serialising)."""
     group = pipeline_group()
     if group is None:
         return obj
-    return broadcast(obj, _PIPELINE[1], group)
+    if isinstance(obj, torch.Tensor):
+        dist.broadcast(obj, _PIPELINE[1], group=group)
+        return obj
+    return _broadcast_object(obj, _PIPELINE[1], group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -419,6 +423,10 @@ def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
     if isinstance(obj, torch.Tensor):
         dist.broadcast(obj, src, group=group)
         return obj
+    return _broadcast_object(obj, src, group)
+
+
+def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
     device = _object_device()
     data = _encode(obj, device) if get_rank() == src else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)

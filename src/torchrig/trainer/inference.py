@@ -155,7 +155,7 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
 
     batches = run(r, forward, consume)
     # a pipeline's last stage holds the predictions (its other stages ran their part of each forward)
-    local = runtime.from_last_stage(O.stack(results) if runtime.is_last_stage() else None)
+    local = runtime.from_last_stage([O.stack(results)] if runtime.is_last_stage() else None)[0]
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
         parts = runtime.gather((batches.stream_positions(), local), runtime.data_parallel_group())
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])
