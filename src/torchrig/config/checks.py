@@ -114,6 +114,9 @@ def _pipeline(cfg: Config) -> None:
     if cfg.ema_decay is not None:
         raise ConfigError(f"config key 'ema_decay': an EMA of the weights is not supported with {pp} (each rank "
                           f"holds its stage's weights only); set ema_decay=null")
+    if cfg.precision == "fp16":
+        raise ConfigError(f"config key 'precision': fp16 with {pp}: each stage's GradScaler would decide on its own "
+                          f"gradients whether a step overflowed; use precision=bf16 (no loss scaling) or fp32")
     if cfg.model.compile:
         raise ConfigError(f"config key 'model.compile': true with {pp}: the pipeline cuts the model's own forward at "
                           f"its blocks, which torch.compile cannot trace; set model.compile=false")
