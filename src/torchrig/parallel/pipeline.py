@@ -55,8 +55,9 @@ class MicroBatch:
     data: Any = None
 
 
-class StageOutput(Exception):
-    """Raised by a stage's last block to end the model's forward there; carries the tensor to send on."""
+class StageOutput(BaseException):
+    """Raised by a stage's last block to end the model's forward there; carries the tensor to send on. Not an
+    ``Exception``: an ``except Exception`` in the model's own code must not catch it."""
 
     def __init__(self, hidden: torch.Tensor):
         super().__init__("pipeline stage output")
