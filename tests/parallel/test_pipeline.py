@@ -194,6 +194,8 @@ def test_tied_parameters_across_stages_are_refused():
     ({"parallel.pp": 2, "data.micro_batch_size": "auto"}, "config key 'data.micro_batch_size': 'auto' with "
                                                           "parallel.pp=2"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "2f2b"}, "config key 'parallel.pp_schedule': expected one of gpipe"),
+    ({"parallel.pp": 2, "precision": "fp16"}, "config key 'precision': fp16 with parallel.pp=2"),
+    ({"parallel.pp": 2, "model.compile": True}, "config key 'model.compile': true with parallel.pp=2"),
 ])
 def test_bad_combinations_are_one_line_naming_the_key(sets, words):
     cfg = Config()
