@@ -189,8 +189,8 @@ def test_tied_parameters_across_stages_are_refused():
                                                                         "parallel.pp=2"),
     ({"parallel.pp": 2, "parallel.pp_stages_per_rank": 2}, "config key 'parallel.pp_stages_per_rank': 2 stages per "
                                                            "rank need a schedule that runs several"),
-    ({"parallel.pp": 2, "parallel.pp_schedule": "zbv_zero_bubble"}, "config key 'parallel.pp_stages_per_rank': 1, but "
-                                                                    "parallel.pp_schedule=zbv_zero_bubble runs exactly 2"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "zbv_zero_bubble"},
+     "config key 'parallel.pp_stages_per_rank': 1, but parallel.pp_schedule=zbv_zero_bubble runs exactly 2"),
     ({"parallel.pp": 2, "data.micro_batch_size": "auto"}, "config key 'data.micro_batch_size': 'auto' with "
                                                           "parallel.pp=2"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "2f2b"}, "config key 'parallel.pp_schedule': expected one of gpipe"),

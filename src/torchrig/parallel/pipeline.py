@@ -156,7 +156,8 @@ def _container_of(model: nn.Module, names: list, stages: int) -> tuple[str, nn.M
             what = "is not a module of" if s not in modules else "is not a block (a child of an nn.ModuleList or " \
                                                                  "nn.Sequential) of"
             hint = suggest(s, blocks, n=3)
-            listing = "" if hint or not blocks else f". Blocks: {', '.join(blocks[:4])}{' …' if len(blocks) > 4 else ''}"
+            more = " …" if len(blocks) > 4 else ""
+            listing = "" if hint or not blocks else f". Blocks: {', '.join(blocks[:4])}{more}"
             raise ParallelConfigError(f"config key '{KEY}': {s!r} {what} {type(model).__name__}{hint}{listing}")
         if parent is not None and s.rpartition(".")[0] != parent:
             raise ParallelConfigError(f"config key '{KEY}': {s!r} is not in {parent or 'the model'!r} like "
@@ -241,7 +242,8 @@ def _check_tied(model: nn.Module, plan: Plan) -> None:
                 owner.setdefault(id(p), []).append((k, f"{plan.block_name(i)}.{pname}"))
     for u in plan.units:
         k = 0 if u.pre else stages - 1
-        named = [("", u.value)] if isinstance(u.value, torch.Tensor) else u.value.named_parameters(remove_duplicate=False)
+        named = ([("", u.value)] if isinstance(u.value, torch.Tensor)
+                 else u.value.named_parameters(remove_duplicate=False))
         for pname, p in named:
             owner.setdefault(id(p), []).append((k, u.name + (f".{pname}" if pname else "")))
     for places in owner.values():
@@ -344,6 +346,7 @@ class Pipeline:
         self.forward_fn: Optional[Callable[[nn.Module, Any], Any]] = None
         self.active: Optional[StageModule] = None
         self._leaves: Optional[dict] = None  # while a stage's first training forward runs: placeholder leaves
+        self._last_output: Any = None  # the output of the block that ran last in the stage's forward
         self._schedules: collections.OrderedDict = collections.OrderedDict()
         self._target = torch.zeros((), device=device)  # the schedules' loss gets the stage's output as it is
         ids = stages_of_rank(rank, pp, per_rank, self.v_shape)
@@ -364,7 +367,7 @@ class Pipeline:
         # what this rank holds: its blocks, and the modules around them its stages own; the rest is let go
         self.rest_view = {plan.keys[i]: blocks[i] for i in sorted(owned)}
         self.views = {st.index: {plan.keys[i]: blocks[i] for i in range(st.lo, st.hi)} for st in self.stages}
-        object.__setattr__(container, "_modules", dict(self.rest_view))
+        object.__setattr__(container, "_modules", self.rest_view)
         for u in plan.units:
             if (0 in ids) if u.pre else (last in ids):
                 continue
@@ -376,7 +379,6 @@ class Pipeline:
         for i in owned:
             blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
             blocks[i].register_forward_hook(self._leave_block)
-        self._last_output: Any = None
 
     @property
     def holds_last(self) -> bool:

@@ -11,11 +11,11 @@ tokenized, joined with ``[SEP]`` between them and cut into sequences of ``lm.blo
 tokens of the whole optimizer step by torchrig's token normalisation).
 
 The model is ``GPT2LMHeadModel(GPT2Config(**model.options))`` with the vocabulary and context of the data,
-dropout off unless ``model.options`` sets it, and the output layer **not tied** to the embedding: under ``parallel.pp`` the
-embedding and the head sit on different stages, which cannot share a parameter. ``auto`` splits its
-``transformer.h`` blocks into stages of equal parameter counts (the embedding counts with the first, the head
-with the last). ``torchrig predict`` reads a ``.txt`` file of prompts (one per line) and writes, for each,
-the ``--topk`` most likely next tokens.
+dropout off unless ``model.options`` sets it, and the output layer **not tied** to the embedding: under
+``parallel.pp`` the embedding and the head sit on different stages, which cannot share a parameter.
+``parallel.pp_split: auto`` cuts its ``transformer.h`` blocks into stages of equal parameter counts (the
+embedding counts with the first, the head with the last). ``torchrig predict`` reads a ``.txt`` file of prompts
+(one per line) and writes, for each, the ``--topk`` most likely next tokens.
 """
 
 from __future__ import annotations
