@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from helpers.parallel_worker import QUIET, build, has_transformers  # noqa: E402
+from helpers.parallel_worker import QUIET, SEQ, VOCAB, Tokens, build, has_transformers  # noqa: E402
 
-SEQ, VOCAB, DIM, CLASSES = 6, 32, 16, 4
+DIM, CLASSES = 16, 4
 SAMPLES, BATCH, ACCUMULATE = 93, 4, 4  # 24 loaded batches, the last of 1 sample: 6 optimizer steps an epoch
 
 
@@ -84,20 +84,6 @@ def gpt2() -> nn.Module:
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=4, n_head=4, tie_word_embeddings=False,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg)
-
-
-class Tokens(Dataset):
-    """Hugging Face style samples: ``{"input_ids", "labels"}`` (the model computes its own loss)."""
-
-    def __init__(self, n: int):
-        g = torch.Generator().manual_seed(5)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"parallel.pp_stages_per_rank": 2},

@@ -114,13 +114,7 @@ def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:
 
 
 def run_scenario(tmp_path, scenario: str):
-    degrees_, world = W.SCENARIOS[scenario]
-    out = tmp_path / scenario
-    results = dist_procs.group(scenario, out, tmp_path / "store", world, timeout=400,
-                               worker=dist_procs.HELPERS / "parallel_worker.py")
-    for r in results:
-        assert r.returncode == 0, r.output[-3000:]
-    return out
+    return dist_procs.scenario(tmp_path, scenario, W.SCENARIOS[scenario][1], dist_procs.HELPERS / "parallel_worker.py")
 
 
 @pytest.fixture(scope="module")
