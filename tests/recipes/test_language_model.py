@@ -46,4 +46,5 @@ def test_gpt2_trains_under_a_two_stage_pipeline_and_its_checkpoint_serves_one_pr
                       tmp_path / "next.json", "--topk", "3"], capsys)
     rows = json.loads((tmp_path / "next.json").read_text())
     assert rc == 0 and [r["input"] for r in rows] == ["prompts.txt:1", "prompts.txt:2"], err
-    assert all(len(r["next"]) == 3 and r["next"][0]["probability"] >= r["next"][1]["probability"] for r in rows)
+    assert all(len(r["top"]) == 3 and r["top"][0]["class"] == r["prediction"] and isinstance(r["prediction"], str)
+               and r["top"][0]["probability"] >= r["top"][1]["probability"] for r in rows)

@@ -20,7 +20,6 @@ embedding counts with the first, the head with the last). ``torchrig predict`` r
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch.utils.data import Dataset
 from .. import config as C
 from ..config import rules as R
 from ..data.datasets.text import TextTokenizer, docstring_splits, train_wordpiece
-from .base import Recipe, RecipeError, check_output_kind
+from .base import Recipe, RecipeError, write_class_predictions
 from .common import input_files, say
 from .text import TOKENIZER_FILE, read_tokenizer
 
@@ -84,7 +83,6 @@ class LanguageModelRecipe(Recipe):
         "data": {"batch_size": 16, "val_fraction": 0.1},
         "accumulate": 4,  # four micro-batches per step: what a pipeline overlaps (parallel.pp)
     }
-    output_kinds = (".csv", ".json")
 
     def __init__(self):
         self._cache: dict[int, tuple[TextTokenizer, dict]] = {}
@@ -193,28 +191,12 @@ class LanguageModelRecipe(Recipe):
         return ids, [f"{path.name}:{i}" for i, _ in lines]
 
     def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
-        """For each prompt, the ``topk`` most likely next tokens (decoded) and their probabilities."""
-        check_output_kind(out, self.output_kinds)
+        """For each prompt, the ``topk`` most likely next tokens (decoded) and their probabilities: the
+        distribution after its last token, written as every recipe writes class predictions."""
         tok = self._tokenizer(cfg)
-        rows = []
-        for row, name in enumerate(names):
-            probs = outputs[row, self._lengths[row] - 1].float()
-            top = probs.topk(min(topk, probs.numel()))
-            rows.append({"input": name, "next": [{"token": tok.tokenizer.id_to_token(int(i)),
-                                                  "probability": round(float(p), 6)}
-                                                 for p, i in zip(top.values, top.indices)]})
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix.lower() == ".json":
-            out.write_text(json.dumps(rows, indent=2) + "\n")
-            return
-        import csv
-
-        with open(out, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["input"] + [f"top{j + 1}" for j in range(topk)] + [f"top{j + 1}_probability"
-                                                                           for j in range(topk)])
-            for r in rows:
-                w.writerow([r["input"]] + [t["token"] for t in r["next"]] + [t["probability"] for t in r["next"]])
+        after = torch.stack([outputs[row, self._lengths[row] - 1] for row in range(len(names))]).float()
+        vocabulary = [tok.tokenizer.id_to_token(i) for i in range(len(tok))]
+        write_class_predictions(after, names, out, topk, class_names=vocabulary)
 
 
 def _read_documents(path: Path, key: str) -> list[str]:
