@@ -1,13 +1,23 @@
-"""Per-rank memory of tensor parallelism: bytes of parameters + gradients + optimizer state held by one rank
-at tp=2 against one process, for a stack of transformer blocks trained by ``Trainer.fit`` with AdamW.
+"""Per-rank memory of tensor and pipeline parallelism, and the pipeline's bubble.
 
-The bytes are counted, not sampled from the allocator: for every parameter, this rank's piece (a DTensor's
-local tensor), its gradient's piece and the optimizer's state tensors for it, at the end of an optimizer step
-(an ``on_step_end`` callback, before the next step frees the gradients). With every linear layer of a block
-planned (q, k, v, MLP up: ``colwise``; attention output, MLP down: ``rowwise``), tp=2 should hold a little
-over half: the norms, the biases of the row-split layers and the head stay whole on every rank.
+**Memory**: bytes of parameters + gradients + optimizer state held by one rank at tp=2 and at pp=2 against one
+process, for a stack of transformer blocks trained by ``Trainer.fit`` with AdamW. The bytes are counted, not
+sampled from the allocator: for every parameter this rank holds, its piece (a DTensor's local tensor), its
+gradient's piece and the optimizer's state tensors for it, at the end of an optimizer step (before the next
+step frees the gradients). With every linear layer of a block planned (q, k, v, MLP up: ``colwise``; attention
+output, MLP down: ``rowwise``), tp=2 holds a little over half: the norms, the biases of the row-split layers and
+the head stay whole on every rank. pp=2 cuts the blocks in two halves (``parallel.pp_split: auto``); the head
+goes to the second stage, which holds a little over half.
 
-Two gloo processes on the CPU; speed is not measured (tensor parallelism on a CPU only costs time).
+**Bubble**: the fraction of a pipeline step a stage waits, measured against the schedule's theory
+``(p − 1) / (m + p − 1)`` for GPipe and 1F1B (p stages, m micro-batches of equal cost). Each rank times its
+stage's forward and backward calls (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``) and the whole
+schedule step (``Pipeline.train``); a step lasts until its slowest rank is done, and a rank's bubble is
+``1 − busy / step``, over the steps after the first (which learns the shapes); the mean of the two ranks is
+reported. The blocks have equal cost and no head, so the stages are equal; the time the activations take from one
+process to the other counts as bubble too.
+
+Two gloo processes on the CPU, one thread each (speed itself is not a goal: only the ratios).
 Usage: ``python benchmarks/model_parallel.py [--quick]``.
 """
 
@@ -98,62 +108,151 @@ class Count:
                                       if hasattr(v, "numel") and v.ndim > 0)
 
 
-def child(tp: int, rank: int, out: Path, init: str) -> None:
+QUIET = {"log.progress": "none", "log.tensorboard": False, "log.plot": False, "checkpoint.save_final": False}
+# arm -> the layout's keys and its processes
+ARMS = {"one": ({}, 1), "tp2": ({"parallel.tp": 2, "parallel.tp_plan": "auto"}, 2),
+        "pp2": ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 2)}
+
+
+def child(arm: str, rank: int, out: Path, init: str) -> None:
     import torch
     from torch.utils.data import TensorDataset
 
     import torchrig
 
     c.pin_threads()
+    keys, world = ARMS[arm]
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, SEQ, DIM, generator=g), torch.randint(0, CLASSES, (16,), generator=g))
     count = Count()
-    group = {"init_method": init, "rank": rank, "world_size": tp} if tp > 1 else {}
-    kw = {"parallel.tp": tp, "parallel.tp_plan": "auto"} if tp > 1 else {}
-    with tempfile.TemporaryDirectory() as run_dir:
-        t = torchrig.Trainer(build_model(), optimizer="adamw", lr=1e-3, batch_size=8, max_steps=2, metrics=[],
-                             run_dir=run_dir, callbacks=[count], num_workers=0, **{"log.progress": "none",
-                             "log.tensorboard": False, "log.plot": False, "checkpoint.save_final": False}, **group, **kw)
+    group = {"init_method": init, "rank": rank, "world_size": world} if world > 1 else {}
+    with tempfile.TemporaryDirectory() as run_dir:  # 2 steps of 2 micro-batches of 4 (a pipeline's window)
+        t = torchrig.Trainer(build_model(), optimizer="adamw", lr=1e-3, batch_size=4, accumulate=2, max_steps=2,
+                             metrics=[], run_dir=run_dir, callbacks=[count], num_workers=0, **QUIET, **group, **keys)
         count.watch(t.optimizers["default"])
         t.fit(data)
         t.close()
-    (out / f"tp{tp}-rank{rank}.json").write_text(json.dumps(count.found))
+    (out / f"{arm}-rank{rank}.json").write_text(json.dumps(count.found))
 
 
-def run(tp: int, out: Path) -> list[dict]:
-    store = out / f"store{tp}"
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(tp), str(rank), str(out), f"file://{store}"],
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in range(tp)]
+def run(arm: str, out: Path, extra: tuple = ()) -> list[dict]:
+    world = ARMS[arm][1] if arm in ARMS else 2
+    store = out / f"store-{arm}"
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", arm, str(rank), str(out), f"file://{store}",
+                               *extra], env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in range(world)]
     for p in procs:
         if p.wait(timeout=600) != 0:
-            raise SystemExit(f"benchmarks/{NAME}.py: a tp={tp} process failed (exit {p.returncode})")
-    return [json.loads((out / f"tp{tp}-rank{rank}.json").read_text()) for rank in range(tp)]
+            raise SystemExit(f"benchmarks/{NAME}.py: a {arm} process failed (exit {p.returncode})")
+    return [json.loads((out / f"{arm}-rank{rank}.json").read_text()) for rank in range(world)]
+
+
+# ----------------------------------------------------------------------------- the bubble
+BUBBLE_BLOCKS, BUBBLE_BATCH, BUBBLE_STEPS = 8, 8, 6
+
+
+def bubble_child(schedule: str, m: int, steps: int, rank: int, out: Path, init: str) -> None:
+    """pp=2 over equal blocks (no head): per step, this rank's busy seconds (its stage's forward and backward
+    calls) and the schedule step's seconds."""
+    import time
+
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.utils.data import TensorDataset
+
+    import torchrig
+    from torchrig.parallel import Pipeline
+
+    c.pin_threads()
+    busy, steps_s = [0.0], []
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - t0
+        return wrapper
+
+    PipelineStage.forward_one_chunk = timed(PipelineStage.forward_one_chunk)
+    PipelineStage.backward_one_chunk = timed(PipelineStage.backward_one_chunk)
+    train = Pipeline.train
+
+    def train_timed(self, micro_batches):
+        busy[0] = 0.0
+        t0 = time.perf_counter()
+        train(self, micro_batches)
+        steps_s.append((busy[0], time.perf_counter() - t0))
+
+    Pipeline.train = train_timed
+    torch.manual_seed(0)
+    blocks = build_model().blocks[0].__class__
+    model = nn.Sequential(*(blocks() for _ in range(BUBBLE_BLOCKS)))
+    n = BUBBLE_BATCH * m * steps
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, SEQ, DIM, generator=g), torch.randn(n, SEQ, DIM, generator=g))
+    with tempfile.TemporaryDirectory() as run_dir:
+        t = torchrig.Trainer(model, optimizer="adamw", lr=1e-4, batch_size=BUBBLE_BATCH, accumulate=m, loss="mse",
+                             metrics=[], run_dir=run_dir, num_workers=0, epochs=1, **QUIET,
+                             init_method=init, rank=rank, world_size=2,
+                             **{"parallel.pp": 2, "parallel.pp_schedule": schedule})
+        t.fit(data)
+        t.close()
+    (out / f"bubble-{schedule}-{m}-rank{rank}.json").write_text(json.dumps(steps_s[1:]))
+
+
+def bubble(schedule: str, m: int, steps: int, out: Path) -> dict:
+    arm = f"bubble-{schedule}-{m}"
+    parts = run(arm, out, (schedule, str(m), str(steps)))
+    # a step lasts until its last stage is done (the ranks start it together: the previous step ended with an
+    # all-reduce); each rank's bubble is the part of that it did not compute
+    total = sum(max(p[i][1] for p in parts) for i in range(len(parts[0])))
+    waits = [1 - sum(b for b, _ in p) / total for p in parts]
+    return {"measured": sum(waits) / len(waits), "ranks": waits, "theory": (2 - 1) / (m + 2 - 1),
+            "step_ms": 1e3 * total / len(parts[0])}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", nargs=4)
+    ap.add_argument("--child", nargs="+")
     args = ap.parse_args()
     if args.child:
-        tp, rank, out, init = args.child
-        return child(int(tp), int(rank), Path(out), init)
+        arm, rank, out, init, *extra = args.child
+        if arm.startswith("bubble-"):
+            schedule, m, steps = extra
+            return bubble_child(schedule, int(m), int(steps), int(rank), Path(out), init)
+        return child(arm, int(rank), Path(out), init)
     with tempfile.TemporaryDirectory() as tmp:
-        one = run(1, Path(tmp))[0]
-        ranks = run(2, Path(tmp))
+        one = run("one", Path(tmp))[0]
+        tp_ranks = run("tp2", Path(tmp))
+        pp_ranks = run("pp2", Path(tmp))
+        steps = 3 if args.quick else BUBBLE_STEPS
+        bubbles = {f"{schedule} m={m}": bubble(schedule, m, steps, Path(tmp))
+                   for schedule in ("gpipe", "1f1b") for m in ((4,) if args.quick else (4, 8))}
     kinds = ("parameters", "gradients", "optimizer")
     total_one = sum(one[k] for k in kinds)
-    rows, per_rank = [], []
-    for k in kinds:
-        rows.append([k, f"{one[k] / 2**20:.2f}", *(f"{r[k] / 2**20:.2f}" for r in ranks),
-                     f"{max(r[k] for r in ranks) / one[k]:.3f}"])
-    per_rank = [sum(r[k] for k in kinds) for r in ranks]
-    ratio = max(per_rank) / total_one
-    rows.append(["total", f"{total_one / 2**20:.2f}", *(f"{b / 2**20:.2f}" for b in per_rank), f"{ratio:.3f}"])
-    print(f"tensor parallelism, {BLOCKS} transformer blocks of width {DIM} ({HEADS} heads), AdamW: MiB held per rank")
-    print(c.table(["", "one process", "tp=2 rank 0", "tp=2 rank 1", "tp=2 / one"], rows))
-    print(f"largest rank at tp=2 / one process: {ratio:.3f} (target <= {TARGET}: {c.verdict(ratio, TARGET)})")
-    c.write_result(NAME, {"one_process": one, "tp2_ranks": ranks, "ratio": ratio, "target": TARGET,
+    ratios = {}
+    for arm, ranks in (("tp=2", tp_ranks), ("pp=2", pp_ranks)):
+        rows = [[k, f"{one[k] / 2**20:.2f}", *(f"{r[k] / 2**20:.2f}" for r in ranks),
+                 f"{max(r[k] for r in ranks) / one[k]:.3f}"] for k in kinds]
+        per_rank = [sum(r[k] for k in kinds) for r in ranks]
+        ratios[arm] = max(per_rank) / total_one
+        rows.append(["total", f"{total_one / 2**20:.2f}", *(f"{b / 2**20:.2f}" for b in per_rank),
+                     f"{ratios[arm]:.3f}"])
+        print(f"{arm}, {BLOCKS} transformer blocks of width {DIM} ({HEADS} heads), AdamW: MiB held per rank")
+        print(c.table(["", "one process", f"{arm} rank 0", f"{arm} rank 1", f"{arm} / one"], rows))
+        print(f"largest rank at {arm} / one process: {ratios[arm]:.3f} (target <= {TARGET}: "
+              f"{c.verdict(ratios[arm], TARGET)})\n")
+    print(f"pipeline bubble, pp=2 over {BUBBLE_BLOCKS} equal blocks, micro-batches of {BUBBLE_BATCH}: the fraction "
+          f"of a step a stage waits (mean of the two)")
+    print(c.table(["schedule", "measured", "theory (p-1)/(m+p-1)", "ms per step"],
+                  [[k, f"{v['measured']:.3f}", f"{v['theory']:.3f}", f"{v['step_ms']:.1f}"]
+                   for k, v in bubbles.items()]))
+    ratio = max(ratios.values())
+    c.write_result(NAME, {"one_process": one, "tp2_ranks": tp_ranks, "pp2_ranks": pp_ranks, "ratio": ratios["tp=2"],
+                          "pp_ratio": ratios["pp=2"], "bubble": bubbles, "target": TARGET,
                           "meets_target": ratio <= TARGET,
                           "model": {"blocks": BLOCKS, "dim": DIM, "heads": HEADS}}, quick=args.quick)
 

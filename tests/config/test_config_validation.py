@@ -25,7 +25,7 @@ EXAMPLES = [
     ("optim.lr=.inf", "config key 'optim.lr': expected a finite number > 0, got inf"),
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
-    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, log, model, optim, "
+    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, lm, log, model, optim, "
                   "parallel, pix2pix, profile, scheduler, spike, text"),
 ]
 
@@ -173,6 +173,10 @@ BAD_VALUES = [
     ('parallel.pp=1.5', "an integer >= 1, or -1 for the ranks the other degrees leave, got 1.5"),
     ('parallel.tp_plan=everything', "'auto' or a mapping of module-name patterns to styles or null, got 'everything'"),
     ('parallel.loss_parallel=maybe', "true, false or 'auto', got 'maybe'"),
+    ('parallel.pp_split={a: 1}', "'auto' or a list of module names, got {'a': 1}"),
+    ('parallel.pp_schedule=2f2b', "one of gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv_zero_bubble, "
+                                  "got '2f2b'"),
+    ('parallel.pp_stages_per_rank=0', "an integer >= 1, got 0"),
     ('ema_decay=1', 'a number in (0, 1) or null, got 1'),
     ('ema_warmup=maybe', "true or false, got 'maybe'"),
     ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),

@@ -118,6 +118,14 @@ def processes(args: list[str], n: int, out: Path, store: Path, timeout: float = 
             store.unlink()
 
 
+def scenario(tmp_path: Path, name: str, n: int, worker: Path, timeout: float = 400) -> Path:
+    """``n`` processes of ``worker NAME OUT`` (see :func:`group`); every one must succeed. Returns OUT."""
+    out = tmp_path / name
+    for r in group(name, out, tmp_path / "store", n, timeout=timeout, worker=worker):
+        assert r.returncode == 0, r.output[-3000:]
+    return out
+
+
 def _read(f) -> str:
     f.flush()
     f.seek(0)

@@ -156,7 +156,7 @@ def test_import_torchrig_and_recipes_does_not_import_torchvision():
 
 
 @pytest.mark.parametrize("name", ["image-classification", "image-classification-resnet18", "text-classification",
-                                  "pix2pix"])
+                                  "pix2pix", "language-model"])
 def test_example_configs_load(name):
     from helpers import REPO
     from torchrig.recipes.run import build_config

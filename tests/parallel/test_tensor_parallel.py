@@ -53,7 +53,6 @@ def test_degrees_that_do_not_fit_the_world_name_the_key(world, given, words):
                                                         "dist.strategy=ddp replicates it"),
     ({"parallel.tp": 2}, "config key 'parallel.tp_plan': parallel.tp=2 splits the layers a plan names, and no "
                          "plan is set"),
-    ({"parallel.pp": 2}, "config key 'parallel.pp': 2: pipeline parallelism is not available"),
 ])
 def test_bad_combinations_are_one_line_naming_the_key(sets, words):
     cfg = Config()
@@ -115,13 +114,7 @@ def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:
 
 
 def run_scenario(tmp_path, scenario: str):
-    degrees_, world = W.SCENARIOS[scenario]
-    out = tmp_path / scenario
-    results = dist_procs.group(scenario, out, tmp_path / "store", world, timeout=400,
-                               worker=dist_procs.HELPERS / "parallel_worker.py")
-    for r in results:
-        assert r.returncode == 0, r.output[-3000:]
-    return out
+    return dist_procs.scenario(tmp_path, scenario, W.SCENARIOS[scenario][1], dist_procs.HELPERS / "parallel_worker.py")
 
 
 @pytest.fixture(scope="module")

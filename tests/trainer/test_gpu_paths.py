@@ -274,10 +274,10 @@ def test_a_gpu_run_pairs_nccl_with_gloo_for_cpu_tensors(monkeypatch):
 
 
 def test_averaging_gradients_takes_buckets_not_a_gradient_sized_buffer():
-    from torchrig.trainer.microbatch import _buckets
+    from torchrig.parallel import buckets as bucketed
 
     tensors = [torch.zeros(1000) for _ in range(10)] + [torch.zeros(10, dtype=torch.float64)]
-    buckets = _buckets(tensors, limit=4 * 2500)  # 2,500 floats a bucket
+    buckets = bucketed(tensors, limit=4 * 2500)  # 2,500 floats a bucket
     assert [len(b) for b in buckets] == [2, 2, 2, 2, 2, 1]
     assert all(len({t.dtype for t in b}) == 1 for b in buckets)
     assert sum(len(b) for b in buckets) == len(tensors)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from .io import CheckpointError, check_keys, load_weights_file
+from .io import CheckpointError, check_keys, load_weights_file, read_meta
 from .layout import checkpoint_name, weight_files
 
 
@@ -44,17 +44,49 @@ def _dsd():
     return dsd
 
 
-def _sharded_state(model: torch.nn.Module, optimizers: dict) -> dict[str, Any]:
-    """Model and optimizer state as DCP wants it: DTensor shards under FSDP, keyed by parameter name."""
+def _options(flat: bool) -> Any:
+    """DCP's state-dict options. Pipeline stages hold different parameters, so each optimizer value is saved under
+    its parameter's name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``: ``flat``) rather than in lists by
+    position, which every stage would write differently under the same key."""
     dsd = _dsd()
-    return {"model": dsd.get_model_state_dict(model),
-            "optim": {name: dsd.get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()}}
+    return dsd.StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _layout(meta: dict) -> dict:
+    """What a sharded checkpoint's ``meta.json`` records beside ``sharded``: how its optimizer state is keyed."""
+    return dict(meta, sharded=True, strategy="fsdp",
+                **({"optimizer_keys": "by_name"} if runtime.pipeline_group() is not None else {}))
+
+
+def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: Optional[bool] = None) -> dict[str, Any]:
+    """Model and optimizer state as DCP wants it: DTensor shards under FSDP (a pipeline stage's own tensors), keyed
+    by parameter name; ``flat`` (by default: under a pipeline) the optimizer's values by parameter name too."""
+    dsd = _dsd()
+    options = _options(runtime.pipeline_group() is not None if flat is None else flat)
+    return {"model": dsd.get_model_state_dict(model, options=options),
+            "optim": {name: dsd.get_optimizer_state_dict(model, opt, options=options)
+                      for name, opt in optimizers.items()}}
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``). Collective: every rank calls it."""
-    dsd = _dsd()
-    return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``). Collective: every rank calls it.
+
+    A pipeline stage holds plain tensors of its own part: the stages of rank 0's pipeline send theirs to rank 0."""
+    group = runtime.pipeline_group()
+    if group is None:
+        dsd = _dsd()
+        return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    import torch.distributed as dist
+
+    if 0 not in dist.get_process_group_ranks(group):
+        return {}  # another replica of the stages: rank 0's pipeline holds the same weights
+    parts = runtime.gather_to_first({k: v.detach().cpu() for k, v in model.state_dict().items()}, group)
+    if parts is None:
+        return {}
+    whole: dict[str, torch.Tensor] = {}
+    for part in parts:  # buffers of modules without parameters (every stage runs them) come from each: alike
+        whole.update(part)
+    return whole
 
 
 def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, others: dict,
@@ -82,7 +114,7 @@ def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, othe
         runtime.broadcast(str(tmp))
         dcp.save(shards, checkpoint_id=str(tmp / SHARDS))  # returns once every rank's file is written
 
-    meta = dict(meta, sharded=True, strategy="fsdp")
+    meta = _layout(meta)
     path = None
     try:
         path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards,
@@ -129,17 +161,20 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
         os.replace(staging, tmp / SHARDS)
 
     weights, state, files, metrics = host_copy((weights, state, files, metrics))
-    manager.submit(manager.write, step, weights, state, _plain(config), dict(meta, sharded=True, strategy="fsdp"),
+    manager.submit(manager.write, step, weights, state, _plain(config), _layout(meta),
                    metrics, extra_writer=move_shards, files=files)
     return manager.dir / name
 
 
 def load_full_weights(model: torch.nn.Module, path: Path) -> None:
-    """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model."""
+    """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a pipeline
+    stage takes its own part)."""
     dsd = _dsd()
     full = load_weights_file(path)
     own = model.state_dict()
     _check_keys(set(full), set(own), path)
+    if runtime.pipeline_group() is not None:  # a pipeline stage takes its own part
+        full = {k: v for k, v in full.items() if k in own}
     check_shapes({k: tuple(v.shape) for k, v in full.items()}, own, path)
     dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
 
@@ -166,7 +201,8 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     except Exception as exc:
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
                               f"checkpoint, or its model.safetensors for the weights alone") from None
-    target = _sharded_state(model, optimizers)
+    flat = read_meta(path).get("optimizer_keys") == "by_name"  # saved by a pipeline
+    target = _sharded_state(model, optimizers, flat)
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path)
     check_shapes(shapes, target["model"], path)
@@ -184,10 +220,11 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' does not fit this model or optimizer "
                               f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "
                               f"was it saved from a different model or optimizer?") from None
-    dsd.set_model_state_dict(model, target["model"])
+    options = _options(flat)
+    dsd.set_model_state_dict(model, target["model"], options=options)
     for name, opt in optimizers.items():
         if name in target["optim"]:
-            dsd.set_optimizer_state_dict(model, opt, target["optim"][name])
+            dsd.set_optimizer_state_dict(model, opt, target["optim"][name], options=options)
 
 
 def load_full_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
@@ -223,6 +260,10 @@ def _plain(value: Any) -> Any:
 
 
 def _check_keys(saved: set, expected: set, path: Path) -> None:
+    """Every key of this rank's model in the checkpoint, and (but for a pipeline stage, which holds a part of the
+    model) no other."""
+    if runtime.pipeline_group() is not None:
+        saved = saved & expected
     check_keys(saved, expected, f"checkpoint '{path}'")
 
 

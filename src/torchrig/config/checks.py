@@ -84,5 +84,39 @@ def _parallel(cfg: Config) -> None:
                           f"plan is set; set parallel.tp_plan=auto (the model's own plan) or a mapping such as "
                           f"{{'layers.*.fc1': colwise, 'layers.*.fc2': rowwise}}")
     if p.pp != 1:
-        raise ConfigError(f"config key 'parallel.pp': {p.pp}: pipeline parallelism is not available in this version of "
-                          f"torchrig; use parallel.tp or dist.strategy=fsdp to fit a model that one device cannot hold")
+        _pipeline(cfg)
+
+
+def _pipeline(cfg: Config) -> None:
+    """``parallel.pp``: what a pipeline cannot be combined with (the micro-batches against the schedule, the split
+    against the model, are checked when the stages are built)."""
+    p, pp = cfg.parallel, f"parallel.pp={cfg.parallel.pp}"
+    if p.tp != 1:
+        raise ConfigError(f"config key 'parallel.tp': {p.tp} with {pp}: tensor parallelism inside pipeline stages is "
+                          f"not supported; use one of them, with parallel.dp_replicate for the remaining ranks")
+    if p.dp_shard not in ("auto", 1) or cfg.dist.strategy == "fsdp":
+        what = f"parallel.dp_shard={p.dp_shard}" if p.dp_shard not in ("auto", 1) else "dist.strategy=fsdp"
+        raise ConfigError(f"config key '{what.partition('=')[0]}': {what} with {pp}: FSDP2 shards inside pipeline "
+                          f"stages are not supported; use parallel.dp_replicate (each stage replicated, its gradients "
+                          f"averaged) for the data-parallel ranks beside the pipeline")
+    single = p.pp_schedule in ("gpipe", "1f1b")
+    if single and p.pp_stages_per_rank != 1:
+        raise ConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank} stages per rank need a "
+                          f"schedule that runs several (interleaved_1f1b, interleaved_zero_bubble, zbv_zero_bubble); "
+                          f"parallel.pp_schedule={p.pp_schedule} runs one")
+    if p.pp_schedule == "zbv_zero_bubble" and p.pp_stages_per_rank != 2:
+        raise ConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank}, but "
+                          f"parallel.pp_schedule=zbv_zero_bubble runs exactly 2 stages per rank (in a V); set "
+                          f"parallel.pp_stages_per_rank=2")
+    if cfg.data.micro_batch_size == "auto":
+        raise ConfigError(f"config key 'data.micro_batch_size': 'auto' with {pp}: the out-of-memory halving re-runs a "
+                          f"window on one rank, which a pipeline cannot; set data.micro_batch_size to an integer")
+    if cfg.ema_decay is not None:
+        raise ConfigError(f"config key 'ema_decay': an EMA of the weights is not supported with {pp} (each rank "
+                          f"holds its stage's weights only); set ema_decay=null")
+    if cfg.precision == "fp16":
+        raise ConfigError(f"config key 'precision': fp16 with {pp}: each stage's GradScaler would decide on its own "
+                          f"gradients whether a step overflowed; use precision=bf16 (no loss scaling) or fp32")
+    if cfg.model.compile:
+        raise ConfigError(f"config key 'model.compile': true with {pp}: the pipeline cuts the model's own forward at "
+                          f"its blocks, which torch.compile cannot trace; set model.compile=false")

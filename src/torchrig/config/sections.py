@@ -270,10 +270,22 @@ def _tp_plan(v: Any) -> Any:
     return {accept(isinstance(k, str) and k.strip() != "", k): TEXT.check(s) for k, s in v.items()}
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
+def _pp_split(v: Any) -> Any:
+    if v == "auto":
+        return v
+    if isinstance(v, str):  # --set parallel.pp_split=transformer.h.6,transformer.h.12
+        v = [part.strip() for part in v.split(",")]
+    accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
+    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+
+
 @dataclass
 class ParallelConfig:
-    """How one model is spread over the processes: data-parallel replicas and shards and the tensor-parallel
-    degree on one device mesh (their product is the world size)."""
+    """How one model is spread over the processes: data-parallel replicas and shards, the tensor-parallel and the
+    pipeline-parallel degrees on one device mesh (their product is the world size)."""
 
     dp_replicate: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel replicas (DDP, or HSDP's replicas); "
                                                              "auto: the rest of the ranks under dist.strategy=ddp, "
@@ -282,7 +294,21 @@ class ParallelConfig:
                                                          "under dist.strategy=fsdp, else 1", alias="dp_shard")
     tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)",
                   alias="tp")
-    pp: int = key(1, DEGREE, "pipeline-parallel degree; 1 only: pipeline parallelism is not available yet")
+    pp: int = key(1, DEGREE, "pipeline-parallel degree: ranks that each hold consecutive blocks of the model "
+                             "(parallel.pp_split), passing activations on; the accumulation window's micro-batches "
+                             "are the pipeline's", alias="pp")
+    pp_split: Union[list, str] = key(
+        "auto", Rule("'auto' or a list of module names", _pp_split),
+        "with pp > 1: the blocks where stages 2, 3, ... begin (e.g. [transformer.h.6]), or auto: the model's "
+        "top-level sequence of blocks (an nn.Sequential, or its longest ModuleList) cut into stages of about "
+        "equal parameter count", alias="pp_split")
+    pp_schedule: str = key("1f1b", choice(*PP_SCHEDULES),
+                           "with pp > 1: the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
+                           "interleaved_1f1b and interleaved_zero_bubble (several stages per rank: "
+                           "parallel.pp_stages_per_rank), zbv_zero_bubble (two stages per rank, in a V)",
+                           alias="pp_schedule")
+    pp_stages_per_rank: int = key(1, integer(1), "with pp > 1: stages each rank holds (interleaved schedules)",
+                                  alias="pp_stages_per_rank")
     tp_plan: Union[dict, str, None] = key(
         None, optional(Rule("'auto' or a mapping of module-name patterns to styles", _tp_plan)),
         "with tp > 1: {module pattern: colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel, "

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..runtime.dist import all_reduce_sum, data_parallel_group
+from ..runtime.dist import all_reduce_sum, data_parallel_group, from_last_stage, pipeline_group
 from ..errors import TorchrigError, suggest
 
 IGNORE_INDEX = -100  # a token / pixel target PyTorch's cross_entropy and Hugging Face models skip
@@ -148,10 +148,14 @@ class Metric:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Sum every state over the data-parallel ranks (no-op in one process). Every rank must call it."""
+        """Sum every state over the data-parallel ranks (no-op in one process), and take the sums of a pipeline's
+        last stage, where the model's outputs are (``runtime.from_last_stage``). Every rank must call it."""
         group = data_parallel_group()
         for key in sorted(self.states):
             self.states[key] = all_reduce_sum(self.states[key], group)
+        if pipeline_group() is not None:
+            device = self.device
+            self.states = {k: v.to(device or v.device) for k, v in from_last_stage(dict(self.states)).items()}
 
 
 def _class_predictions(output: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,18 @@ def total_norm(grads: list, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), float(norm_type))
 
 
+def norm_over_ranks(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm of the gradients of every rank of ``group`` together, from each rank's ``norm`` of its own (pipeline
+    stages hold different parameters): the largest for ``inf``, else ``(Σ normᵖ)^(1/p)``, summed in float64."""
+    p = float(norm_type)
+    if math.isinf(p):
+        out = norm.detach().clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
+        return out
+    total = runtime.all_reduce_sum(norm.detach().double() ** p, group)
+    return (total ** (1.0 / p)).to(norm.dtype)
+
+
 def finite(norm: torch.Tensor) -> bool:
     """One scalar read (on CPU a plain memory load)."""
     return math.isfinite(norm.item())

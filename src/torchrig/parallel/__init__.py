@@ -1,7 +1,7 @@
 """How one model is spread over the processes: the device mesh of the run (``parallel`` config section),
-tensor-parallel plans, and the data-parallel wrapper (DDP / FSDP2 / DataParallel, SyncBatchNorm, gradient
-synchronisation across an accumulation window), applied after the split the way PyTorch documents composing
-them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
+tensor-parallel plans, pipeline stages and schedules, and the data-parallel wrapper (DDP / FSDP2 / DataParallel,
+SyncBatchNorm, gradient synchronisation across an accumulation window), applied after the split the way PyTorch
+documents composing them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,34 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import runtime
 from . import loss
 from . import tp as tensor_parallel
 from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
-from .wrap import no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
+from .pipeline import MicroBatch, Pipeline, StageOutput, plan_stages
+from .wrap import average_gradients, buckets, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
-           "build_layout", "resolve_degrees", "split_model", "data_parallel_mesh", "tensor_parallel", "devices_of",
-           "placed_device", "to_output_device", "loss"]
+           "build_layout", "resolve_degrees", "split_model", "split_pipeline", "data_parallel_mesh",
+           "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets",
+           "MicroBatch", "Pipeline", "StageOutput", "plan_stages", "loss"]
 
+
+def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.device) -> nn.Module:
+    """``parallel.pp``: cut ``model`` (the user's, on any device) into its stages and keep this rank's (in place:
+    the rest is let go before anything moves to ``device``); ``layout.pipeline`` runs them. Returns the model."""
+    import torch.distributed as dist
+
+    if isinstance(model, nn.ModuleDict):
+        raise ParallelConfigError("config key 'parallel.pp': a pipeline cuts one model's forward; a dict of models "
+                                  "(a GAN's networks) is not supported")
+    plan = plan_stages(model, p.pp_split, layout.pp * p.pp_stages_per_rank)
+    layout.pipeline = pipe = Pipeline(model, plan, rank=dist.get_rank(layout.pp_group), pp=layout.pp,
+                                      per_rank=p.pp_stages_per_rank, schedule=p.pp_schedule, group=layout.pp_group,
+                                      device=device)
+    runtime.set_pipeline_group(layout.pp_group, dist.get_process_group_ranks(layout.pp_group)[pipe.last_rank])
+    return model
 
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,
                 dtype: Optional[torch.dtype]) -> nn.Module:

@@ -4,10 +4,12 @@
 may be ``-1`` (the ranks the others leave); ``auto`` on the data-parallel degrees gives the rest to the one
 ``dist.strategy`` names (``ddp``: replicas, ``fsdp``: shards), so ``dist.strategy=ddp|fsdp`` alone keep
 meaning what they always did. A run that only replicates or only shards needs no mesh: DDP and FSDP2
-use the default group, as before. Once the model itself is split (``tp > 1``) or data parallelism has two
-levels (HSDP), the mesh is built once, with the dimensions ``dp_replicate``, ``dp_shard``, ``tp`` (every
-one, size 1 included), and the group of the data-parallel ranks (those with the same ``tp`` coordinate)
-becomes the one metrics and loss counts are reduced over (``runtime.set_data_parallel_group``).
+use the default group, as before. Once the model itself is split (``tp > 1`` or ``pp > 1``) or data parallelism
+has two levels (HSDP), the mesh is built once, with the dimensions ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``
+(every one, size 1 included; ``pp`` outermost, so that a stage's ranks are neighbours), and the group of the
+data-parallel ranks (those with the same ``pp`` and ``tp`` coordinates) becomes the one metrics and loss counts
+are reduced over (``runtime.set_data_parallel_group``). With ``pp > 1`` the ranks with the same data-parallel and
+``tp`` coordinates form a pipeline (``runtime.set_pipeline_group``), stage ``i`` on its ``i``-th rank.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class Layout:
     tp: int = 1
     pp: int = 1
     strategy: str = "none"              # the data-parallel wrapper: none, ddp, fsdp or dp
-    mesh: Any = None                    # DeviceMesh (dp_replicate, dp_shard, tp), or None: the default group
+    mesh: Any = None                    # DeviceMesh (pp, dp_replicate, dp_shard, tp), or None: the default group
     dp_group: Any = None                # the data-parallel ranks' group, or None: every rank
     plan: dict = dataclasses.field(default_factory=dict)  # {module: tensor-parallel style} once split
+    pp_group: Any = None                # with pp > 1: this rank's pipeline (its stages' ranks, in stage order)
+    pipeline: Any = None                # with pp > 1: this rank's stages of the model (parallel.pipeline.Pipeline)
 
     @property
     def dp(self) -> int:
@@ -49,7 +53,15 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Whether parameters are DTensors (FSDP2 or tensor parallel): checkpoints go through DCP."""
+        """Whether no rank holds the whole model as plain tensors (FSDP2, tensor parallel: DTensors; a pipeline:
+        each rank its stages): checkpoints go through DCP, every rank writing its part."""
+        return self.strategy == "fsdp" or self.tp > 1 or self.pp > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every forward is a collective (FSDP2's all-gathers, tensor-parallel reductions): ranks with fewer
+        evaluation batches must make as many forwards. A pipeline's forwards only pass activations along a
+        pipeline, whose ranks see the same batches."""
         return self.strategy == "fsdp" or self.tp > 1
 
     def submesh(self, *names: str) -> Any:
@@ -95,9 +107,10 @@ def resolve_degrees(p: Any, strategy: str, world_size: int) -> dict[str, int]:
 
 def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.device) -> Layout:
     """The run's layout: resolved degrees, wrapper and mesh. Collective when it builds a mesh."""
-    d = resolve_degrees(p, strategy_name, world_size)  # parallel.pp > 1 is refused by config.validate
+    d = resolve_degrees(p, strategy_name, world_size)
     layout = Layout(**d)
-    if d["tp"] == 1 and (d["dp_replicate"] == 1 or d["dp_shard"] == 1):
+    runtime.set_pipeline_group(None)
+    if d["tp"] == 1 and d["pp"] == 1 and (d["dp_replicate"] == 1 or d["dp_shard"] == 1):
         strategy = resolve_strategy(strategy_name, world_size, device)
         if strategy == "ddp" and d["dp_shard"] > 1:  # auto with parallel.dp_shard: shards
             strategy = "fsdp"
@@ -107,10 +120,14 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     if strategy_name in ("dp", "none") and layout.dp > 1:
         raise ParallelConfigError(f"config key 'dist.strategy': {strategy_name!r} cannot share the data-parallel "
                                   f"ranks of {layout.describe()}; use dist.strategy=auto")
-    layout.strategy = "fsdp" if layout.dp > 1 else "none"  # with TP, data parallelism is FSDP2 (as PyTorch's 2-D)
+    # with TP, data parallelism is FSDP2 (as PyTorch's 2-D); beside a pipeline, replicas whose gradients the
+    # pipeline averages once per optimizer step (parallel/pipeline.py)
+    layout.strategy = "none" if layout.dp == 1 else "ddp" if layout.pp > 1 else "fsdp"
     layout.mesh = _mesh(layout, device)
     layout.dp_group = _data_parallel_group(layout.mesh)
     runtime.set_data_parallel_group(layout.dp_group)
+    if layout.pp > 1:  # the pipeline's ranks; runtime.set_pipeline_group once its stages are placed on them
+        layout.pp_group = layout.submesh("pp").get_group()
     return layout
 
 
@@ -120,14 +137,15 @@ def _mesh(layout: Layout, device: torch.device) -> Any:
     if not dist.is_initialized():
         raise ParallelConfigError(f"config key 'parallel': {layout.describe()} needs a process group; start the job "
                                   f"with torchrig launch or torchrun")
-    return init_device_mesh(device.type, (layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(device.type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
 
 def _data_parallel_group(mesh: Any) -> Any:
-    """The group of the ranks with this rank's ``tp`` coordinate (every rank takes part in making them all)."""
-    ranks = mesh.mesh  # (dp_replicate, dp_shard, tp) tensor of global ranks
-    columns = [ranks[:, :, t].flatten().tolist() for t in range(ranks.shape[2])]
+    """The group of the ranks with this rank's ``pp`` and ``tp`` coordinates (every rank takes part in making them
+    all)."""
+    ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
+    columns = [ranks[s, :, :, t].flatten().tolist() for s in range(ranks.shape[0]) for t in range(ranks.shape[3])]
     group, _ = dist.new_subgroups_by_enumeration(columns)
     return group
 

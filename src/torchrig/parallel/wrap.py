@@ -166,3 +166,39 @@ def _fsdp_no_sync(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket: the most extra memory averaging the gradients takes
+
+
+def buckets(tensors: list, limit: int = BUCKET_BYTES) -> list:
+    """``tensors`` grouped by (device, dtype), each group cut into runs of at most ``limit`` bytes (a tensor
+    larger than that on its own)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    out = []
+    for group in groups.values():
+        run, size = [], 0
+        for t in group:
+            if run and size + t.numel() * t.element_size() > limit:
+                out.append(run)
+                run, size = [], 0
+            run.append(t)
+            size += t.numel() * t.element_size()
+        out.append(run)
+    return out
+
+
+def average_gradients(params: list, group: Any = None) -> None:
+    """The mean of the dense gradients over the ranks of ``group`` (None: every rank), as DDP makes it, where DDP
+    cannot (a window whose backward a rank may have to run again; a pipeline stage's, whose micro-batches run in
+    schedule steps of their own): one flat all-reduce per bucket of at most :data:`BUCKET_BYTES`, summed and
+    divided in place, so the update never needs a gradient-sized buffer."""
+    size = dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    for bucket in buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        torch._foreach_copy_(bucket, [part.view_as(g) for g, part in zip(bucket, flat.split([g.numel() for g in bucket]))])

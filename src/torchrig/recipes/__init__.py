@@ -8,6 +8,7 @@ from .base import Recipe, RecipeError
 from .custom import CustomRecipe
 from .digits import DigitsRecipe
 from .image import ImageClassificationRecipe
+from .lm import LanguageModelRecipe
 from .pix2pix import Pix2PixRecipe
 from .text import TextClassificationRecipe
 
@@ -15,6 +16,7 @@ _RECIPES: dict[str, type[Recipe]] = {
     "digits": DigitsRecipe,
     "image-classification": ImageClassificationRecipe,
     "text-classification": TextClassificationRecipe,
+    "language-model": LanguageModelRecipe,
     "pix2pix": Pix2PixRecipe,
     "custom": CustomRecipe,
 }

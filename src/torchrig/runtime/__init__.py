@@ -5,9 +5,10 @@ from .accel import (AccelConfigError, apply_activation_checkpointing, channels_l
 from .device import RuntimeSetupError, configure_threads, select_device
 from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
                    collective_error, data_parallel_group, data_parallel_rank, data_parallel_size,
-                   destroy_process_group, detect, explain_collective_errors, gather, get_rank,
-                   get_world_size, host_collectives, init_process_group, is_initialized, is_main_process, restart_count,
-                   set_data_parallel_group)
+                   destroy_process_group, detect, explain_collective_errors, from_last_stage, gather,
+                   gather_to_first, get_rank, get_world_size, host_collectives, init_process_group, is_initialized,
+                   is_last_stage, is_main_process, pipeline_group, restart_count, set_data_parallel_group,
+                   set_pipeline_group)
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
@@ -22,7 +23,8 @@ __all__ = [
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
     "signal_name", "stop_phase", "data_parallel_group", "data_parallel_rank", "data_parallel_size",
-    "set_data_parallel_group", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
+    "set_data_parallel_group", "set_pipeline_group", "pipeline_group", "is_last_stage", "from_last_stage",
+    "gather_to_first", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",
 ]

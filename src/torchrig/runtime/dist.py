@@ -345,6 +345,43 @@ def data_parallel_rank() -> int:
     return dist.get_rank(_DATA_GROUP)
 
 
+# The pipeline: the group of the ranks that hold the stages of one copy of the model (``parallel.pp``), and the
+# global rank of its last stage, where the loss, the metrics and the predictions are computed. None: no pipeline.
+_PIPELINE: Optional[tuple[Any, int]] = None
+
+
+def set_pipeline_group(group: Any, last: int = 0) -> None:
+    """Make ``group`` this rank's pipeline, whose last stage is global rank ``last`` (None: no pipeline).
+
+    Only the last stage sees the model's output: what is computed from it (metric states, predictions, the
+    logged loss) reaches the other stages with :func:`from_last_stage`."""
+    global _PIPELINE
+    _PIPELINE = None if group is None else (group, last)
+
+
+def pipeline_group() -> Any:
+    """The group set by :func:`set_pipeline_group`, or None (no pipeline)."""
+    return _PIPELINE[0] if _PIPELINE is not None and is_initialized() else None
+
+
+def is_last_stage() -> bool:
+    """Whether this rank computes the model's output (the last pipeline stage; every rank without a pipeline)."""
+    return pipeline_group() is None or get_rank() == _PIPELINE[1]
+
+
+def from_last_stage(obj: Any) -> Any:
+    """``obj`` as the last pipeline stage has it (plain data: see :func:`gather`; the other stages may pass anything,
+    None), on every rank of the pipeline; ``obj`` itself without a pipeline. Collective over the pipeline's ranks.
+    A tensor of the same shape and dtype on every rank is filled in place instead (no serialising)."""
+    group = pipeline_group()
+    if group is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        dist.broadcast(obj, _PIPELINE[1], group=group)
+        return obj
+    return _broadcast_object(obj, _PIPELINE[1], group)
+
+
 def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum of ``t`` over the ranks of ``group`` (None: every rank); a new tensor, the input is left alone."""
     out = t.detach().clone()
@@ -378,21 +415,49 @@ def all_reduce_mean(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     return out / n if out.is_floating_point() else out.double() / n
 
 
-def broadcast(obj: Any, src: int = 0) -> Any:
-    """Broadcast a tensor (in place, returned) or plain data (see :func:`gather`) from ``src``."""
-    if not (is_initialized() and get_world_size() > 1):
+def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Broadcast a tensor (in place, returned) or plain data (see :func:`gather`) from global rank ``src`` over
+    ``group`` (None: every rank)."""
+    if not (is_initialized() and dist.get_world_size(group) > 1):
         return obj
     if isinstance(obj, torch.Tensor):
-        dist.broadcast(obj, src)
+        dist.broadcast(obj, src, group=group)
         return obj
+    return _broadcast_object(obj, src, group)
+
+
+def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
     device = _object_device()
     data = _encode(obj, device) if get_rank() == src else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src)
+    dist.broadcast(size, src, group=group)
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src)
+    dist.broadcast(data, src, group=group)
     return obj if get_rank() == src else _decode(data, src)
+
+
+def gather_to_first(obj: Any, group: Any) -> Optional[list]:
+    """Every rank's ``obj`` (plain data, see :func:`gather`), in ``group``'s rank order, on the group's first rank
+    only (None on the others): what one writer needs of each rank, without a copy of all of it on every rank."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == 1:
+        return [obj]
+    device = _object_device()
+    me = get_rank()
+    if me != ranks[0]:
+        data = _encode(obj, device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), ranks[0], group=group)
+        dist.send(data, ranks[0], group=group)
+        return None
+    out = [obj]
+    for src in ranks[1:]:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(size, src, group=group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.recv(data, src, group=group)
+        out.append(_decode(data, src))
+    return out
 
 
 def gather(obj: Any, group: Any = None) -> list:

@@ -17,11 +17,13 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
                 dtype: Any, layout: Optional[parallel.Layout] = None) -> tuple[nn.Module, dict[str, nn.Module]]:
     """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module, or the
     layout's split (tensor parallel, then FSDP2 over the data-parallel sub-mesh) when it has a mesh."""
+    runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
+    if layout is not None and layout.pp > 1:  # this rank's stages only, cut before anything moves to the device
+        model = parallel.split_pipeline(model, layout, cfg.parallel, device)
     if parallel.placed_device(model) is None:  # a model the user spread over several devices stays where it is
         model = model.to(device)
     if runtime.wants_channels_last(model, cfg.model.channels_last, device):
         model = model.to(memory_format=torch.channels_last)
-    runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if layout is not None and layout.mesh is not None:
         wrapped, models = parallel.split_model(model, layout, cfg, device, dtype), {}
     elif isinstance(model, nn.ModuleDict) and strategy in ("ddp", "fsdp", "dp"):
@@ -37,8 +39,10 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
 
 
 def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
-                     device: torch.device) -> dict[str, torch.optim.Optimizer]:
-    """Optimizers by name ("default" for one): from names, instances or factories of parameters."""
+                     device: torch.device, split: bool = False) -> dict[str, torch.optim.Optimizer]:
+    """Optimizers by name ("default" for one): from names, instances or factories of parameters. ``split``: the
+    layout replaced or dropped parameters (FSDP2, tensor or pipeline parallelism), so an optimizer built before
+    the Trainer holds the wrong ones."""
     o = cfg.optim
     base = runtime.unwrap(model)
 
@@ -52,11 +56,12 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
         if isinstance(value, str):
             return by_name(value, module)
         if isinstance(value, torch.optim.Optimizer):
-            if strategy == "fsdp":
+            if strategy == "fsdp" or split:
+                what = ("strategy 'fsdp' replaces the parameters with sharded ones" if strategy == "fsdp" else
+                        "parallel.tp / parallel.pp split the parameters over the ranks")
                 raise runtime.RuntimeSetupError(
-                    "strategy 'fsdp' replaces the parameters with sharded ones, so an optimizer built before "
-                    "the Trainer cannot be used; pass the optimizer by name or as a factory "
-                    "(a callable taking the parameters)")
+                    f"{what}, so an optimizer built before the Trainer cannot be used; pass the optimizer by name "
+                    f"or as a factory (a callable taking the parameters)")
             return value
         if callable(value):
             return value(module.parameters())

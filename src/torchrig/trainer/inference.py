@@ -107,8 +107,9 @@ def evaluate(r: EvalRun, eval_fn: Optional[Callable] = None) -> dict:
 
 
 def _sync_results(r: EvalRun, means: dict, metrics: list) -> dict:
-    """Sum every metric state over ranks; ranks that saw no sample of a state contribute zeros."""
-    if r.world_size > 1:
+    """Sum every metric state over ranks; ranks that saw no sample of a state (or no output: a pipeline's first
+    stages) contribute zeros."""
+    if r.world_size > 1 or runtime.pipeline_group() is not None:
         def layout(m: Metric) -> dict:
             return {k: tuple(v.shape) for k, v in m.states.items()}
 
@@ -153,7 +154,8 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
         results.append(out.cpu() if isinstance(out, torch.Tensor) else out)
 
     batches = run(r, forward, consume)
-    local = O.stack(results)
+    # a pipeline's last stage holds the predictions (its other stages ran their part of each forward)
+    local = runtime.from_last_stage([O.stack(results)] if runtime.is_last_stage() else None)[0]
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
         parts = runtime.gather((batches.stream_positions(), local), runtime.data_parallel_group())
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])

@@ -96,6 +96,9 @@ class MicroBatcher:
         self.synced = [t.wrapped] if not t.models or t.wrapped is not t.model else list(t.models.values())
         self.guard = self.auto and t.world_size > 1 and t.strategy == "ddp"  # agree before any update
         self.window: list = []       # (batch, weight) of the current window's loaded batches
+        # the logged counts of the window's micro-batches so far, for a step function that returns their values at
+        # the window's end (``runs_windows``: a pipeline's, trainer/pipeline.py); None for any other
+        self.held: Optional[list] = [] if getattr(t.step_fn, "runs_windows", False) else None
         self.failed = False          # this rank ran out of memory in the current attempt
         self.agreed: Optional[bool] = None  # whether any rank failed, once the ranks agreed (None: not yet)
         self._saved: Any = None
@@ -141,8 +144,17 @@ class MicroBatcher:
             step.set_batch(piece, weight)
             with parallel.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
                 values = t.step_fn(step, piece)
-            t.metrics_log.record(values, step.batch_size * step.weight, step.log_weight,
-                                 piece if step.weight else None)
+            logged = (step.batch_size * step.weight, step.log_weight, piece if step.weight else None)
+            if self.held is None:
+                t.metrics_log.record(values, *logged)
+                continue
+            # a step function that runs the whole window at once (a pipeline's): the values of every micro-batch
+            # come with the window's last; each is logged with its own counts, as if it had come on its own
+            self.held.append(logged)
+            if step.sync_gradients:
+                for v, held in zip(values, self.held):
+                    t.metrics_log.record(v, *held)
+                values, self.held = values[-1], []
         step.sync_gradients = last
         return values
 
@@ -192,7 +204,7 @@ class MicroBatcher:
             self.agreed = self._agree(False)
         if self.agreed:
             raise _PeerOutOfMemory()
-        _average_gradients([p for g in opt.param_groups for p in g["params"]], self.t.world_size)
+        parallel.average_gradients([p for g in opt.param_groups for p in g["params"]])
 
     # -- after an out-of-memory error ------------------------------------------------------------
     def _shrink(self) -> None:
@@ -249,42 +261,9 @@ class MicroBatcher:
             torch.cuda.set_rng_state(rng[1], t.device)
 
 
-BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket: the most extra memory averaging the gradients takes
-
-
-def _buckets(tensors: list, limit: int = BUCKET_BYTES) -> list:
-    """``tensors`` grouped by (device, dtype), each group cut into runs of at most ``limit`` bytes (a tensor
-    larger than that on its own)."""
-    groups: dict = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    out = []
-    for group in groups.values():
-        run, size = [], 0
-        for t in group:
-            if run and size + t.numel() * t.element_size() > limit:
-                out.append(run)
-                run, size = [], 0
-            run.append(t)
-            size += t.numel() * t.element_size()
-        out.append(run)
-    return out
-
-
-def _average_gradients(params: list, world_size: int) -> None:
-    """The mean of the dense gradients over the ranks: one flat all-reduce per bucket of at most
-    :data:`BUCKET_BYTES`, summed and divided in place, so the update never needs a gradient-sized buffer."""
-    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
-    for bucket in _buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        torch.distributed.all_reduce(flat)
-        flat.div_(world_size)
-        torch._foreach_copy_(bucket, [part.view_as(g) for g, part in zip(bucket, flat.split([g.numel() for g in bucket]))])
-
-
 def _broadcast_flat(tensors: list) -> None:
     """Rank 0's values of ``tensors``, one broadcast per bucket instead of one per tensor."""
-    for bucket in _buckets([t for t in tensors if t.numel()]):
+    for bucket in parallel.buckets([t for t in tensors if t.numel()]):
         flat = torch.cat([t.reshape(-1) for t in bucket])
         torch.distributed.broadcast(flat, 0)
         torch._foreach_copy_(bucket, [part.view_as(t) for t, part in zip(bucket, flat.split([t.numel() for t in bucket]))])

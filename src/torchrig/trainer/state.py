@@ -173,9 +173,12 @@ class MetricStates:
         return {m.name: dict(m.states) for m in self.synced()}
 
     def load_state_dict(self, state: dict) -> None:
+        # the sums go to one rank of the ranks they are summed over: the first data-parallel rank (of a pipeline's
+        # last stage, where metrics are fed)
+        keeps = runtime.data_parallel_rank() == 0 and runtime.is_last_stage()
         for m in self.metrics:
             if m.name in state:  # checkpoints load on the CPU; the states live on the run's device
-                m.states = {k: (v if self.rank == 0 else torch.zeros_like(v)).to(m.device or v.device, torch.float64)
+                m.states = {k: (v if keeps else torch.zeros_like(v)).to(m.device or v.device, torch.float64)
                             for k, v in state[m.name].items()}
 
 

@@ -25,7 +25,7 @@ from .. import parallel, runtime
 from ..data.batches import batch_size_of, label_keyword, split_batch
 from ..optim import normalize
 from ..optim.losses import tensor_loss
-from ..optim.nonfinite import NonFiniteGuard, NonFiniteLossError, prime_momentum, total_norm
+from ..optim.nonfinite import NonFiniteGuard, NonFiniteLossError, norm_over_ranks, prime_momentum, total_norm
 from . import outputs
 from .outputs import ModelIO, call_model
 from .state import TrainState
@@ -224,6 +224,7 @@ class Step(ModelCalls):
         self.want_grad_norm = False     # set by the loop on log steps
         self.stepped = False            # an optimizer step was applied (or left to the device) in this window
         self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
+        self.norm_group = runtime.pipeline_group()  # ranks whose gradients' norms make the norm clipped by
 
     @property
     def global_step(self) -> int:
@@ -344,23 +345,41 @@ class Step(ModelCalls):
 
     def _weighted(self, loss: torch.Tensor, count: Optional[normalize.Count]) -> torch.Tensor:
         if self.loss_normalization == "micro_batches":
-            if self.weight == 0:
-                return loss * 0.0
-            return loss / self.window_size if self.window_size > 1 else loss
+            return self.weigh(loss, 1, self.weight)
         default = count is None
         if default:
             count = self.count if self._counted else self.count_of()
         count = count * self.weight
         first = not self._counted
         if first:
-            self.count, self._counted = count, True
-            self._window_count = count if self._window_count is None else self._window_count + count
-        if self._whole:  # a further loss with a count of its own weighs count / the micro-batch's count
-            if first or default:
-                return loss
-            n = self._window_count
+            self._count_in(count)
+        if self._whole and not (first or default):  # a further loss with a count of its own weighs count / the
+            n = self._window_count                   # micro-batch's count
             return loss * (count / (n.clamp_min(1) if isinstance(n, torch.Tensor) else max(n, 1)))
-        if not isinstance(count, torch.Tensor) and count == self.count_unit:
+        return self.weigh(loss, count, self.weight)
+
+    def _count_in(self, count: normalize.Count) -> None:
+        self.count, self._counted = count, True
+        self._window_count = count if self._window_count is None else self._window_count + count
+
+    def count_micro_batch(self, target: Any) -> normalize.Count:
+        """Count the current micro-batch (``target``: its target) into the window, as its first :meth:`backward`
+        does, and return its count (items × weight). A pipeline counts every micro-batch of its window so before
+        it runs them together, then weighs each loss with :meth:`weigh`."""
+        if self.loss_normalization == "micro_batches":
+            return 1
+        count = self.count_of(target) * self.weight
+        self._count_in(count)
+        return count
+
+    def weigh(self, loss: torch.Tensor, count: normalize.Count, weight: int = 1) -> torch.Tensor:
+        """``loss`` (a mean over ``count`` items, a micro-batch of ``weight`` 0 or 1) as the window's step weighs
+        it: ``loss × count / unit`` (see ``optim/normalize.py``), or as it is for a whole window on one process."""
+        if self.loss_normalization == "micro_batches":
+            if weight == 0:
+                return loss * 0.0
+            return loss / self.window_size if self.window_size > 1 else loss
+        if self._whole or (not isinstance(count, torch.Tensor) and count == self.count_unit):
             return loss  # a full batch of samples: nothing to weigh (and no extra op per micro-batch)
         return loss * (count / self.count_unit)  # a float32 factor even for a bf16 loss (counts stay exact)
 
@@ -422,6 +441,8 @@ class Step(ModelCalls):
         if not (self.clip_grad_norm or self.want_grad_norm):
             return None
         norm = total_norm([p.grad for p in params], self.clip_norm_type)
+        if self.norm_group is not None:  # pipeline stages hold different parameters: the norm of them all
+            norm = norm_over_ranks(norm, self.clip_norm_type, self.norm_group)
         meshes = {id(getattr(p.grad, "device_mesh", None)) for p in params}
         if self.clip_grad_norm and len(meshes) > 1:  # tensor parallel: DTensors of several meshes and plain tensors
             normalize.scale_gradients([p.grad for p in params],  # torch's coefficient, on each local piece
@@ -446,12 +467,15 @@ class Step(ModelCalls):
         return frozen(self.models, models)
 
 
+MISSING_TARGET = ("training batches carry no target: give (inputs, target) pairs, a dict with a 'labels' key (or "
+                  "set data.label_key), or a custom step function")
+
+
 def default_step(step: Step, batch: Any) -> dict:
     """zero_grad (after the previous step) → forward under autocast → loss → backward → metrics → step."""
     inputs, target = step.split(batch)
     if target is None:
-        raise ValueError("training batches carry no target: give (inputs, target) pairs, a dict with a "
-                         "'labels' key (or set data.label_key), or a custom step function")
+        raise ValueError(MISSING_TARGET)
     with step.autocast():
         output = step.forward(inputs, target=target)
         prediction, loss = step.loss(output, target)

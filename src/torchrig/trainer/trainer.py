@@ -35,6 +35,7 @@ from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .context import FitContext
 from .microbatch import MicroBatcher, check_auto, chunks
 from .options import resolve_options
+from .pipeline import PipelineStep
 from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
 from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
@@ -90,8 +91,10 @@ class Trainer:
                                                           self.precision.dtype, self.layout)
             # channels_last weights: the first batch's forward is tried once with them (see _check_layout)
             self._layout_probe = runtime.wants_channels_last(model, self.cfg.model.channels_last, self.device)
+            if self.layout.pipeline is not None:
+                self._use_pipeline(step_fn, eval_fn, predict_fn)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
-                                                     self.strategy, self.device)
+                                                     self.strategy, self.device, split=self.layout.sharded)
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
             get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here, not in fit
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
@@ -118,6 +121,27 @@ class Trainer:
         if cfg.data.global_batch_size:  # per-process batch and accumulation follow the data-parallel size
             cfg.data.batch_size, cfg.accumulate = split_global_batch(cfg.data.global_batch_size, self.dp_size,
                                                                      cfg.data.micro_batch_size)
+
+    def _use_pipeline(self, step_fn: Optional[Callable], eval_fn: Optional[Callable],
+                      predict_fn: Optional[Callable]) -> None:
+        """``parallel.pp``: the pipeline's step, evaluation and prediction (trainer/pipeline.py) replace the default
+        ones; the user's own cannot run on a model cut into stages."""
+        given = [name for name, fn in (("step_fn", step_fn), ("eval_fn", eval_fn), ("predict_fn", predict_fn)) if fn]
+        if given:
+            raise parallel.ParallelConfigError(
+                f"config key 'parallel.pp': {self.layout.pp} cuts the model into stages that only the default step "
+                f"can run (each rank calls the model's forward up to its stage's last block), so Trainer("
+                f"{given[0]}=...) cannot be pipelined; leave {given[0]} out, or set parallel.pp=1")
+        if self.cfg.log.flops:
+            self.print("torchrig: log.flops is not measured under parallel.pp (the first step's FLOPs are spread "
+                       "over the stages); rows carry no flops_per_s")
+            self.cfg.log.flops = False
+        self._layout_probe = False  # the stages' forwards are the pipeline's to run
+        d = self.cfg.data
+        pieces = -(-d.batch_size // d.micro_batch_size) if isinstance(d.micro_batch_size, int) else 1
+        self.layout.pipeline.check_microbatches(self.cfg.accumulate * pieces, "accumulate")
+        steps = PipelineStep(self.layout.pipeline, self.layout.dp_group if self.dp_size > 1 else None)
+        self.step_fn, self.eval_fn, self.predict_fn = steps, steps.evaluate, steps.predict
 
     def _place(self, model: nn.Module) -> None:
         """A model the user spread over several devices is trained where it is: its inputs go to the device of
@@ -493,7 +517,8 @@ class Trainer:
             size = A if epoch_len is None else min(A, epoch_len - w_start)  # a stream yields whole windows
             # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
             # several micro-batches or ranks, not a whole batch on one process
-            known = self.step_fn is default_step and (size > 1 or step.grad_ranks > 1 or step.cuts_batches)
+            known = (self.step_fn is default_step or isinstance(self.step_fn, PipelineStep)) and (
+                size > 1 or step.grad_ranks > 1 or step.cuts_batches)
             step.begin_window(size, plan.batches.global_samples(w_start, size) if known else None)
             step.want_grad_norm = self.metrics_log.should_log(self.state.global_step + 1) or self._spikes is not None
             self._window = (w_start, size)
@@ -601,7 +626,7 @@ class Trainer:
             return to_device(next(iter(one)), self.device)
 
         return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
-                                 self.dp_size, self.layout.sharded and self.world_size > 1, first_batch,
+                                 self.dp_size, self.layout.lockstep and self.world_size > 1, first_batch,
                                  self._signals.beat_now)
 
     # ------------------------------------------------------------------------------ teardown

@@ -1,0 +1,212 @@
+"""``language-model``: a small GPT-style causal language model (Hugging Face ``GPT2LMHeadModel`` built from a
+config, no download) on plain text, ready for pipeline parallelism (``parallel.pp``).
+
+Data: ``data.path`` is a ``.txt`` file (a document per non-empty line) or a folder of ``.txt`` files (a
+document each); ``data.val_path`` / ``data.test_path`` likewise, else ``data.val_fraction`` of the documents
+is held out (by a hash of each, the same on every machine). With no ``data.path``: docstrings of nine Python
+standard-library packages. The tokenizer is a word-piece vocabulary trained on the training documents (as the
+text recipe's, saved as ``RUN_DIR/tokenizer.json``) or ``lm.tokenizer``. Every split's documents are
+tokenized, joined with ``[SEP]`` between them and cut into sequences of ``lm.block_size`` tokens; a sample is
+``{"input_ids", "labels"}`` (the same ids: the model shifts them and computes its own loss, averaged over the
+tokens of the whole optimizer step by torchrig's token normalisation).
+
+The model is ``GPT2LMHeadModel(GPT2Config(**model.options))`` with the vocabulary and context of the data,
+dropout off unless ``model.options`` sets it, and the output layer **not tied** to the embedding: under
+``parallel.pp`` the embedding and the head sit on different stages, which cannot share a parameter.
+``parallel.pp_split: auto`` cuts its ``transformer.h`` blocks into stages of equal parameter counts (the
+embedding counts with the first, the head with the last). ``torchrig predict`` reads a ``.txt`` file of prompts
+(one per line) and writes, for each, the ``--topk`` most likely next tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from .. import config as C
+from ..config import rules as R
+from ..data.datasets.text import TextTokenizer, docstring_splits, train_wordpiece
+from .base import Recipe, RecipeError, write_class_predictions
+from .common import input_files, say
+from .text import TOKENIZER_FILE, read_tokenizer
+
+
+# GPT2Config's dropouts default to 0.1; off here unless model.options sets them (a small model on little text, and
+# the same result on any number of pipeline stages: each stage would draw its own masks)
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+@dataclass
+class LMConfig:
+    """The sequences and the tokenizer of the language-model recipe (the model's sizes are ``model.options``)."""
+
+    block_size: int = C.key(64, R.at_least(2), "tokens per training sequence (the model's context)")
+    vocab_size: int = C.key(4000, R.at_least(1), "tokenizer vocabulary budget, trained on the training documents")
+    min_frequency: int = C.key(2, R.at_least(1), "a word or piece must occur this often to enter the vocabulary")
+    lowercase: bool = C.key(True, R.BOOL, "lowercase the texts before tokenizing")
+    tokenizer: Optional[str] = C.key(None, R.optional(R.kind("a file path", str)),
+                                     "a tokenizer.json; null: train a word-piece vocabulary (saved in the run "
+                                     "directory)")
+
+
+C.register_section("lm", LMConfig)
+
+
+class TokenBlocks(Dataset):
+    """Consecutive ``block_size`` windows of one token stream, as ``{"input_ids", "labels"}`` samples."""
+
+    def __init__(self, ids: torch.Tensor, block_size: int):
+        n = len(ids) // block_size
+        self.blocks = ids[:n * block_size].view(n, block_size)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+class LanguageModelRecipe(Recipe):
+    name = "language-model"
+    description = ("GPT-style causal language model (Hugging Face GPT2LMHeadModel from a config) on .txt documents; "
+                   "embedded default: Python standard-library docstrings; ready for parallel.pp")
+    defaults = {
+        "epochs": 2, "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01},
+        "scheduler": {"name": "warmup_cosine", "warmup_steps": 20}, "clip_grad_norm": 1.0, "loss": "auto",
+        "metrics": [],
+        "model": {"name": "gpt2", "options": {"n_layer": 4, "n_embd": 128, "n_head": 4}},
+        "data": {"batch_size": 16, "val_fraction": 0.1},
+        "accumulate": 4,  # four micro-batches per step: what a pipeline overlaps (parallel.pp)
+    }
+
+    def __init__(self):
+        self._cache: dict[int, tuple[TextTokenizer, dict]] = {}
+        self._lengths: list[int] = []  # tokens of each prompt given to predict (its next token follows the last)
+
+    # -------------------------------------------------------------------------------- data
+    def _documents(self, cfg: C.Config) -> dict[str, list[str]]:
+        d = cfg.data
+        if d.path is None:
+            return {split: [r["text"] for r in rows] for split, rows in docstring_splits().items()}
+        docs = {"train": _read_documents(Path(d.path), "data.path")}
+        for split, key, p in (("val", "data.val_path", d.val_path), ("test", "data.test_path", d.test_path)):
+            if p is not None:
+                docs[split] = _read_documents(Path(p), key)
+        if "val" not in docs and d.val_fraction > 0:
+            every = max(2, round(1 / d.val_fraction))  # by a hash of the text: the same split on every machine
+            held = [t for t in docs["train"] if zlib.crc32(t.encode()) % every == 0]
+            docs["train"] = [t for t in docs["train"] if zlib.crc32(t.encode()) % every != 0]
+            docs["val"] = held
+        return docs
+
+    def _prepare(self, cfg: C.Config) -> tuple[TextTokenizer, dict]:
+        if id(cfg) in self._cache:
+            return self._cache[id(cfg)]
+        lm = cfg.lm
+        docs = self._documents(cfg)
+        if not docs["train"]:
+            raise RecipeError(f"data.path '{cfg.data.path}' holds no text to train on")
+        tok = self._load_tokenizer(cfg) if lm.tokenizer else train_wordpiece(docs["train"], lm.vocab_size,
+                                                                               lm.min_frequency, lm.lowercase)
+        lm.tokenizer = TOKENIZER_FILE  # from now on (checkpoint config): the copy in the run dir
+        self._cache[id(cfg)] = (tok, docs)
+        return tok, docs
+
+    def build_data(self, cfg: C.Config) -> dict[str, Any]:
+        tok, docs = self._prepare(cfg)
+        sep = tok.tokenizer.token_to_id("[SEP]")
+        out = {}
+        for split, texts in docs.items():
+            stream: list[int] = []
+            for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
+                stream += e.ids + [sep]
+            blocks = TokenBlocks(torch.tensor(stream, dtype=torch.long), cfg.lm.block_size)
+            if len(blocks) == 0:
+                raise RecipeError(f"the {split} documents give {len(stream)} tokens, fewer than one sequence of "
+                                  f"lm.block_size={cfg.lm.block_size}; give more text or a smaller lm.block_size")
+            out[split] = blocks
+        say("torchrig: language-model data: " + ", ".join(f"{k} {len(v)} sequences" for k, v in out.items())
+            + f" of {cfg.lm.block_size} tokens · vocabulary {len(tok)}")
+        return out
+
+    # -------------------------------------------------------------------------------- model
+    def _load_tokenizer(self, cfg: C.Config) -> TextTokenizer:
+        p = Path(cfg.lm.tokenizer)
+        path = Path(cfg.run_dir) / p if not p.is_absolute() and (Path(cfg.run_dir) / p).exists() else p
+        if not path.exists():
+            raise RecipeError(f"tokenizer '{path}' not found: " + (
+                f"predict / evaluate need the run directory the checkpoint came from (it holds {TOKENIZER_FILE})"
+                if cfg.lm.tokenizer == TOKENIZER_FILE else "set lm.tokenizer to a tokenizer.json file"))
+        return read_tokenizer(path)
+
+    def _tokenizer(self, cfg: C.Config) -> TextTokenizer:
+        if id(cfg) in self._cache or not cfg.lm.tokenizer:
+            return self._prepare(cfg)[0]
+        return self._load_tokenizer(cfg)
+
+    def build_model(self, cfg: C.Config) -> torch.nn.Module:
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError:
+            raise RecipeError('the language-model recipe builds a Hugging Face GPT2LMHeadModel; pip install '
+                              '"torchrig[hf]"') from None
+        tok = self._tokenizer(cfg)
+        vocab = tok.tokenizer.get_vocab()
+        options = {"tie_word_embeddings": False, **NO_DROPOUT, **dict(cfg.model.options or {})}
+        try:
+            config = GPT2Config(vocab_size=len(tok), n_positions=cfg.lm.block_size, bos_token_id=vocab["[CLS]"],
+                                eos_token_id=vocab["[SEP]"], **options)
+        except (TypeError, ValueError) as exc:
+            raise RecipeError(f"config key 'model.options': GPT2Config does not take {options} "
+                              f"({str(exc).splitlines()[0]})") from None
+        model = GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # what transformers falls back to for this class anyway, without its warning
+        return model
+
+    def save_artifacts(self, cfg: C.Config, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare(cfg)[0].save(run_dir / TOKENIZER_FILE)
+
+    # -------------------------------------------------------------------------------- predict
+    def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:
+        """A ``.txt`` file of prompts, one per line (their last ``lm.block_size`` tokens), padded on the right: a
+        causal model's outputs at a prompt's own positions do not see the padding after them."""
+        tok = self._tokenizer(cfg)
+        if not path.is_file():
+            raise RecipeError(f"input '{path}' is not a .txt file of prompts (one per line)")
+        lines = [(i, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        if not lines:
+            raise RecipeError(f"input '{path}' holds no prompt")
+        encoded = [e.ids[-cfg.lm.block_size:] or [tok.pad_id]
+                   for e in tok.tokenizer.encode_batch([t for _, t in lines], add_special_tokens=False)]
+        self._lengths = [len(ids) for ids in encoded]
+        ids = torch.full((len(encoded), max(self._lengths)), tok.pad_id, dtype=torch.long)
+        for row, seq in enumerate(encoded):
+            ids[row, :len(seq)] = torch.tensor(seq)
+        return ids, [f"{path.name}:{i}" for i, _ in lines]
+
+    def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
+        """For each prompt, the ``topk`` most likely next tokens (decoded) and their probabilities: the
+        distribution after its last token, written as every recipe writes class predictions."""
+        tok = self._tokenizer(cfg)
+        after = torch.stack([outputs[row, self._lengths[row] - 1] for row in range(len(names))]).float()
+        vocabulary = [tok.tokenizer.id_to_token(i) for i in range(len(tok))]
+        write_class_predictions(after, names, out, topk, class_names=vocabulary)
+
+
+def _read_documents(path: Path, key: str) -> list[str]:
+    """The documents of a ``.txt`` file (one per non-empty line) or of a folder's ``.txt`` files (one each)."""
+    files = input_files(path, (".txt",), key)
+    docs: list[str] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{key} '{f}' is not UTF-8 text") from None
+        docs += [line for line in text.splitlines() if line.strip()] if path.is_file() else [text]
+    return docs

@@ -1,0 +1,120 @@
+"""The step of a pipeline-parallel run (``parallel.pp``): the step function, evaluation and prediction.
+
+:class:`PipelineStep` is the step function the loop calls for each micro-batch, as it calls ``default_step``.
+A pipeline needs every micro-batch of an optimizer step at once (its schedule interleaves their forwards and
+backwards over the stages), so the pipeline's micro-batches are the accumulation window's (``accumulate``
+loaded batches, each cut into ``data.micro_batch_size`` pieces): each call counts its micro-batch into the
+window (``Step.count_micro_batch``, what ``default_step``'s backward does) and keeps it; the window's last call
+runs the schedule (``parallel.Pipeline.train``: forward on every stage; on the last one the loss, weighted as
+``default_step`` weighs it, and the metrics; backward), averages the gradients over the data-parallel replicas,
+and ends with ``step.optimizer_step()``, like ``default_step``. It returns the values of every micro-batch of
+the window (their losses, sent from the last stage to every rank), which the loop logs micro-batch by
+micro-batch (``trainer/microbatch.py``), so the logs, the loss normalisation and the optimizer step are those of
+one process that accumulates the same micro-batches.
+
+Evaluation and prediction run each batch through the stages as one micro-batch without backward, stage by stage
+(``parallel.Pipeline.forward``; ``default_eval_step`` / ``default_predict_step`` on the last stage); ranks that
+hold no last stage return
+nothing, and metric states and predictions reach every rank from the last stage (``runtime.from_last_stage``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import parallel, runtime
+from .step import MISSING_TARGET, ModelCalls, Step, default_eval_step
+
+
+class PipelineStep:
+    """The step function of a pipeline-parallel run (see the module's text)."""
+
+    runs_windows = True  # the loop logs the values of the whole window, returned by its last micro-batch
+
+    def __init__(self, pipe: parallel.Pipeline, dp_group: Any = None):
+        self.pipe = pipe
+        self.dp_group = dp_group  # replicas of this rank's stages (parallel.dp_replicate), or None
+        self.window: list = []
+        self._waiting: Any = None  # the last micro-batch's (index, prediction, target, weight) for the metrics
+
+    # -- training ----------------------------------------------------------------------------------
+    def __call__(self, step: Step, batch: Any) -> Any:
+        inputs, target = step.split(batch)
+        if target is None:
+            raise ValueError(MISSING_TARGET)
+        count = step.count_micro_batch(target)
+        self.window.append(parallel.MicroBatch(batch, len(self.window), (inputs, target, count, step.weight)))
+        if not step.sync_gradients:
+            return None
+        window, self.window = self.window, []
+        losses = torch.zeros(len(window), device=step.device)
+        self.pipe.forward_fn = self._training_forward(step, losses)
+        self.pipe.train(window)
+        self._feed_waiting(step)
+        losses = runtime.from_last_stage(losses)
+        if self.dp_group is not None:
+            parallel.average_gradients([p for opt in step.optimizers.values() for g in opt.param_groups
+                                        for p in g["params"]], self.dp_group)
+        step.optimizer_step()
+        return [{"loss": loss} for loss in losses]
+
+    def _training_forward(self, step: Step, losses: torch.Tensor) -> Callable:
+        scaler = step.precision.scaler
+
+        def forward(model: Any, mb: parallel.MicroBatch) -> torch.Tensor:
+            inputs, target, count, weight = mb.data
+            with step.autocast():
+                output = step.forward(inputs, model=model, target=target)
+                prediction, loss = step.loss(output, target)  # the last stage only gets here
+            losses[mb.index] = loss.detach()
+            if step.metrics and weight:
+                self._wait(step, mb.index, prediction, target, weight)
+            weighted = step.weigh(loss, count, weight)
+            return scaler.scale(weighted) if scaler is not None else weighted
+
+        return forward
+
+    def _wait(self, step: Step, index: int, prediction: Any, target: Any, weight: int) -> None:
+        """The metrics take a micro-batch's prediction once the next one comes (or the window ends): the schedule
+        may call the last stage once more on a first micro-batch of a new shape, to learn its shapes, and that
+        call's values must count for nothing."""
+        if self._waiting is not None and self._waiting[0] != index:
+            self._feed_waiting(step)
+        self._waiting = (index, prediction.detach(), target, weight)
+
+    def _feed_waiting(self, step: Step) -> None:
+        if self._waiting is None:
+            return
+        _, prediction, target, weight = self._waiting
+        self._waiting, kept = None, step.weight
+        step.weight = weight
+        try:
+            step.update_metrics(prediction, target)
+        finally:
+            step.weight = kept
+
+    # -- evaluation and prediction ----------------------------------------------------------------------
+    def evaluate(self, step: ModelCalls, batch: Any) -> tuple:
+        """``default_eval_step`` of one batch through the stages: ``(prediction, target, loss)`` on the last stage,
+        ``(None, None, None)`` elsewhere."""
+        return self._forward_only(batch, lambda: default_eval_step(step, batch), (None, None, None), step.device)
+
+    def predict(self, step: ModelCalls, batch: Any) -> Any:
+        """``default_predict_step`` of one batch through the stages: the prediction on the last stage, else None."""
+        from .inference import default_predict_step
+
+        return self._forward_only(batch, lambda: default_predict_step(step, batch, step.activation), None,
+                                  step.device)
+
+    def _forward_only(self, batch: Any, last_stage: Callable[[], Any], elsewhere: Any, device: torch.device) -> Any:
+        result = [elsewhere]
+
+        def forward(model: Any, mb: parallel.MicroBatch) -> torch.Tensor:
+            result[0] = last_stage()  # other stages stop at their last block, inside it
+            return torch.zeros((), device=device)
+
+        self.pipe.forward_fn = forward
+        self.pipe.forward(parallel.MicroBatch(batch, 0))
+        return result[0] if self.pipe.holds_last else elsewhere

@@ -1,0 +1,193 @@
+"""Models, data and the multi-rank runs of the pipeline-parallel tests (tests/parallel/test_pipeline.py).
+
+    python tests/helpers/pipeline_worker.py pp OUT      # 2 processes (TEST_INIT, TEST_RANK, TEST_WORLD)
+    python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
+
+Each run trains with the ``parallel`` settings of its entry in :func:`runs` and saves this rank's parameters
+(``NAME-RANK.pt``), what it evaluated and predicted, for the test to compare with one process trained on the same
+micro-batches (in the test's own process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from helpers.parallel_worker import QUIET, SEQ, VOCAB, Tokens, build, has_transformers  # noqa: E402
+
+DIM, CLASSES = 16, 4
+SAMPLES, BATCH, ACCUMULATE = 93, 4, 4  # 24 loaded batches, the last of 1 sample: 6 optimizer steps an epoch
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, h):
+        return h + F.gelu(self.fc(self.norm(h)))
+
+
+class TokenNet(nn.Module):
+    """A label per token, over blocks in a ModuleList: the embedding goes to the first stage, the head to the last."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def token_loss(output, target):
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+def padded_tokens(n: int = SAMPLES) -> TensorDataset:
+    """Sequences of 2 to SEQ tokens padded to SEQ: the padding labelled -100, so every micro-batch has its own number
+    of valid tokens (``loss_normalization: auto`` counts tokens)."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    labels = torch.randint(0, CLASSES, (n, SEQ), generator=g)
+    lengths = torch.randint(2, SEQ + 1, (n,), generator=g)
+    labels[torch.arange(SEQ)[None, :] >= lengths[:, None]] = -100
+    return TensorDataset(ids, labels)
+
+
+def sequential() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def features(n: int = SAMPLES) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=4, n_head=4, tie_word_embeddings=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"parallel.pp_stages_per_rank": 2},
+             "interleaved_zero_bubble": {}, "zbv_zero_bubble": {"parallel.pp_stages_per_rank": 2}}
+
+
+def runs(samples: int, scenario: str = "pp") -> dict:
+    """name -> (model factory, data of ``samples`` samples, settings). Under ``pp`` the token model runs every
+    schedule; the four-process scenario trains it once, beside data parallelism."""
+    if scenario == "pp_dp":
+        return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b"})}
+    out = {f"tokens-{name}": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": name,
+                                                                 **extra})
+           for name, extra in SCHEDULES.items()}
+    # clipped by the norm of both stages' gradients together; accuracy from the last stage on every rank
+    out["sequential"] = (sequential, features(samples), {"clip_grad_norm": 0.5, "metrics": ["accuracy"],
+                                                         "parallel.pp_schedule": "gpipe"})
+    if has_transformers():
+        out["gpt2"] = (gpt2, Tokens(samples), {"parallel.pp_split": ["transformer.h.1"]})
+    return out
+
+
+def settings(run_dir: Path, **extra) -> dict:
+    kw = dict(optimizer="adamw", lr=0.01, batch_size=BATCH, accumulate=ACCUMULATE, epochs=1, seed=0,
+              run_dir=str(run_dir), metrics=[], threads=1, num_workers=0, shuffle=False, **QUIET)
+    kw.update(extra)
+    return kw
+
+
+# scenario -> (the parallel degrees, the processes it takes)
+SCENARIOS = {"pp": ({"parallel.pp": 2}, 2), "pp_dp": ({"parallel.pp": 2, "parallel.dp_replicate": 2}, 4)}
+
+
+def eval_data(data):
+    """The first 10 samples (for ``Trainer.evaluate`` / ``predict``)."""
+    from torch.utils.data import Subset
+
+    return Subset(data, range(10))
+
+
+def local_params(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(scenario: str, out: Path) -> None:
+    from torchrig import Trainer
+
+    degrees, world = SCENARIOS[scenario]
+    rank = int(os.environ["TEST_RANK"])
+    group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": world}
+    dp = world // degrees["parallel.pp"]
+    first, seen = None, {}
+    for name, (make_model, data, extra) in runs(SAMPLES * dp, scenario).items():
+        t = Trainer(build(make_model), **settings(out / name, **degrees, **extra), **group)
+        first = first or t
+        t.fit(data)
+        seen[name] = {"eval": t.evaluate(eval_data(data)), "stages": [st.index for st in t.layout.pipeline.stages]}
+        x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
+        if x is not None:
+            torch.save(t.predict(x), out / f"{name}-predicted-{rank}.pt")
+        torch.save(local_params(t.model), out / f"{name}-{rank}.pt")
+    (out / f"seen-{rank}.json").write_text(json.dumps(seen))
+    if scenario == "pp":
+        resume(out, group)
+        refusals(out, group)
+    first.close()
+
+
+def refusals(out: Path, group: dict) -> None:
+    """What a Trainer refuses once the pipeline is built: a custom step function, and fewer micro-batches per
+    optimizer step than 1F1B needs stages; each message saved (one line, the key named)."""
+    from torchrig import Trainer
+
+    said = {}
+    cases = {"step_fn": dict(step_fn=lambda step, batch: {}), "accumulate": {"accumulate": 1}}
+    for name, extra in cases.items():
+        kw = settings(out / f"refused-{name}", **{"parallel.pp": 2, "loss": token_loss})
+        kw.update(extra)
+        try:
+            Trainer(build(TokenNet), **kw, **group).close()
+        except ValueError as exc:
+            said[name] = str(exc)
+    (out / f"refused-{group['rank']}.json").write_text(json.dumps(said))
+
+
+def resume(out: Path, group: dict) -> None:
+    """pp=2: the token model trained 2 epochs (12 steps) with a checkpoint every 4 (DCP), then again from the
+    checkpoint of step 4 (mid-epoch) in the same layout; each rank saves both final parameter sets."""
+    from torchrig import Trainer
+
+    kw = {"parallel.pp": 2, "loss": token_loss, "checkpoint.save_final": True, "checkpoint.every_steps": 4,
+          "checkpoint.keep_last": 4, "epochs": 2}
+    data = padded_tokens()
+    t = Trainer(build(TokenNet), **settings(out / "whole", **kw), **group)
+    t.fit(data)
+    ckpt = out / "whole" / "checkpoints" / "step-00000004"
+    kw.update({"checkpoint.every_steps": 0, "resume": str(ckpt)})
+    t2 = Trainer(build(TokenNet), **settings(out / "resumed", **kw), **group)
+    t2.fit(data)
+    torch.save({"whole": local_params(t.model), "resumed": local_params(t2.model),
+                "steps": (t.global_step, t2.global_step)}, out / f"resume-{group['rank']}.pt")
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[2])
+    target.mkdir(parents=True, exist_ok=True)
+    train(sys.argv[1], target)

@@ -1,0 +1,212 @@
+"""Pipeline parallelism (``parallel.pp``): stages cut from the user's model, every schedule against one process,
+pipeline × data parallelism, checkpoints, and the one-line refusals.
+
+The multi-process runs are real gloo process groups on the CPU (tests/helpers/pipeline_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import torchrig
+from torchrig.config import Config, ConfigError, set_key, validate
+from torchrig.parallel import ParallelConfigError, plan_stages
+
+from helpers import dist_procs
+from helpers import pipeline_worker as W
+
+
+def run_scenario(tmp_path, scenario: str):
+    return dist_procs.scenario(tmp_path, scenario, W.SCENARIOS[scenario][1], dist_procs.HELPERS / "pipeline_worker.py")
+
+
+@pytest.fixture(scope="module")
+def pp_run(tmp_path_factory):
+    """One pair of processes for every pp=2 test: each schedule, the Sequential, GPT-2, then the checkpoints."""
+    return run_scenario(tmp_path_factory.mktemp("pp"), "pp")
+
+
+def merged(out, name: str, ranks) -> dict:
+    """The whole model's parameters from the ranks' parts (every rank of a pipeline holds its stages' names; the
+    replicas of a stage hold the same values, bitwise)."""
+    whole: dict = {}
+    for rank in ranks:
+        for k, v in torch.load(out / f"{name}-{rank}.pt").items():
+            assert k not in whole or torch.equal(whole[k], v), f"{name}: the replicas of {k} differ"
+            whole[k] = v
+    return whole
+
+
+def one_process(tmp_path, scenario: str, name: str, dp: int) -> tuple:
+    """One process on the same micro-batches: the parameters, evaluation and predictions."""
+    make_model, data, extra = W.runs(W.SAMPLES * dp, scenario)[name]
+    extra = {k: v for k, v in extra.items() if not k.startswith("parallel.")}
+    t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp, **extra))
+    t.fit(data)
+    ev = t.evaluate(W.eval_data(data))
+    predicted = t.predict(data.tensors[0][:10]) if isinstance(data, torch.utils.data.TensorDataset) else None
+    params = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    t.close()
+    return params, ev, predicted
+
+
+def check_against_one_process(tmp_path, out, scenario: str, tolerance: float) -> None:
+    degrees, world = W.SCENARIOS[scenario]
+    dp = world // degrees["parallel.pp"]
+    seen = [json.loads((out / f"seen-{rank}.json").read_text()) for rank in range(world)]
+    for name in W.runs(1, scenario):
+        ref, ev, predicted = one_process(tmp_path, scenario, name, dp)
+        for rank in range(world):  # every rank has the last stage's evaluation (dp=1: the same batches as one process)
+            assert seen[rank][name]["eval"].keys() == ev.keys()
+            assert dp > 1 or all(abs(seen[rank][name]["eval"][k] - v) < tolerance for k, v in ev.items()), \
+                (name, seen[rank][name]["eval"], ev)
+        got = merged(out, name, range(world))
+        assert got.keys() == ref.keys(), (name, sorted(set(got) ^ set(ref)))
+        worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
+        assert worst < tolerance, f"{scenario} {name}: parameters differ from one process by {worst:.3g}"
+        start = W.build(W.runs(1, scenario)[name][0]).state_dict()
+        assert max((start[k] - got[k]).abs().max().item() for k in ref) > 1e-3  # the steps changed them
+        if predicted is not None:  # every rank returns the last stage's predictions
+            for rank in range(world):
+                assert torch.allclose(torch.load(out / f"{name}-predicted-{rank}.pt"), predicted, atol=tolerance)
+
+
+@pytest.mark.slow
+def test_every_schedule_matches_one_process(tmp_path, pp_run):
+    """pp=2 with gpipe, 1f1b, interleaved 1F1B and both zero-bubble schedules (two stages per rank where they take
+    them), an nn.Sequential (clipped by the norm over both stages) and a Hugging Face GPT-2 split by name: after an
+    epoch of AdamW steps over 93 samples (a last micro-batch of 1) with tokens counted on padded sequences, the
+    parameters, evaluation and predictions are one process's with the same micro-batches, within 1e-6."""
+    check_against_one_process(tmp_path, pp_run, "pp", 1e-6)
+    seen = json.loads((pp_run / "seen-1.json").read_text())
+    assert seen["tokens-1f1b"]["stages"] == [1] and seen["tokens-interleaved_1f1b"]["stages"] == [1, 3]
+    assert seen["tokens-zbv_zero_bubble"]["stages"] == [1, 2]  # a V: rank 1 holds the middle two
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoints_resume_bitwise_and_load_in_one_process(tmp_path, pp_run):
+    """pp=2 saves through DCP (each rank its stages' names) beside a whole model.safetensors: resumed mid-epoch (step 4
+    of 6) in the same layout it ends bitwise where the uninterrupted run ended, and one process evaluates it."""
+    from safetensors.torch import load_file
+
+    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
+    assert parts[0]["steps"] == (12, 12)
+    whole = {k: v for p in parts for k, v in p["whole"].items()}
+    resumed = {k: v for p in parts for k, v in p["resumed"].items()}
+    assert set(parts[0]["whole"]).isdisjoint(parts[1]["whole"])  # each rank its own stage
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), \
+        "resumed at step 4 of pp=2: not bitwise equal"
+    final = pp_run / "whole" / "checkpoints" / "step-00000012"
+    assert (final / "sharded" / ".metadata").is_file()
+    weights = load_file(str(final / "model.safetensors"))
+    assert weights.keys() == whole.keys() and all(torch.equal(weights[k], whole[k]) for k in whole)
+    bare = W.TokenNet()
+    bare.load_state_dict(weights)  # plain PyTorch, one process
+    t = torchrig.Trainer(W.TokenNet(), **W.settings(tmp_path / "eval", loss=W.token_loss))
+    torchrig.load_weights(t.model, final)  # what torchrig evaluate / predict do with a checkpoint
+    assert t.evaluate(W.eval_data(W.padded_tokens()))["loss"] > 0
+    x = W.padded_tokens().tensors[0][:10]
+    assert torch.equal(t.predict(x), bare(x).detach())
+    t.close()
+
+
+@pytest.mark.slow
+def test_pipeline_times_data_parallel_matches_one_process(tmp_path):
+    """pp=2 × dp_replicate=2 on four processes: each pipeline sees half of every global batch, its stages'
+    gradients averaged with the other replica's, loss counts summed over the two data-parallel ranks only; one
+    process with a micro-batch twice as large agrees within 1e-5."""
+    check_against_one_process(tmp_path, run_scenario(tmp_path, "pp_dp"), "pp_dp", 1e-5)
+
+
+@pytest.mark.slow
+def test_what_cannot_be_pipelined_is_one_line(pp_run):
+    """A custom step function, and 1F1B with fewer micro-batches per step than stages, each refused in one line
+    naming the key, on every rank."""
+    for rank in (0, 1):
+        said = json.loads((pp_run / f"refused-{rank}.json").read_text())
+        assert said["step_fn"].startswith("config key 'parallel.pp': 2 cuts the model into stages that only the "
+                                          "default step can run") and "Trainer(step_fn=...)" in said["step_fn"]
+        assert said["accumulate"].startswith("config key 'accumulate': 1 micro-batch per optimizer step, which "
+                                             "parallel.pp_schedule=1f1b cannot run over 2 stages")
+        assert all("\n" not in line for line in said.values())
+
+
+# ---------------------------------------------------------------------------------------------- the split
+def test_auto_split_balances_parameters_and_keeps_names():
+    """``auto`` cuts the longest ModuleList (or the Sequential itself) where the parameter counts are most even; the
+    embedding counts with the first stage and the head with the last (1024 + 304 against 5 × 304 + 68)."""
+    model = W.TokenNet(blocks=6)
+    plan = plan_stages(model, "auto", 2)
+    assert plan.container_name == "blocks" and plan.ranges == [(0, 1), (1, 6)]
+    assert [u.name for u in plan.units] == ["embed", "head"] and [u.pre for u in plan.units] == [True, False]
+    plan = plan_stages(W.sequential(), "auto", 2)
+    assert plan.container_name == "" and plan.ranges == [(0, 1), (1, 5)]  # 144 against 272 + 68
+    plan = plan_stages(W.TokenNet(blocks=4), ["blocks.1", "blocks.3"], 3)
+    assert plan.ranges == [(0, 1), (1, 3), (3, 4)] and plan.describe().startswith("stage 1: blocks.0, stage 2")
+
+
+@pytest.mark.parametrize("split, stages, words", [
+    (["blocks.7"], 2, "config key 'parallel.pp_split': 'blocks.7' is not a module of TokenNet; did you mean "
+                      "'blocks.3', 'blocks.2' or 'blocks.1'?"),
+    (["blocks.2.fc"], 2, "config key 'parallel.pp_split': 'blocks.2.fc' is not a block (a child of an nn.ModuleList "
+                         "or nn.Sequential) of TokenNet"),
+    (["blocks.1", "blocks.2"], 2, "config key 'parallel.pp_split': 2 names (blocks.1, blocks.2) begin 3 stages, but "
+                                  "the pipeline has 2 stages"),
+    (["blocks.0"], 2, "config key 'parallel.pp_split': blocks.0 must be blocks after the first"),
+    ("auto", 5, "config key 'parallel.pp': 5 stages, but TokenNet 'blocks' has 4 blocks"),
+])
+def test_bad_splits_are_one_line_naming_the_key(split, stages, words):
+    with pytest.raises(ParallelConfigError) as err:
+        plan_stages(W.TokenNet(), split, stages)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def test_tied_parameters_across_stages_are_refused():
+    model = W.TokenNet()
+    model.head.weight = nn.Parameter(torch.zeros(W.CLASSES, W.DIM))
+    model.blocks[3].fc.weight = model.blocks[0].fc.weight  # one parameter in both stages
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.pp': blocks.0.fc.weight \(stage 1\) and "
+                                                  r"blocks.3.fc.weight \(stage 2\) are one tied parameter"):
+        plan_stages(model, "auto", 2)
+
+
+@pytest.mark.parametrize("sets, words", [
+    ({"parallel.pp": 2, "dist.strategy": "dp"}, "config key 'dist.strategy': 'dp' (nn.DataParallel, one process) "
+                                                "cannot be combined with parallel.pp=2"),
+    ({"parallel.pp": 2, "parallel.dp_shard": 2}, "config key 'parallel.dp_shard': parallel.dp_shard=2 with "
+                                                 "parallel.pp=2: FSDP2 shards inside pipeline stages"),
+    ({"parallel.pp": 2, "parallel.tp": 2, "parallel.tp_plan": "auto"}, "config key 'parallel.tp': 2 with "
+                                                                        "parallel.pp=2"),
+    ({"parallel.pp": 2, "parallel.pp_stages_per_rank": 2}, "config key 'parallel.pp_stages_per_rank': 2 stages per "
+                                                           "rank need a schedule that runs several"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "zbv_zero_bubble"},
+     "config key 'parallel.pp_stages_per_rank': 1, but parallel.pp_schedule=zbv_zero_bubble runs exactly 2"),
+    ({"parallel.pp": 2, "data.micro_batch_size": "auto"}, "config key 'data.micro_batch_size': 'auto' with "
+                                                          "parallel.pp=2"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "2f2b"}, "config key 'parallel.pp_schedule': expected one of gpipe"),
+    ({"parallel.pp": 2, "precision": "fp16"}, "config key 'precision': fp16 with parallel.pp=2"),
+    ({"parallel.pp": 2, "model.compile": True}, "config key 'model.compile': true with parallel.pp=2"),
+])
+def test_bad_combinations_are_one_line_naming_the_key(sets, words):
+    cfg = Config()
+    with pytest.raises(ConfigError) as err:
+        for k, v in sets.items():
+            set_key(cfg, k, v)
+        validate(cfg)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def test_degrees_that_do_not_fit_the_world_name_the_key():
+    import types
+
+    from torchrig.parallel import resolve_degrees
+
+    p = types.SimpleNamespace(dp_replicate="auto", dp_shard="auto", tp=1, pp=2)
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel': pp=2 needs a multiple of 2 processes, but "
+                                                  r"the job has 3"):
+        resolve_degrees(p, "auto", 3)
+    assert resolve_degrees(p, "auto", 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 2}
