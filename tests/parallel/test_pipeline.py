@@ -115,6 +115,24 @@ def test_pipeline_checkpoints_resume_bitwise_and_load_in_one_process(tmp_path, p
 
 
 @pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_run):
+    """The pp=2 checkpoint of step 4 (mid-epoch; each rank wrote its stage's weights and AdamW state by name)
+    resumed in one process ends where the uninterrupted pp=2 run ended, up to float rounding."""
+    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
+    whole = {k: v for p in parts for k, v in p["whole"].items()}
+    ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
+    t = torchrig.Trainer(W.build(W.TokenNet), **W.settings(tmp_path / "one", loss=W.token_loss, epochs=2,
+                                                            resume=str(ckpt), **{"checkpoint.save_final": False},
+                                                            resume_changes="allow"))  # the worker's class was __main__'s
+    t.fit(W.padded_tokens())
+    got = t.model.state_dict()
+    assert t.global_step == 12 and got.keys() == whole.keys()
+    worst = max(float((got[k] - whole[k]).abs().max()) for k in whole)
+    assert worst < 1e-6, f"pp=2 step 4 resumed in one process: {worst:.3g} from the pp=2 run"
+    t.close()
+
+
+@pytest.mark.slow
 def test_pipeline_times_data_parallel_matches_one_process(tmp_path):
     """pp=2 × dp_replicate=2 on four processes: each pipeline sees half of every global batch, its stages'
     gradients averaged with the other replica's, loss counts summed over the two data-parallel ranks only; one
