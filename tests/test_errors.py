@@ -41,7 +41,7 @@ def test_every_torchrig_error_is_a_torchrig_error_with_its_builtin_kind():
     classes = _torchrig_exception_classes()
     names = {c.__name__ for c in classes}
     assert {"ConfigError", "CheckpointError", "RuntimeSetupError", "NonFiniteLossError", "DataError",
-            "RecipeError", "MetricError", "PlotError", "LaunchError", "InitError", "NameError_"} <= names
+            "RecipeError", "MetricError", "PlotError", "LaunchError", "InitError", "UnknownNameError"} <= names
     for cls in classes:
         assert issubclass(cls, TorchrigError), f"{cls.__module__}.{cls.__name__} does not derive from TorchrigError"
         if cls is not TorchrigError:  # and keeps a built-in kind, so `except ValueError` callers still work
