@@ -257,3 +257,24 @@ def test_degrees_that_do_not_fit_the_world_name_the_key():
                                                   r"the job has 3"):
         resolve_degrees(p, "auto", 3)
     assert resolve_degrees(p, "auto", 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 2}
+
+
+def test_what_fsdp2_cannot_shard_in_a_pipeline_is_one_line():
+    """Replicated shards (HSDP) beside a pipeline, and a parameter of the model itself (outside every submodule,
+    which the first stage holds beside its blocks), are refused in one line naming the key."""
+    import types
+
+    from torchrig.parallel import Pipeline, build_layout, shard_stages
+
+    p = types.SimpleNamespace(dp_replicate=2, dp_shard=2, tp=1, pp=2)
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.dp_replicate': dp_replicate=2 × dp_shard=2 "
+                                                  r"× pp=2: replicated shards \(HSDP\) beside a pipeline"):
+        build_layout(p, "auto", 8, torch.device("cpu"))
+    model = W.TokenNet()
+    model.scale = nn.Parameter(torch.ones(W.DIM))
+    pipe = Pipeline(model, plan_stages(model, "auto", 2), rank=0, pp=2, per_rank=1, schedule="gpipe", group=None,
+                    device=torch.device("cpu"))
+    with pytest.raises(ParallelConfigError) as err:
+        shard_stages(pipe, torch.device("cpu"), None, None, None)
+    assert str(err.value).startswith("config key 'parallel.dp_shard': scale belongs to TokenNet itself") \
+        and "\n" not in str(err.value)

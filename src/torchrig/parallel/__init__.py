@@ -19,7 +19,7 @@ from .pipeline import MicroBatch, Pipeline, StageOutput, plan_stages
 from .wrap import average_gradients, buckets, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
-           "build_layout", "resolve_degrees", "split_model", "split_pipeline", "data_parallel_mesh",
+           "build_layout", "resolve_degrees", "split_model", "split_pipeline", "shard_stages", "data_parallel_mesh",
            "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets",
            "MicroBatch", "Pipeline", "StageOutput", "plan_stages", "loss"]
 
