@@ -3,6 +3,7 @@
     python tests/helpers/pipeline_worker.py pp OUT      # 2 processes (TEST_INIT, TEST_RANK, TEST_WORLD)
     python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
     python tests/helpers/pipeline_worker.py pp_fsdp OUT # 4 processes: pp=2 × dp_shard=2 (FSDP2 in each stage)
+    python tests/helpers/pipeline_worker.py resume_sharded OUT CHECKPOINT  # 2 processes: a pp=2 checkpoint, dp_shard=2
 
 Each run trains with the ``parallel`` settings of its entry in :func:`runs` and saves this rank's parameters
 (``NAME-RANK.pt``), what it evaluated and predicted, for the test to compare with one process trained on the same
@@ -200,7 +201,26 @@ def resume(out: Path, group: dict, degrees: Optional[dict] = None, dp: int = 1) 
                 "steps": (t.global_step, t2.global_step)}, out / f"resume-{group['rank']}.pt")
 
 
+def resume_sharded(out: Path, checkpoint: Path) -> None:
+    """2 processes, no pipeline: the pp=2 checkpoint ``checkpoint`` (step 4 of 12) resumed under FSDP2
+    (``parallel.dp_shard=2``) with half the batch per rank (the same global batches); each rank saves the whole
+    final parameters."""
+    from torchrig import Trainer
+
+    rank = int(os.environ["TEST_RANK"])
+    group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": 2}
+    kw = {"parallel.dp_shard": 2, "loss": token_loss, "epochs": 2, "batch_size": BATCH // 2, "resume": str(checkpoint),
+          "checkpoint.save_final": False, "resume_changes": "allow"}
+    t = Trainer(build(TokenNet), **settings(out / "sharded", **kw), **group)
+    t.fit(padded_tokens())
+    torch.save({"params": local_params(t.model), "step": t.global_step}, out / f"sharded-{rank}.pt")
+    t.close()
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    train(sys.argv[1], target)
+    if sys.argv[1] == "resume_sharded":
+        resume_sharded(target, Path(sys.argv[3]))
+    else:
+        train(sys.argv[1], target)

@@ -133,6 +133,25 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_r
 
 
 @pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_fsdp2_on_two_processes_within_1e_6(tmp_path, pp_run):
+    """The pp=2 checkpoint of step 4 (mid-epoch) resumed without a pipeline, sharded by FSDP2 over 2 processes
+    (parallel.dp_shard=2, half the batch per rank: the same global batches), ends where the uninterrupted pp=2 run
+    ended, up to float rounding."""
+    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
+    whole = {k: v for p in parts for k, v in p["whole"].items()}
+    ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
+    out = tmp_path / "sharded"
+    for r in dist_procs.processes(["resume_sharded", str(out), str(ckpt)], 2, out, tmp_path / "store",
+                                  worker=dist_procs.HELPERS / "pipeline_worker.py"):
+        assert r.returncode == 0, r.output[-3000:]
+    for rank in (0, 1):
+        got = torch.load(out / f"sharded-{rank}.pt")
+        assert got["step"] == 12 and got["params"].keys() == whole.keys()
+        worst = max(float((got["params"][k] - whole[k]).abs().max()) for k in whole)
+        assert worst < 1e-6, f"pp=2 step 4 resumed at dp_shard=2: {worst:.3g} from the pp=2 run"
+
+
+@pytest.mark.slow
 def test_pipeline_times_data_parallel_matches_one_process(tmp_path):
     """pp=2 × dp_replicate=2 on four processes: each pipeline sees half of every global batch, its stages'
     gradients averaged with the other replica's, loss counts summed over the two data-parallel ranks only; one
