@@ -223,7 +223,8 @@ class Trainer:
         the weights, gradients and optimizer state one process holds (``fit`` prints it unless log.summary=false)."""
         from ..observe.summary import model_summary
 
-        shards = self.world_size if self.strategy == "fsdp" else 1
+        shards = ((self.layout.dp_shard if self.layout.pp > 1 else self.world_size)  # a pipeline: this rank's stages
+                  if self.strategy == "fsdp" else 1)
         return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
                              self.ema is not None)
 
