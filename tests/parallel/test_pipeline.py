@@ -279,8 +279,9 @@ def test_degrees_that_do_not_fit_the_world_name_the_key():
 
 
 def test_what_fsdp2_cannot_shard_in_a_pipeline_is_one_line():
-    """Replicated shards (HSDP) beside a pipeline, and a parameter of the model itself (outside every submodule,
-    which the first stage holds beside its blocks), are refused in one line naming the key."""
+    """Replicated shards (HSDP) beside a pipeline, several sharded stages on one rank, and a parameter of the model
+    itself (outside every submodule, which the first stage holds beside its blocks), are refused in one line naming
+    the key."""
     import types
 
     from torchrig.parallel import Pipeline, build_layout, shard_stages
@@ -289,6 +290,10 @@ def test_what_fsdp2_cannot_shard_in_a_pipeline_is_one_line():
     with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.dp_replicate': dp_replicate=2 × dp_shard=2 "
                                                   r"× pp=2: replicated shards \(HSDP\) beside a pipeline"):
         build_layout(p, "auto", 8, torch.device("cpu"))
+    p = types.SimpleNamespace(dp_replicate="auto", dp_shard=2, tp=1, pp=2, pp_stages_per_rank=2)
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.pp_stages_per_rank': 2 with dp_shard=2 × "
+                                                  r"pp=2: several FSDP2-sharded stages on one rank"):
+        build_layout(p, "auto", 4, torch.device("cpu"))
     model = W.TokenNet()
     model.scale = nn.Parameter(torch.ones(W.DIM))
     pipe = Pipeline(model, plan_stages(model, "auto", 2), rank=0, pp=2, per_rank=1, schedule="gpipe", group=None,
