@@ -2,6 +2,8 @@
 
     python tests/helpers/pipeline_worker.py pp OUT      # 2 processes (TEST_INIT, TEST_RANK, TEST_WORLD)
     python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
+    python tests/helpers/pipeline_worker.py pp_fsdp OUT # 4 processes: pp=2 × dp_shard=2 (FSDP2 in each stage)
+    python tests/helpers/pipeline_worker.py resume_sharded OUT CHECKPOINT  # 2 processes: a pp=2 checkpoint, dp_shard=2
 
 Each run trains with the ``parallel`` settings of its entry in :func:`runs` and saves this rank's parameters
 (``NAME-RANK.pt``), what it evaluated and predicted, for the test to compare with one process trained on the same
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +98,10 @@ def runs(samples: int, scenario: str = "pp") -> dict:
     schedule; the four-process scenario trains it once, beside data parallelism."""
     if scenario == "pp_dp":
         return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b"})}
+    if scenario == "pp_fsdp":  # SGD clipped by the norm over both stages and both shards of each (AdamW would
+        # hide a wrong norm: it undoes a constant scale of the gradients)
+        return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b",
+                                                              "optimizer": "sgd", "lr": 0.5, "clip_grad_norm": 0.5})}
     out = {f"tokens-{name}": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": name,
                                                                  **extra})
            for name, extra in SCHEDULES.items()}
@@ -114,7 +121,8 @@ def settings(run_dir: Path, **extra) -> dict:
 
 
 # scenario -> (the parallel degrees, the processes it takes)
-SCENARIOS = {"pp": ({"parallel.pp": 2}, 2), "pp_dp": ({"parallel.pp": 2, "parallel.dp_replicate": 2}, 4)}
+SCENARIOS = {"pp": ({"parallel.pp": 2}, 2), "pp_dp": ({"parallel.pp": 2, "parallel.dp_replicate": 2}, 4),
+             "pp_fsdp": ({"parallel.pp": 2, "parallel.dp_shard": 2}, 4)}
 
 
 def eval_data(data):
@@ -125,7 +133,9 @@ def eval_data(data):
 
 
 def local_params(model: nn.Module) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """This rank's parameters, whole (FSDP2 shards gathered: collective over the shards' ranks)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def train(scenario: str, out: Path) -> None:
@@ -149,6 +159,8 @@ def train(scenario: str, out: Path) -> None:
     if scenario == "pp":
         resume(out, group)
         refusals(out, group)
+    if scenario == "pp_fsdp":
+        resume(out, group, degrees, dp)
     first.close()
 
 
@@ -169,14 +181,16 @@ def refusals(out: Path, group: dict) -> None:
     (out / f"refused-{group['rank']}.json").write_text(json.dumps(said))
 
 
-def resume(out: Path, group: dict) -> None:
-    """pp=2: the token model trained 2 epochs (12 steps) with a checkpoint every 4 (DCP), then again from the
-    checkpoint of step 4 (mid-epoch) in the same layout; each rank saves both final parameter sets."""
+def resume(out: Path, group: dict, degrees: Optional[dict] = None, dp: int = 1) -> None:
+    """pp=2 (or ``degrees``, with ``dp`` data-parallel ranks): the token model trained 2 epochs (12 steps) with a
+    checkpoint every 4 (DCP), then again from the checkpoint of step 4 (mid-epoch) in the same layout; each rank
+    saves both final parameter sets."""
     from torchrig import Trainer
 
-    kw = {"parallel.pp": 2, "loss": token_loss, "checkpoint.save_final": True, "checkpoint.every_steps": 4,
+    degrees = degrees or {"parallel.pp": 2}
+    kw = {**degrees, "loss": token_loss, "checkpoint.save_final": True, "checkpoint.every_steps": 4,
           "checkpoint.keep_last": 4, "epochs": 2}
-    data = padded_tokens()
+    data = padded_tokens(SAMPLES * dp)
     t = Trainer(build(TokenNet), **settings(out / "whole", **kw), **group)
     t.fit(data)
     ckpt = out / "whole" / "checkpoints" / "step-00000004"
@@ -187,7 +201,26 @@ def resume(out: Path, group: dict) -> None:
                 "steps": (t.global_step, t2.global_step)}, out / f"resume-{group['rank']}.pt")
 
 
+def resume_sharded(out: Path, checkpoint: Path) -> None:
+    """2 processes, no pipeline: the pp=2 checkpoint ``checkpoint`` (step 4 of 12) resumed under FSDP2
+    (``parallel.dp_shard=2``) with half the batch per rank (the same global batches); each rank saves the whole
+    final parameters."""
+    from torchrig import Trainer
+
+    rank = int(os.environ["TEST_RANK"])
+    group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": 2}
+    kw = {"parallel.dp_shard": 2, "loss": token_loss, "epochs": 2, "batch_size": BATCH // 2, "resume": str(checkpoint),
+          "checkpoint.save_final": False, "resume_changes": "allow"}
+    t = Trainer(build(TokenNet), **settings(out / "sharded", **kw), **group)
+    t.fit(padded_tokens())
+    torch.save({"params": local_params(t.model), "step": t.global_step}, out / f"sharded-{rank}.pt")
+    t.close()
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    train(sys.argv[1], target)
+    if sys.argv[1] == "resume_sharded":
+        resume_sharded(target, Path(sys.argv[3]))
+    else:
+        train(sys.argv[1], target)

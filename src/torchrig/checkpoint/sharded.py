@@ -78,9 +78,11 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
     import torch.distributed as dist
 
+    own = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # FSDP2 shards of the stages:
+           for k, v in model.state_dict().items()}  # gathered over their data-parallel ranks (every rank takes part)
     if 0 not in dist.get_process_group_ranks(group):
         return {}  # another replica of the stages: rank 0's pipeline holds the same weights
-    parts = runtime.gather_to_first({k: v.detach().cpu() for k, v in model.state_dict().items()}, group)
+    parts = runtime.gather_to_first(own, group)
     if parts is None:
         return {}
     whole: dict[str, torch.Tensor] = {}

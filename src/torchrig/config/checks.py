@@ -94,11 +94,6 @@ def _pipeline(cfg: Config) -> None:
     if p.tp != 1:
         raise ConfigError(f"config key 'parallel.tp': {p.tp} with {pp}: tensor parallelism inside pipeline stages is "
                           f"not supported; use one of them, with parallel.dp_replicate for the remaining ranks")
-    if p.dp_shard not in ("auto", 1) or cfg.dist.strategy == "fsdp":
-        what = f"parallel.dp_shard={p.dp_shard}" if p.dp_shard not in ("auto", 1) else "dist.strategy=fsdp"
-        raise ConfigError(f"config key '{what.partition('=')[0]}': {what} with {pp}: FSDP2 shards inside pipeline "
-                          f"stages are not supported; use parallel.dp_replicate (each stage replicated, its gradients "
-                          f"averaged) for the data-parallel ranks beside the pipeline")
     single = p.pp_schedule in ("gpipe", "1f1b")
     if single and p.pp_stages_per_rank != 1:
         raise ConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank} stages per rank need a "

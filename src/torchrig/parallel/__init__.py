@@ -19,7 +19,7 @@ from .pipeline import MicroBatch, Pipeline, StageOutput, plan_stages
 from .wrap import average_gradients, buckets, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
-           "build_layout", "resolve_degrees", "split_model", "split_pipeline", "data_parallel_mesh",
+           "build_layout", "resolve_degrees", "split_model", "split_pipeline", "shard_stages", "data_parallel_mesh",
            "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets",
            "MicroBatch", "Pipeline", "StageOutput", "plan_stages", "loss"]
 
@@ -48,6 +48,24 @@ def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device
             raise ParallelConfigError("config key 'parallel.tp': tensor parallelism splits one model; a dict of "
                                       "models (a GAN's networks) is not supported")
         layout.plan = tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
-    if layout.strategy == "fsdp":
+    if layout.strategy == "fsdp" and layout.pipeline is not None:
+        shard_stages(layout.pipeline, device, cfg.dist, dtype, data_parallel_mesh(layout))
+    elif layout.strategy == "fsdp":
         return shard_model(model, device, cfg.dist, dtype, mesh=data_parallel_mesh(layout))
     return model
+
+
+def shard_stages(pipe: Pipeline, device: torch.device, dist_cfg: Any, dtype: Optional[torch.dtype],
+                 mesh: Any) -> None:
+    """``parallel.pp`` × ``parallel.dp_shard``: FSDP2 over the data-parallel sub-mesh on each of this rank's stages
+    (its blocks first, as ``dist.fsdp_wrap`` / ``dist.fsdp_min_params`` choose, then the stage), so that
+    ``torch.distributed.pipelining`` sees FSDP modules: it skips the gradient reduce-scatter on every micro-batch's
+    backward but the last of a schedule step, which reduces the accumulated gradients once."""
+    for st in pipe.stages:
+        if len(st.own):
+            names = {id(p): n for n, p in pipe.model.named_parameters()}
+            raise ParallelConfigError(
+                f"config key 'parallel.dp_shard': {names.get(id(st.own[0]), 'a parameter')} belongs to "
+                f"{type(pipe.model).__name__} itself (outside its blocks and submodules), which FSDP2 cannot shard "
+                f"inside pipeline stage {st.index + 1}; move it into a submodule, or use parallel.dp_replicate")
+        shard_model(st, device, dist_cfg, dtype, mesh=mesh)

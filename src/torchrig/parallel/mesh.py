@@ -120,9 +120,18 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     if strategy_name in ("dp", "none") and layout.dp > 1:
         raise ParallelConfigError(f"config key 'dist.strategy': {strategy_name!r} cannot share the data-parallel "
                                   f"ranks of {layout.describe()}; use dist.strategy=auto")
-    # with TP, data parallelism is FSDP2 (as PyTorch's 2-D); beside a pipeline, replicas whose gradients the
-    # pipeline averages once per optimizer step (parallel/pipeline.py)
-    layout.strategy = "none" if layout.dp == 1 else "ddp" if layout.pp > 1 else "fsdp"
+    if layout.pp > 1 and layout.dp_replicate > 1 and layout.dp_shard > 1:
+        raise ParallelConfigError(f"config key 'parallel.dp_replicate': {layout.describe()}: replicated shards (HSDP) "
+                                  f"beside a pipeline are not supported; give the data-parallel ranks to "
+                                  f"parallel.dp_shard or to parallel.dp_replicate, not both")
+    if layout.pp > 1 and layout.dp_shard > 1 and getattr(p, "pp_stages_per_rank", 1) > 1:
+        raise ParallelConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank} with "
+                                  f"{layout.describe()}: several FSDP2-sharded stages on one rank are not supported "
+                                  f"(the model's forward runs the code of this rank's other stages too); set "
+                                  f"parallel.pp_stages_per_rank=1, or use parallel.dp_replicate")
+    # with TP, data parallelism is FSDP2 (as PyTorch's 2-D); beside a pipeline, FSDP2 shards of each stage
+    # (parallel.dp_shard) or replicas whose gradients the pipeline averages once per optimizer step
+    layout.strategy = "none" if layout.dp == 1 else "ddp" if layout.pp > 1 and layout.dp_shard == 1 else "fsdp"
     layout.mesh = _mesh(layout, device)
     layout.dp_group = _data_parallel_group(layout.mesh)
     runtime.set_data_parallel_group(layout.dp_group)

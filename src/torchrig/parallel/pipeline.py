@@ -460,12 +460,15 @@ class Pipeline:
     def _check_graph(self, stage: StageModule, received: tuple, out: Any) -> None:
         """What the stage's output depends on may be its own parameters and the activation it received only."""
         allowed = {id(p) for p in stage.parameters()} | {id(t) for t in received}
+        # FSDP2's pre-forward hook hands the stage the received activation through a function of its own: the
+        # activation's graph ends there
+        ends = {t.grad_fn for t in received if t.grad_fn is not None}
         names = {id(p): n for n, p in self.model.named_parameters()}
         leaves = self._leaves or {}
         seen, todo = set(), [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         while todo:
             fn = todo.pop()
-            if fn is None or fn in seen:
+            if fn is None or fn in seen or fn in ends:
                 continue
             seen.add(fn)
             var = getattr(fn, "variable", None)
@@ -490,9 +493,25 @@ class Pipeline:
             while end < len(micro_batches) and _shape(micro_batches[end].batch) == shape:
                 end += 1
             n = end - start
+            kept = self._take_sharded_grads() if start else []
             self._schedule(n, shape).step(arg_mbs=[()] * n, kwarg_mbs=[{"mb": mb} for mb in micro_batches[start:end]],
                                           target_mbs=[self._target] * n, return_outputs=False)
+            for param, grad in kept:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
             start = end
+
+    def _take_sharded_grads(self) -> list:
+        """The gradients of this rank's FSDP2 stages, taken off them: a new schedule's first step clears the
+        gradients of FSDP modules (its shape inference runs a real backward), which would lose what the window's
+        earlier schedule steps added up; given back once the step is done."""
+        kept = []
+        for st in self.stages:
+            if hasattr(st, "set_requires_gradient_sync"):  # an FSDPModule (parallel.dp_shard)
+                for param in st.parameters():
+                    if param.grad is not None:
+                        kept.append((param, param.grad))
+                        param.grad = None
+        return kept
 
     def _schedule(self, n: int, shape: tuple) -> Any:
         """The schedule for ``n`` micro-batches of ``shape`` (built once, kept for the last few shapes: its stages

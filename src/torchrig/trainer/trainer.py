@@ -140,7 +140,8 @@ class Trainer:
         d = self.cfg.data
         pieces = -(-d.batch_size // d.micro_batch_size) if isinstance(d.micro_batch_size, int) else 1
         self.layout.pipeline.check_microbatches(self.cfg.accumulate * pieces, "accumulate")
-        steps = PipelineStep(self.layout.pipeline, self.layout.dp_group if self.dp_size > 1 else None)
+        replicas = self.dp_size > 1 and self.layout.strategy == "ddp"  # FSDP2 stages reduce their own gradients
+        steps = PipelineStep(self.layout.pipeline, self.layout.dp_group if replicas else None)
         self.step_fn, self.eval_fn, self.predict_fn = steps, steps.evaluate, steps.predict
 
     def _place(self, model: nn.Module) -> None:
@@ -222,7 +223,8 @@ class Trainer:
         the weights, gradients and optimizer state one process holds (``fit`` prints it unless log.summary=false)."""
         from ..observe.summary import model_summary
 
-        shards = self.world_size if self.strategy == "fsdp" else 1
+        shards = ((self.layout.dp_shard if self.layout.pp > 1 else self.world_size)  # a pipeline: this rank's stages
+                  if self.strategy == "fsdp" else 1)
         return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
                              self.ema is not None)
 
