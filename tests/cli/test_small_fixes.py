@@ -88,7 +88,7 @@ def test_predict_output_format_by_extension_or_refused(digits_run, tmp_path, cap
     import numpy as np
     from sklearn.datasets import load_digits
 
-    np.save(tmp_path / "x.npy", load_digits().images[:3].astype("float32"))
+    np.save(tmp_path / "x.npy", load_digits().images[:3].astype("float32") / 16)  # the model learnt [0, 1]
     assert one_line_error(capsys, ["predict", "--checkpoint", str(digits_run), "--input", "x.npy", "--output",
                                    "preds.txt"]) == (
         "torchrig: error: predict --output 'preds.txt': the format is chosen by the file's extension, and '.txt' "
