@@ -89,28 +89,20 @@ def pair(scenario: str, out: Path, store: Path, timeout: float = 150, env: Optio
 def group(scenario: str, out: Path, store: Path, n: int, timeout: float = 150, env: Optional[dict] = None,
           worker: Path = WORKER) -> list[Result]:
     """``n`` worker processes (``worker SCENARIO OUT``) joined through ``file://STORE``, as :func:`pair` does."""
-    out.mkdir(parents=True, exist_ok=True)
-    if store.exists():
-        store.unlink()
-    cmds = [[sys.executable, str(worker), scenario, str(out)] for _ in range(n)]
-    envs = [_env(dict(env or {}, TEST_INIT=f"file://{store}", TEST_RANK=rank, TEST_WORLD=n)) for rank in range(n)]
-    files = [(out / f"{scenario}-{rank}.out", out / f"{scenario}-{rank}.err") for rank in range(n)]
-    try:
-        return _together(cmds, envs, files, timeout, f"{n} workers '{scenario}'")
-    finally:
-        if store.exists():
-            store.unlink()
+    return processes([scenario, str(out)], n, out, store, timeout, env, worker, logs=scenario)
 
 
 def processes(args: list[str], n: int, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
-              worker: Path = WORKER) -> list[Result]:
-    """``n`` worker processes (``worker ARGS…``: several runs in one group) joined through ``file://STORE``."""
+              worker: Path = WORKER, logs: Optional[str] = None) -> list[Result]:
+    """``n`` worker processes (``worker ARGS…``: several runs in one group) joined through ``file://STORE``; their
+    output in ``OUT/LOGS-RANK.out`` / ``.err`` (``LOGS``: ``group-N`` unless named)."""
     out.mkdir(parents=True, exist_ok=True)
     if store.exists():
         store.unlink()
     cmds = [[sys.executable, str(worker), *args] for _ in range(n)]
     envs = [_env(dict(env or {}, TEST_INIT=f"file://{store}", TEST_RANK=rank, TEST_WORLD=n)) for rank in range(n)]
-    files = [(out / f"group-{n}-{rank}.out", out / f"group-{n}-{rank}.err") for rank in range(n)]
+    logs = logs or f"group-{n}"
+    files = [(out / f"{logs}-{rank}.out", out / f"{logs}-{rank}.err") for rank in range(n)]
     try:
         return _together(cmds, envs, files, timeout, f"{n} workers '{args[0]}'")
     finally:

@@ -91,19 +91,9 @@ def test_every_schedule_matches_one_process(tmp_path, pp_run):
 def test_pipeline_checkpoints_resume_bitwise_and_load_in_one_process(tmp_path, pp_run):
     """pp=2 saves through DCP (each rank its stages' names) beside a whole model.safetensors: resumed mid-epoch (step 4
     of 6) in the same layout it ends bitwise where the uninterrupted run ended, and one process evaluates it."""
-    from safetensors.torch import load_file
-
-    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
-    assert parts[0]["steps"] == (12, 12)
-    whole = {k: v for p in parts for k, v in p["whole"].items()}
-    resumed = {k: v for p in parts for k, v in p["resumed"].items()}
+    parts, whole, resumed = resumed_parts(pp_run, 2)
     assert set(parts[0]["whole"]).isdisjoint(parts[1]["whole"])  # each rank its own stage
-    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), \
-        "resumed at step 4 of pp=2: not bitwise equal"
-    final = pp_run / "whole" / "checkpoints" / "step-00000012"
-    assert (final / "sharded" / ".metadata").is_file()
-    weights = load_file(str(final / "model.safetensors"))
-    assert weights.keys() == whole.keys() and all(torch.equal(weights[k], whole[k]) for k in whole)
+    final, weights = check_resumed_and_consolidated(pp_run, whole, resumed, "resumed at step 4 of pp=2")
     bare = W.TokenNet()
     bare.load_state_dict(weights)  # plain PyTorch, one process
     t = torchrig.Trainer(W.TokenNet(), **W.settings(tmp_path / "eval", loss=W.token_loss))
@@ -118,8 +108,7 @@ def test_pipeline_checkpoints_resume_bitwise_and_load_in_one_process(tmp_path, p
 def test_a_pipeline_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_run):
     """The pp=2 checkpoint of step 4 (mid-epoch; each rank wrote its stage's weights and AdamW state by name)
     resumed in one process ends where the uninterrupted pp=2 run ended, up to float rounding."""
-    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
-    whole = {k: v for p in parts for k, v in p["whole"].items()}
+    _, whole, _ = resumed_parts(pp_run, 2)
     ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
     t = torchrig.Trainer(W.build(W.TokenNet), **W.settings(tmp_path / "one", loss=W.token_loss, epochs=2,
                                                             resume=str(ckpt), **{"checkpoint.save_final": False},
@@ -137,8 +126,7 @@ def test_a_pipeline_checkpoint_resumes_under_fsdp2_on_two_processes_within_1e_6(
     """The pp=2 checkpoint of step 4 (mid-epoch) resumed without a pipeline, sharded by FSDP2 over 2 processes
     (parallel.dp_shard=2, half the batch per rank: the same global batches), ends where the uninterrupted pp=2 run
     ended, up to float rounding."""
-    parts = [torch.load(pp_run / f"resume-{rank}.pt") for rank in (0, 1)]
-    whole = {k: v for p in parts for k, v in p["whole"].items()}
+    _, whole, _ = resumed_parts(pp_run, 2)
     ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
     out = tmp_path / "sharded"
     for r in dist_procs.processes(["resume_sharded", str(out), str(ckpt)], 2, out, tmp_path / "store",
@@ -165,20 +153,32 @@ def test_pipeline_times_fsdp_matches_one_process_and_resumes_bitwise(tmp_path):
     reduce-scattered once per schedule step, clipped by the norm over both stages and both shards); one process
     with a micro-batch twice as large agrees within 1e-5. Its checkpoint (DCP by name, the whole
     model.safetensors) resumed mid-epoch in the same layout ends bitwise where the uninterrupted run ended."""
-    from safetensors.torch import load_file
-
     out = run_scenario(tmp_path, "pp_fsdp")
     check_against_one_process(tmp_path, out, "pp_fsdp", 1e-5)
-    parts = [torch.load(out / f"resume-{rank}.pt") for rank in range(4)]
+    _, whole, resumed = resumed_parts(out, 4)
+    check_resumed_and_consolidated(out, whole, resumed, "pp=2 × dp_shard=2 resumed at step 4")
+
+
+def resumed_parts(out, ranks: int) -> tuple[list, dict, dict]:
+    """Each rank's saved parameters (``resume-RANK.pt``: the uninterrupted run and the one resumed at step 4, both
+    ending at step 12), and each set merged over the ranks."""
+    parts = [torch.load(out / f"resume-{rank}.pt") for rank in range(ranks)]
     assert parts[0]["steps"] == (12, 12)
-    whole = merged_parts(parts, "whole")
-    resumed = merged_parts(parts, "resumed")
+    return parts, merged_parts(parts, "whole"), merged_parts(parts, "resumed")
+
+
+def check_resumed_and_consolidated(out, whole: dict, resumed: dict, what: str) -> tuple:
+    """The resumed run ended bitwise where the uninterrupted one did, whose last checkpoint holds DCP shards and a
+    whole model.safetensors equal to its parameters; returns that checkpoint and its weights."""
+    from safetensors.torch import load_file
+
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), \
-        "pp=2 × dp_shard=2 resumed at step 4: not bitwise equal"
+        f"{what}: not bitwise equal"
     final = out / "whole" / "checkpoints" / "step-00000012"
     assert (final / "sharded" / ".metadata").is_file()
     weights = load_file(str(final / "model.safetensors"))
     assert weights.keys() == whole.keys() and all(torch.equal(weights[k], whole[k]) for k in whole)
+    return final, weights
 
 
 def merged_parts(parts: list, key: str) -> dict:
