@@ -81,6 +81,18 @@ def _flops_per_image(torch, model, x, y) -> float:
     return counter.get_total_flops() / 8
 
 
+def hand_step(torch, step_fn, opt, x, y, sel, device_type: str, log: bool) -> None:
+    """One step of the hand loop (``benchmarks/gpu_profile.py`` profiles the same function)."""
+    xb, yb = x.index_select(0, sel), y.index_select(0, sel)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(step_fn(xb), yb)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if log:
+        loss.item()
+
+
 def _arm_hand(p: dict) -> dict:
     torch, x, y, model, opt = _setup(p)
     torch.backends.cudnn.benchmark = True
@@ -95,15 +107,7 @@ def _arm_hand(p: dict) -> dict:
         if i == WARMUP_STEPS:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        sel = order[i * b:(i + 1) * b]
-        xb, yb = x.index_select(0, sel), y.index_select(0, sel)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(step_fn(xb), yb)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if (i + 1) % LOG_EVERY == 0:
-            loss.item()
+        hand_step(torch, step_fn, opt, x, y, order[i * b:(i + 1) * b], "cuda", log=(i + 1) % LOG_EVERY == 0)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     images_s = p["steps"] * b / dt

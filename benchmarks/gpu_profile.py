@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
+from gpu import LOG_EVERY, _Hook, hand_step  # noqa: E402  (the benchmark's own hand loop and callback)
 
-WARMUP, LOG_EVERY = 15, 20
+WARMUP = 15
 FIRST_LOG = (19, 22)  # profiled steps [first, last): step 20 is the first log step
 QUIET = (31, 35)  # between the log steps 20 and 40
 AROUND_LOG = (39, 42)  # step 40 logs
@@ -131,22 +132,13 @@ def _arm_hand(p: dict) -> dict:
     if dev == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
-    dtype = torch.bfloat16
     order = torch.randperm(len(x), device=dev)
     with tempfile.TemporaryDirectory() as tmp:
         clock = _Clock(torch, dev, Path(p["trace_dir"]), "hand_compile" if p.get("compile") else "hand")
         model.train()
         step_fn = torch.compile(model) if p.get("compile") else model
         for i in range(total):
-            sel = order[i * b:(i + 1) * b]
-            xb, yb = x.index_select(0, sel), y.index_select(0, sel)
-            with torch.autocast(dev, dtype=dtype):
-                loss = torch.nn.functional.cross_entropy(step_fn(xb), yb)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if (i + 1) % LOG_EVERY == 0:
-                loss.item()
+            hand_step(torch, step_fn, opt, x, y, order[i * b:(i + 1) * b], dev, log=(i + 1) % LOG_EVERY == 0)
             clock.step_end(i + 1)
         del tmp
     return clock.figures()
@@ -159,15 +151,11 @@ def _arm_trainer(p: dict, quiet: bool = False, arm: str = "trainer") -> dict:
     dev, b, total = p["device"], p["batch"], p["steps"] + WARMUP
     clock = _Clock(torch, dev, Path(p["trace_dir"]), arm)
 
-    class Hook:
-        def on_step_end(self, trainer, values):
-            clock.step_end(trainer.global_step)
-
     extra = {"log.tensorboard": False, "log.flops": False} if quiet else {"log.flops": not p.get("compile")}
     with tempfile.TemporaryDirectory() as run_dir:
         Trainer(model, opt, loss="cross_entropy", metrics=[], run_dir=run_dir, batch_size=b, precision="bf16",
                 channels_last=True, compile=bool(p.get("compile")), max_steps=total, epochs=1, shuffle=True, plot=False, checkpoint_every_epochs=0,
-                progress="none", num_workers=0, callbacks=[Hook()], device=dev,
+                progress="none", num_workers=0, callbacks=[_Hook(lambda trainer, values: clock.step_end(trainer.global_step))], device=dev,
                 **{"log.every_steps": LOG_EVERY, "log.summary": False}, **extra).fit((x, y))
     return clock.figures()
 
