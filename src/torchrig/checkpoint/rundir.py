@@ -315,11 +315,10 @@ class RunDir:
         self.checked = False  # a second fit() of the same Trainer continues its own run
 
     def open(self, run_dir: Optional[str], root: str | Path, new_run: bool, overwrite: bool,
-             say: Callable[[str], None] = print, newest: Optional[bool] = None) -> Path:
-        """``newest``: without ``run_dir``, go on in the newest numbered run (``resume`` latest / best, a
-        restart) rather than a new one (default: whenever this is no new run)."""
+             say: Callable[[str], None] = print, newest: bool = False) -> Path:
+        """``newest``: without ``run_dir``, go on in the newest numbered run (``resume`` latest / best; a
+        restart does anyway) rather than in a new one; a checkpoint named by its path resumes into a new run."""
         if self.path is None:
-            newest = not new_run if newest is None else newest
             self.path = Path(run_dir) if run_dir else numbered_run_dir(root, say, resume=newest)
         error: Optional[BaseException] = None
         if runtime.get_rank() == 0:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
+from ..config import ConfigError
 
 
 @dataclasses.dataclass
@@ -203,8 +204,6 @@ class FitPlan:
             return cls(batches, None, None, cfg.max_steps, val_data)
         epoch_len = len(batches)
         if epoch_len == 0:
-            from ..config import ConfigError
-
             sampler = getattr(batches, "sampler", None)
             count = getattr(sampler, "count", None)  # the data set's samples (in every process's order)
             n = f"the {count} training samples" if isinstance(count, int) else "the training data"

@@ -171,9 +171,8 @@ class Trainer:
         """Claim, lock and check the run directory (``fit`` does this first; call it to write files there
         before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
         new_run = self.cfg.resume is None and runtime.restart_count() == 0
-        newest = self.cfg.resume in ("latest", "best")  # a checkpoint's path resumes into a new numbered run
         path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
-                              newest=not new_run and (newest or self.cfg.resume is None))
+                              newest=self.cfg.resume in ("latest", "best"))
         self.cfg.run_dir = str(path)
         return path
 
