@@ -4,6 +4,7 @@
     python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
     python tests/helpers/pipeline_worker.py pp_fsdp OUT # 4 processes: pp=2 × dp_shard=2 (FSDP2 in each stage)
     python tests/helpers/pipeline_worker.py resume_sharded OUT CHECKPOINT  # 2 processes: a pp=2 checkpoint, dp_shard=2
+    python tests/helpers/pipeline_worker.py resume_tp OUT CHECKPOINT       # 2 processes: a pp=2 checkpoint, tp=2
 
 Each run trains with the ``parallel`` settings of its entry in :func:`runs` and saves this rank's parameters
 (``NAME-RANK.pt``), what it evaluated and predicted, for the test to compare with one process trained on the same
@@ -42,7 +43,11 @@ class Block(nn.Module):
 
 
 class TokenNet(nn.Module):
-    """A label per token, over blocks in a ModuleList: the embedding goes to the first stage, the head to the last."""
+    """A label per token, over blocks in a ModuleList: the embedding goes to the first stage, the head to the last.
+    Its tensor-parallel plan (``parallel.tp_plan=auto``) splits the embedding's rows, each block's layer and the head
+    by output features."""
+
+    tp_plan = {"embed": "embedding_rowwise", "blocks.*.fc": "colwise_rep", "head": "colwise_rep"}
 
     def __init__(self, blocks: int = 4):
         super().__init__()
@@ -217,10 +222,29 @@ def resume_sharded(out: Path, checkpoint: Path) -> None:
     t.close()
 
 
+def resume_tp(out: Path, checkpoint: Path) -> None:
+    """2 processes, no pipeline: the pp=2 checkpoint ``checkpoint`` (step 4 of 12, optimizer state by name) resumed
+    at ``parallel.tp=2`` with the model's own plan; both ranks see the whole batch (the same global batches); each
+    rank saves the whole final parameters."""
+    from torchrig import Trainer
+
+    rank = int(os.environ["TEST_RANK"])
+    group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": 2}
+    kw = {"parallel.tp": 2, "parallel.tp_plan": "auto", "loss": token_loss, "epochs": 2, "resume": str(checkpoint),
+          "checkpoint.save_final": False, "resume_changes": "allow"}
+    t = Trainer(build(TokenNet), **settings(out / "tp", **kw), **group)
+    t.fit(padded_tokens())
+    torch.save({"params": local_params(t.model), "step": t.global_step, "plan": t.layout.plan},
+               out / f"tp-{rank}.pt")
+    t.close()
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
     if sys.argv[1] == "resume_sharded":
         resume_sharded(target, Path(sys.argv[3]))
+    elif sys.argv[1] == "resume_tp":
+        resume_tp(target, Path(sys.argv[3]))
     else:
         train(sys.argv[1], target)

@@ -140,6 +140,28 @@ def test_a_pipeline_checkpoint_resumes_under_fsdp2_on_two_processes_within_1e_6(
 
 
 @pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_at_tp2_within_1e_6(tmp_path, pp_run):
+    """The pp=2 checkpoint of step 4 (mid-epoch; AdamW state keyed by parameter name) resumed without a pipeline,
+    split by the model's own tensor-parallel plan over 2 processes (parallel.tp=2, parallel.tp_plan=auto: both ranks
+    see the whole batch, the same global batches), ends where the uninterrupted pp=2 run ended, up to float
+    rounding."""
+    _, whole, _ = resumed_parts(pp_run, 2)
+    ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
+    assert json.loads((ckpt / "meta.json").read_text())["optimizer_keys"] == "by_name"
+    out = tmp_path / "tp"
+    for r in dist_procs.processes(["resume_tp", str(out), str(ckpt)], 2, out, tmp_path / "store",
+                                  worker=dist_procs.HELPERS / "pipeline_worker.py"):
+        assert r.returncode == 0, r.output[-3000:]
+    for rank in (0, 1):
+        got = torch.load(out / f"tp-{rank}.pt")
+        assert got["plan"] == {"embed": "embedding_rowwise", **{f"blocks.{i}.fc": "colwise_rep" for i in range(4)},
+                               "head": "colwise_rep"}
+        assert got["step"] == 12 and got["params"].keys() == whole.keys()
+        worst = max(float((got["params"][k] - whole[k]).abs().max()) for k in whole)
+        assert worst < 1e-6, f"pp=2 step 4 resumed at tp=2: {worst:.3g} from the pp=2 run"
+
+
+@pytest.mark.slow
 def test_pipeline_times_data_parallel_matches_one_process(tmp_path):
     """pp=2 × dp_replicate=2 on four processes: each pipeline sees half of every global batch, its stages'
     gradients averaged with the other replica's, loss counts summed over the two data-parallel ranks only; one
