@@ -118,7 +118,8 @@ def _check_divides(name: str, module: nn.Module, style: str, tp: int) -> None:
     if kind in dims and dims[kind][1] % tp:
         what, size = dims[kind]
         raise ParallelConfigError(f"config key '{KEY}': module {name!r} ({style}) has {size} {what}, which "
-                                  f"parallel.tp={tp} does not divide; choose a tp that divides {size}")
+                                  f"parallel.tp={tp} does not divide; choose a tp that divides {size}, or a size of "
+                                  f"the model that {tp} divides")
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
