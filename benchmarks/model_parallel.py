@@ -9,6 +9,13 @@ output, MLP down: ``rowwise``), tp=2 holds a little over half: the norms, the bi
 the head stay whole on every rank. pp=2 cuts the blocks in two halves (``parallel.pp_split: auto``); the head
 goes to the second stage, which holds a little over half.
 
+**Logits**: the bytes of the output layer's output that the loss reads on one rank, for a language model's head
+(an output layer over a vocabulary of ``VOCAB`` classes for every token) with ``parallel.loss_parallel`` on at tp=2
+against tp=2 with it off and one process. The head is planned ``colwise_loss_parallel`` in both tp=2 arms: with
+loss parallelism its output stays split by class and the cross-entropy reads each rank's half (a DTensor's local
+tensor); without it torchrig gathers the whole logits before the loss. Beside them, the bytes the loss keeps for
+its backward (autograd's saved tensors of the loss's forward, each rank's piece).
+
 **Bubble**: the fraction of a pipeline step a stage waits, measured against the schedule's theory
 ``(p − 1) / (m + p − 1)`` for GPipe and 1F1B (p stages, m micro-batches of equal cost). Each rank times its
 stage's forward and backward calls (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``) and the whole
@@ -18,7 +25,7 @@ reported. The blocks have equal cost and no head, so the stages are equal; the t
 process to the other counts as bubble too.
 
 Two gloo processes on the CPU, one thread each (speed itself is not a goal: only the ratios).
-Usage: ``python benchmarks/model_parallel.py [--quick]``.
+Usage: ``python benchmarks/model_parallel.py [--quick] [--logits]`` (``--logits``: the logits arms alone).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ import _common as c  # noqa: E402
 NAME = "model_parallel"
 DIM, HEADS, BLOCKS, SEQ, CLASSES = 256, 8, 4, 16, 10
 TARGET = 0.6  # tp=2 bytes per rank / one process
+VOCAB = 32768  # the output layer of the logits arms: a small language model's vocabulary (--quick: QUICK_VOCAB)
+QUICK_VOCAB = 4096
+LOGITS_TARGET = 0.55  # logits bytes per rank with loss parallelism / one process
 
 
 def build_model():
@@ -82,6 +92,55 @@ def build_model():
     return Model()
 
 
+def build_lm(vocab: int = VOCAB):
+    """The blocks of :func:`build_model` under a per-token output layer over ``vocab`` classes: logits of
+    ``tokens × vocab`` (the tokens flattened first, so the loss is the plain cross-entropy of 2-D logits)."""
+    import torch
+    from torch import nn
+
+    blocks = build_model().blocks
+
+    class LM(nn.Module):
+        tp_plan = dict(build_model().tp_plan, head="colwise_loss_parallel")
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = blocks
+            self.head = nn.Linear(DIM, vocab)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.reshape(-1, DIM))
+
+    torch.manual_seed(0)
+    return LM()
+
+
+class LogitsCount:
+    """The loss of the logits arms: ``F.cross_entropy`` of the logits and the tokens' targets, counting the bytes
+    of the logits it reads (the local piece of split logits) and of what its forward saves for the backward."""
+
+    def __init__(self):
+        self.found: dict = {"logits": 0, "loss_saved": 0}
+
+    def __call__(self, logits, target):
+        import torch
+        import torch.nn.functional as F
+
+        saved = []
+
+        def pack(t):
+            saved.append(_bytes(t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(logits, target.reshape(-1))
+        self.found["logits"] = max(self.found["logits"], _bytes(logits))
+        self.found["loss_saved"] = max(self.found["loss_saved"], sum(saved))
+        return loss
+
+
 def _bytes(t) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -111,10 +170,13 @@ class Count:
 QUIET = {"log.progress": "none", "log.tensorboard": False, "log.plot": False, "checkpoint.save_final": False}
 # arm -> the layout's keys and its processes
 ARMS = {"one": ({}, 1), "tp2": ({"parallel.tp": 2, "parallel.tp_plan": "auto"}, 2),
-        "pp2": ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 2)}
+        "pp2": ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 2),
+        "logits-one": ({}, 1),
+        "logits-tp2": ({"parallel.tp": 2, "parallel.tp_plan": "auto", "parallel.loss_parallel": False}, 2),
+        "logits-tp2-lp": ({"parallel.tp": 2, "parallel.tp_plan": "auto", "parallel.loss_parallel": True}, 2)}
 
 
-def child(arm: str, rank: int, out: Path, init: str) -> None:
+def child(arm: str, rank: int, out: Path, init: str, vocab: int = VOCAB) -> None:
     import torch
     from torch.utils.data import TensorDataset
 
@@ -123,16 +185,21 @@ def child(arm: str, rank: int, out: Path, init: str) -> None:
     c.pin_threads()
     keys, world = ARMS[arm]
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(16, SEQ, DIM, generator=g), torch.randint(0, CLASSES, (16,), generator=g))
-    count = Count()
+    x = torch.randn(16, SEQ, DIM, generator=g)
+    lm = arm.startswith("logits")
+    target = torch.randint(0, vocab, (16, SEQ), generator=g) if lm else torch.randint(0, CLASSES, (16,), generator=g)
+    count, logits = Count(), LogitsCount()
     group = {"init_method": init, "rank": rank, "world_size": world} if world > 1 else {}
+    extra = {"loss": logits} if lm else {}
     with tempfile.TemporaryDirectory() as run_dir:  # 2 steps of 2 micro-batches of 4 (a pipeline's window)
-        t = torchrig.Trainer(build_model(), optimizer="adamw", lr=1e-3, batch_size=4, accumulate=2, max_steps=2,
-                             metrics=[], run_dir=run_dir, callbacks=[count], num_workers=0, **QUIET, **group, **keys)
+        t = torchrig.Trainer(build_lm(vocab) if lm else build_model(), optimizer="adamw", lr=1e-3, batch_size=4,
+                             accumulate=2, max_steps=2, metrics=[], run_dir=run_dir, callbacks=[count], num_workers=0,
+                             **QUIET, **group, **keys, **extra)
         count.watch(t.optimizers["default"])
-        t.fit(data)
+        t.fit(TensorDataset(x, target))
+        found = dict(count.found, **logits.found, loss_parallel=t.step.loss_parallel) if lm else count.found
         t.close()
-    (out / f"{arm}-rank{rank}.json").write_text(json.dumps(count.found))
+    (out / f"{arm}-rank{rank}.json").write_text(json.dumps(found))
 
 
 def run(arm: str, out: Path, extra: tuple = ()) -> list[dict]:
@@ -213,9 +280,36 @@ def bubble(schedule: str, m: int, steps: int, out: Path) -> dict:
             "step_ms": 1e3 * total / len(parts[0])}
 
 
+def logits_part(out: Path, vocab: int) -> dict:
+    """The logits arms: one process, tp=2 with loss parallelism off and on; printed, and returned for the results."""
+    logits = {arm: run(arm, out, (str(vocab),)) for arm in ("logits-one", "logits-tp2", "logits-tp2-lp")}
+    one = logits["logits-one"][0]
+    assert not one["loss_parallel"] and all(r["loss_parallel"] for r in logits["logits-tp2-lp"]) \
+        and not any(r["loss_parallel"] for r in logits["logits-tp2"]), "loss parallelism was not on (only) where set"
+    ratios = {arm: {k: max(r[k] for r in logits[arm]) / one[k] for k in ("logits", "loss_saved")}
+              for arm in ("logits-tp2", "logits-tp2-lp")}
+    tokens = 4 * SEQ
+    print(f"logits of an output layer over {vocab} classes for {tokens} tokens a micro-batch (AdamW, 2 steps): MiB "
+          f"held per rank (the largest rank) and against one process")
+    names = {"logits-one": "one process", "logits-tp2": "tp=2, loss_parallel off",
+             "logits-tp2-lp": "tp=2, loss_parallel on"}
+    print(c.table(["", "logits the loss reads", "/ one", "saved by the loss for backward", "/ one"],
+                  [[names[arm], f"{max(r['logits'] for r in ranks) / 2**20:.2f}",
+                    f"{ratios.get(arm, {}).get('logits', 1.0):.3f}",
+                    f"{max(r['loss_saved'] for r in ranks) / 2**20:.2f}",
+                    f"{ratios.get(arm, {}).get('loss_saved', 1.0):.3f}"] for arm, ranks in logits.items()]))
+    ratio = ratios["logits-tp2-lp"]["logits"]
+    print(f"logits per rank with loss parallelism / one process: {ratio:.3f} (target <= {LOGITS_TARGET}: "
+          f"{c.verdict(ratio, LOGITS_TARGET)})\n")
+    return {"vocab": vocab, "tokens_per_micro_batch": tokens, "one_process": one, "tp2_ranks": logits["logits-tp2"],
+            "tp2_loss_parallel_ranks": logits["logits-tp2-lp"], "ratios": ratios, "ratio": ratio,
+            "target": LOGITS_TARGET, "meets_target": ratio <= LOGITS_TARGET}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--logits", action="store_true", help="only the logits arms (results: model_parallel_logits)")
     ap.add_argument("--child", nargs="+")
     args = ap.parse_args()
     if args.child:
@@ -223,11 +317,18 @@ def main() -> None:
         if arm.startswith("bubble-"):
             schedule, m, steps = extra
             return bubble_child(schedule, int(m), int(steps), int(rank), Path(out), init)
-        return child(arm, int(rank), Path(out), init)
+        return child(arm, int(rank), Path(out), init, *map(int, extra))
+    vocab = QUICK_VOCAB if args.quick else VOCAB
+    if args.logits:
+        with tempfile.TemporaryDirectory() as tmp:
+            part = logits_part(Path(tmp), vocab)
+        c.write_result(f"{NAME}_logits", part, quick=args.quick)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         one = run("one", Path(tmp))[0]
         tp_ranks = run("tp2", Path(tmp))
         pp_ranks = run("pp2", Path(tmp))
+        logits = logits_part(Path(tmp), vocab)
         steps = 3 if args.quick else BUBBLE_STEPS
         bubbles = {f"{schedule} m={m}": bubble(schedule, m, steps, Path(tmp))
                    for schedule in ("gpipe", "1f1b") for m in ((4,) if args.quick else (4, 8))}
@@ -253,7 +354,7 @@ def main() -> None:
     ratio = max(ratios.values())
     c.write_result(NAME, {"one_process": one, "tp2_ranks": tp_ranks, "pp2_ranks": pp_ranks, "ratio": ratios["tp=2"],
                           "pp_ratio": ratios["pp=2"], "bubble": bubbles, "target": TARGET,
-                          "meets_target": ratio <= TARGET,
+                          "meets_target": ratio <= TARGET and logits["meets_target"], "logits": logits,
                           "model": {"blocks": BLOCKS, "dim": DIM, "heads": HEADS}}, quick=args.quick)
 
 

@@ -129,3 +129,18 @@ def test_readme_benchmark_table_is_the_one_run_all_writes(tmp_path, monkeypatch)
     assert copy.read_text() == f"before\n{run_all.BEGIN}\n| new |\n{run_all.END}\nafter\n"
     copy.write_text("no markers\n")
     assert not run_all.write_readme("| new |") and copy.read_text() == "no markers\n"
+
+
+@pytest.mark.slow
+def test_model_parallel_logits_quick():
+    """``model_parallel.py --quick --logits``: with parallel.loss_parallel at tp=2 each rank reads half of the
+    logits (and the loss keeps half for its backward) against one process; without it, all of them."""
+    proc = subprocess.run([sys.executable, str(BENCH / "model_parallel.py"), "--quick", "--logits"], cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"benchmarks/model_parallel.py --quick --logits failed:\n{proc.stderr[-3000:]}"
+    r = json.loads((QUICK / "model_parallel_logits.json").read_text())
+    _common(r, "model_parallel_logits")
+    assert r["one_process"]["logits"] == r["tokens_per_micro_batch"] * r["vocab"] * 4  # fp32 logits, counted whole
+    assert r["ratios"]["logits-tp2-lp"] == {"logits": 0.5, "loss_saved": pytest.approx(0.5, abs=1e-3)}
+    assert r["ratios"]["logits-tp2"]["logits"] == 1.0 and r["meets_target"] is True
+    assert "logits per rank with loss parallelism / one process: 0.500" in proc.stdout
