@@ -185,6 +185,10 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path, pp_tp_run)
         for name, held in seen.items():  # every rank holds half of its stages' split layers: under 0.6 of the rest
             assert held["local"] < 0.6, (name, rank, held["local"])
         assert seen["split-loss-parallel"]["loss_parallel"] and not seen["split-1f1b"]["loss_parallel"]
+        from torchrig.observe.summary import size  # the summary's memory: what this rank holds of its stages
+        memory = seen["split-1f1b"]["memory"]
+        assert memory.startswith(f"(tp=2 × pp=2: this process's part): weights {size(seen['split-1f1b']['held'])} "
+                                 f"+ gradients {size(seen['split-1f1b']['held'])} + sgd state"), memory
     _, whole, resumed = resumed_parts(out, 4)
     check_resumed_and_consolidated(out, whole, resumed, "pp=2 × tp=2 resumed at step 4")
 
