@@ -149,3 +149,20 @@ def test_torchrig_warnings_come_from_the_first_process_only(monkeypatch, env, sh
     texts = [str(w.message) for w in caught]
     assert sum("strategy 'dp'" in t for t in texts) == shown, texts
     assert "another library's warning" in texts
+
+
+def test_torchrig_warnings_are_one_line_on_the_command_line(monkeypatch):
+    """A torchrig warning on the command line reads `torchrig: warning: …`, without Python's file, line and source
+    line; other libraries' warnings keep Python's format; installing it twice keeps one wrapper."""
+    import warnings
+
+    import torchrig.cli as cli
+    import torchrig.parallel.wrap as wrap
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    cli._one_line_warnings()
+    cli._one_line_warnings()
+    ours = warnings.formatwarning("strategy 'dp' needs two GPUs", UserWarning, wrap.__file__, 42)
+    assert ours == "torchrig: warning: strategy 'dp' needs two GPUs\n"
+    theirs = warnings.formatwarning("deprecated", UserWarning, "/site-packages/other/x.py", 7, "x = 1")
+    assert theirs.startswith("/site-packages/other/x.py:7: UserWarning: deprecated")
