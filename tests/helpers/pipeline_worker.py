@@ -142,13 +142,15 @@ def hsdp_runs(samples: int) -> dict:
 def stages_runs(samples: int) -> dict:
     """pp=2 × dp_shard=2 with two FSDP2-sharded stages per rank (interleaved 1F1B: stages 1 and 3 on the first
     rank, with ``dist.fsdp_cpu_offload`` on, which the CPU ignores with a warning; the V of zbv_zero_bubble: 1 and
-    4, the embedding and the head on one rank), then one stage per rank in bf16."""
+    4, the embedding and the head on one rank; interleaved zero bubble), then one stage per rank in bf16."""
     data = padded_tokens(samples)
     return {"tokens-interleaved_1f1b": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "interleaved_1f1b",
                                                          "parallel.pp_stages_per_rank": 2,
                                                          "dist.fsdp_cpu_offload": True}),
             "tokens-zbv_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "zbv_zero_bubble",
                                                         "parallel.pp_stages_per_rank": 2}),
+            "tokens-interleaved_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_stages_per_rank": 2,
+                                                                "parallel.pp_schedule": "interleaved_zero_bubble"}),
             "tokens-bf16": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "1f1b", "precision": "bf16"})}
 
 

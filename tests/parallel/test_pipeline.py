@@ -181,24 +181,27 @@ def test_pipeline_times_hsdp_matches_one_process_and_resumes_bitwise(tmp_path):
 @pytest.mark.slow
 def test_several_sharded_stages_per_rank_and_bf16_match_one_process(tmp_path):
     """pp=2 × dp_shard=2 on four processes with two FSDP2 stages per rank: interleaved 1F1B (stages 1 and 3 on one
-    rank: while stage 3 runs, the embedding of stage 1 answers as a stand-in) and zbv_zero_bubble (stages 1 and 4
-    on one rank, the embedding and the head), SGD clipped by the norm over every stage and shard: one process with
-    a micro-batch twice as large, within 1e-5, and the interleaved run's mid-epoch checkpoint resumes bitwise. In
+    rank: while stage 3 runs, the embedding of stage 1 answers as a stand-in), zbv_zero_bubble (stages 1 and 4 on
+    one rank, the embedding and the head) and interleaved zero bubble (both with their weight backward split off),
+    SGD clipped by the norm over every stage and shard: one process with a micro-batch twice as large, within 1e-5,
+    and the interleaved 1F1B run's mid-epoch checkpoint resumes bitwise. In
     bf16 (one stage per rank) it agrees with one process in bf16 within 1e-2: bf16 rounding alone puts one
     process's bf16 run 1.2e-3 from its fp32 run and this run 2.2e-3 from both, while the steps move the
     parameters by 0.44. ``dist.fsdp_cpu_offload``, ignored on the CPU, is said once per process, not per stage;
-    the zero-bubble schedule's override of ``dist.fsdp_reshard_after_forward`` is said once."""
+    each zero-bubble schedule's override of ``dist.fsdp_reshard_after_forward`` is said once."""
     out = run_scenario(tmp_path, "pp_fsdp_stages")
     check_against_one_process(tmp_path, out, "pp_fsdp_stages", 1e-5,
-                              names=["tokens-interleaved_1f1b", "tokens-zbv_zero_bubble"])
+                              names=["tokens-interleaved_1f1b", "tokens-zbv_zero_bubble",
+                                     "tokens-interleaved_zero_bubble"])
     check_against_one_process(tmp_path, out, "pp_fsdp_stages", 1e-2, names=["tokens-bf16"], predicted_tolerance=5e-2)
     seen = json.loads((out / "seen-0.json").read_text())
     assert seen["tokens-interleaved_1f1b"]["stages"] == [0, 2] and seen["tokens-zbv_zero_bubble"]["stages"] == [0, 3]
     for rank in range(4):
         err = (out / f"pp_fsdp_stages-{rank}.err").read_text()
         assert err.count("UserWarning: dist.fsdp_cpu_offload=true is ignored") == 1, err[-2000:]
-        assert err.count("UserWarning: dist.fsdp_reshard_after_forward=true is ignored under "
-                         "parallel.pp_schedule=zbv_zero_bubble") == 1, err[-2000:]
+        for schedule in ("zbv_zero_bubble", "interleaved_zero_bubble"):
+            assert err.count("UserWarning: dist.fsdp_reshard_after_forward=true is ignored under "
+                             f"parallel.pp_schedule={schedule}:") == 1, err[-2000:]
     _, whole, resumed = resumed_parts(out, 4)
     check_resumed_and_consolidated(out, whole, resumed, "pp=2 × dp_shard=2, 2 stages per rank, resumed at step 4")
 
