@@ -295,6 +295,12 @@ class _Elsewhere(nn.Module):
         return f"{self.name}: held by another pipeline stage"
 
 
+def _ancestors(name: str) -> list:
+    """``a.b.c`` → ``[a.b.c, a.b, a]``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
 def _to_meta(obj: Any) -> Any:
     return _tree_map(lambda t: t.to("meta"), obj)
 
@@ -397,14 +403,32 @@ class Pipeline:
                     self.swaps[st.index].append((u.parent, u.attr, stand_in, u.value))
         for i in owned:
             blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
-            blocks[i].register_forward_hook(self._leave_block)
+        self._owned = [blocks[i] for i in sorted(owned)]  # their forward hooks: at the first run (_hook_outputs)
+
+    def held(self, plan: dict) -> dict:
+        """The entries of ``plan`` (``{module name: value}`` over the whole model) for the modules this rank's
+        stages hold (a tensor-parallel plan is applied to them alone)."""
+        modules = dict(self.model.named_modules())
+        return {name: v for name, v in plan.items()
+                if name in modules and not any(isinstance(modules.get(a), _Elsewhere) for a in _ancestors(name))}
 
     @property
     def holds_last(self) -> bool:
         return any(st.last for st in self.stages)
 
     # -- one stage's forward ---------------------------------------------------------------------
+    def _hook_outputs(self) -> None:
+        """The hook that ends a stage at its last block's output, registered once the model is wrapped, after the
+        hooks tensor parallelism and FSDP2 put on a block (a layer split by ``parallel.tp_plan`` hands on a local
+        tensor from its own forward hook; FSDP2 reshards in one), so that it sends what the next block would
+        get."""
+        for block in self._owned:
+            block.register_forward_hook(self._leave_block)
+        self._owned = []
+
     def run_stage(self, stage: StageModule, received: tuple, mb: Any) -> Any:
+        if self._owned:
+            self._hook_outputs()
         container = self.plan.container
         check = not stage.checked and torch.is_grad_enabled()
         stage.received = received[0] if received else None
