@@ -258,7 +258,10 @@ def train(scenario: str, out: Path) -> None:
         t.fit(data)
         seen[name] = {"eval": t.evaluate(eval_data(data)), "stages": [st.index for st in t.layout.pipeline.stages],
                       "local": local_fraction(t.model), "plan": sorted(t.layout.plan),
-                      "loss_parallel": t.step.loss_parallel, **sharding(t)}
+                      "loss_parallel": t.step.loss_parallel,
+                      "memory": " ".join(t.summary().split("memory per process")[1].split()),
+                      "held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in t.model.parameters()),
+                      **sharding(t)}
         x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
         if x is not None:
             torch.save(t.predict(x), out / f"{name}-predicted-{rank}.pt")

@@ -161,6 +161,12 @@ def test_pipeline_times_fsdp_matches_one_process_and_resumes_bitwise(tmp_path):
     check_resumed_and_consolidated(out, whole, resumed, "pp=2 × dp_shard=2 resumed at step 4")
 
 
+@pytest.fixture(scope="module")
+def pp_tp_run(tmp_path_factory):
+    """Four processes at pp=2 × tp=2: the runs against one process, then the checkpoints."""
+    return run_scenario(tmp_path_factory.mktemp("pp_tp"), "pp_tp")
+
+
 @pytest.mark.slow
 def test_pipeline_times_hsdp_matches_one_process_and_resumes_bitwise(tmp_path):
     """pp=2 × dp_replicate=2 × dp_shard=2 on eight processes: FSDP2 shards each stage over 2 ranks and all-reduces
@@ -207,7 +213,7 @@ def test_several_sharded_stages_per_rank_and_bf16_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path):
+def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path, pp_tp_run):
     """pp=2 × tp=2 on four processes: each stage's embedding, MLPs and head split over its two tensor-parallel ranks
     by the model's own plan (resolved on the whole model, applied to each rank's stages), with 1F1B and with
     interleaved 1F1B (two stages per rank); SGD clipped by the norm over both stages and both halves of each; and an
@@ -215,7 +221,7 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path):
     last stage), its accuracy measured there; and a Hugging Face Llama by its own plan (``auto``). One process with
     the same micro-batches agrees within 1e-5. Its checkpoint (DCP: each rank its stages' halves; the
     whole model.safetensors) resumed mid-epoch in the same layout ends bitwise where the uninterrupted run ended."""
-    out = run_scenario(tmp_path, "pp_tp")
+    out = pp_tp_run
     check_against_one_process(tmp_path, out, "pp_tp", 1e-5)
     for rank in range(4):
         seen = json.loads((out / f"seen-{rank}.json").read_text())
@@ -226,8 +232,29 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path):
         for name, held in seen.items():  # every rank holds half of its stages' split layers: under 0.6 of the rest
             assert held["local"] < 0.6, (name, rank, held["local"])
         assert seen["split-loss-parallel"]["loss_parallel"] and not seen["split-1f1b"]["loss_parallel"]
+        from torchrig.observe.summary import size  # the summary's memory: what this rank holds of its stages
+        memory = seen["split-1f1b"]["memory"]
+        assert memory.startswith(f"(tp=2 × pp=2: this process's part): weights {size(seen['split-1f1b']['held'])} "
+                                 f"+ gradients {size(seen['split-1f1b']['held'])} + sgd state"), memory
     _, whole, resumed = resumed_parts(out, 4)
     check_resumed_and_consolidated(out, whole, resumed, "pp=2 × tp=2 resumed at step 4")
+
+
+@pytest.mark.slow
+def test_a_pipeline_and_tensor_parallel_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_tp_run):
+    """The pp=2 × tp=2 checkpoint of step 4 (mid-epoch; each rank wrote its stages' halves through DCP) resumed in one
+    process, the halves joined by name, ends where the uninterrupted pp=2 × tp=2 run ended, up to float rounding."""
+    _, whole, _ = resumed_parts(pp_tp_run, 4)
+    ckpt = pp_tp_run / "whole" / "checkpoints" / "step-00000004"
+    t = torchrig.Trainer(W.build(W.SplitTokenNet), **W.settings(
+        tmp_path / "one", loss=W.token_loss, epochs=2, resume=str(ckpt),
+        **{"checkpoint.save_final": False}, resume_changes="allow"))  # the worker's class was __main__'s
+    t.fit(W.padded_tokens())
+    got = t.model.state_dict()
+    assert t.global_step == 12 and got.keys() == whole.keys()
+    worst = max(float((got[k] - whole[k]).abs().max()) for k in whole)
+    assert worst < 1e-6, f"pp=2 × tp=2 step 4 resumed in one process: {worst:.3g} from the pp=2 × tp=2 run"
+    t.close()
 
 
 @pytest.mark.slow
