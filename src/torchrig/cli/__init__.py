@@ -181,6 +181,8 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
         parser.print_help()
         return EXIT_USAGE
     debug = getattr(args, "debug", False) or os.environ.get("TORCHRIG_DEBUG") == "1"
+    if args.command != "launch":
+        warn_once_per_job()
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
     stop = _stop_signal(args.command)
     try:
@@ -205,6 +207,17 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
     finally:
         if stop is not None:
             stop.at_exit() if until_exit else stop.uninstall()
+
+
+def warn_once_per_job() -> None:
+    """torchrig's own warnings (a setting ignored on the CPU, a deprecated key) from the first process only: under
+    ``torchrig launch``, torchrun or Slurm every process would print the same line. Errors still come from every
+    rank, and other libraries' warnings are left as they are."""
+    import warnings
+
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank.isdigit() and int(rank) > 0:
+        warnings.filterwarnings("ignore", module=r"torchrig(\.|$)")
 
 
 def entry() -> None:
