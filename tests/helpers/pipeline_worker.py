@@ -3,6 +3,8 @@
     python tests/helpers/pipeline_worker.py pp OUT      # 2 processes (TEST_INIT, TEST_RANK, TEST_WORLD)
     python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
     python tests/helpers/pipeline_worker.py pp_fsdp OUT # 4 processes: pp=2 × dp_shard=2 (FSDP2 in each stage)
+    python tests/helpers/pipeline_worker.py pp_hsdp OUT # 8 processes: pp=2 × dp_replicate=2 × dp_shard=2 (HSDP)
+    python tests/helpers/pipeline_worker.py pp_fsdp_stages OUT  # 4 processes: pp=2 × dp_shard=2, 2 stages per rank
     python tests/helpers/pipeline_worker.py resume_sharded OUT CHECKPOINT  # 2 processes: a pp=2 checkpoint, dp_shard=2
 
 Each run trains with the ``parallel`` settings of its entry in :func:`runs` and saves this rank's parameters
@@ -129,6 +131,8 @@ SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"parallel.pp_stages_p
 def runs(samples: int, scenario: str = "pp") -> dict:
     """name -> (model factory, data of ``samples`` samples, settings). Under ``pp`` the token model runs every
     schedule; the four-process scenario trains it once, beside data parallelism."""
+    if scenario in MORE_RUNS:
+        return MORE_RUNS[scenario](samples)
     if scenario == "pp_dp":
         return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b"})}
     clipped = {"loss": token_loss, "parallel.tp_plan": "auto", "optimizer": "sgd", "lr": 0.5, "clip_grad_norm": 0.5}
@@ -184,6 +188,49 @@ def data_parallel(scenario: str) -> int:
     return world // (degrees["parallel.pp"] * degrees.get("parallel.tp", 1))
 
 
+# FSDP2 stages beyond pp × dp_shard with one stage per rank: the token model with SGD clipped by the norm over every
+# stage and shard (a wrong gradient norm shows), as pp_fsdp trains it
+CLIPPED_SGD = {"loss": token_loss, "optimizer": "sgd", "lr": 0.5, "clip_grad_norm": 0.5}
+
+
+def hsdp_runs(samples: int) -> dict:
+    """pp=2 × dp_replicate=2 × dp_shard=2: each stage sharded over 2 ranks and replicated twice (HSDP)."""
+    return {"tokens": (TokenNet, padded_tokens(samples), {**CLIPPED_SGD, "parallel.pp_schedule": "1f1b"})}
+
+
+def stages_runs(samples: int) -> dict:
+    """pp=2 × dp_shard=2 with two FSDP2-sharded stages per rank (interleaved 1F1B: stages 1 and 3 on the first
+    rank, with ``dist.fsdp_cpu_offload`` on, which the CPU ignores with a warning; the V of zbv_zero_bubble: 1 and
+    4, the embedding and the head on one rank; interleaved zero bubble), then one stage per rank in bf16."""
+    data = padded_tokens(samples)
+    return {"tokens-interleaved_1f1b": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "interleaved_1f1b",
+                                                         "parallel.pp_stages_per_rank": 2,
+                                                         "dist.fsdp_cpu_offload": True}),
+            "tokens-zbv_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "zbv_zero_bubble",
+                                                        "parallel.pp_stages_per_rank": 2}),
+            "tokens-interleaved_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_stages_per_rank": 2,
+                                                                "parallel.pp_schedule": "interleaved_zero_bubble"}),
+            "tokens-bf16": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "1f1b", "precision": "bf16"})}
+
+
+def sharding(t) -> dict:
+    """How a Trainer's stages are sharded: the mesh dimensions and placements of a parameter (FSDP2: a DTensor),
+    and whether the pipeline's step averages the gradients over the replicas itself."""
+    param = next(t.model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    return {"mesh": list(mesh.mesh_dim_names) if mesh is not None else None,
+            "placements": [str(pl) for pl in getattr(param, "placements", ())],
+            "step_averages": t.step_fn.dp_group is not None}
+
+
+MORE_RUNS = {"pp_hsdp": hsdp_runs, "pp_fsdp_stages": stages_runs}
+# scenario -> the settings beside its degrees of its mid-epoch resume in the same layout
+MORE_RESUMES = {"pp_hsdp": {}, "pp_fsdp_stages": {"parallel.pp_schedule": "interleaved_1f1b",
+                                                  "parallel.pp_stages_per_rank": 2}}
+SCENARIOS.update({"pp_hsdp": ({"parallel.pp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}, 8),
+                  "pp_fsdp_stages": ({"parallel.pp": 2, "parallel.dp_shard": 2}, 4)})
+
+
 def eval_data(data):
     """The first 10 samples (for ``Trainer.evaluate`` / ``predict``)."""
     from torch.utils.data import Subset
@@ -213,7 +260,8 @@ def train(scenario: str, out: Path) -> None:
                       "local": local_fraction(t.model), "plan": sorted(t.layout.plan),
                       "loss_parallel": t.step.loss_parallel,
                       "memory": " ".join(t.summary().split("memory per process")[1].split()),
-                      "held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in t.model.parameters())}
+                      "held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in t.model.parameters()),
+                      **sharding(t)}
         x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
         if x is not None:
             torch.save(t.predict(x), out / f"{name}-predicted-{rank}.pt")
@@ -226,6 +274,8 @@ def train(scenario: str, out: Path) -> None:
         resume(out, group, degrees, dp)
     if scenario == "pp_tp":
         resume(out, group, {**degrees, "parallel.tp_plan": "auto"}, dp, SplitTokenNet)
+    if scenario in MORE_RESUMES:
+        resume(out, group, {**degrees, **MORE_RESUMES[scenario]}, dp)
     first.close()
 
 
