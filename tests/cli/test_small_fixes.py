@@ -126,3 +126,43 @@ def test_doctors_own_list_is_the_extras_of_pyproject():
         for spec in packages if extra not in ("all", "test") else []:
             declared.setdefault(re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower(), extra)
     assert EXTRAS == declared
+
+
+@pytest.mark.parametrize("env, shown", [({"RANK": "1"}, 0), ({"RANK": "0"}, 1), ({"SLURM_PROCID": "3"}, 0), ({}, 1)])
+def test_torchrig_warnings_come_from_the_first_process_only(monkeypatch, env, shown):
+    """Under torchrig launch (torchrun) or srun every process runs the command: torchrig's own warnings are printed by
+    rank 0 alone, not once per process; other libraries' warnings are left alone."""
+    import warnings
+
+    import torchrig.cli as cli
+    from torchrig.parallel.wrap import wrap_model
+
+    for k in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.warn_once_per_job()
+        wrap_model(torch.nn.Linear(2, 2), "dp", torch.device("cpu"))  # warns: DataParallel needs two GPUs
+        warnings.warn("another library's warning", UserWarning)
+    texts = [str(w.message) for w in caught]
+    assert sum("strategy 'dp'" in t for t in texts) == shown, texts
+    assert "another library's warning" in texts
+
+
+def test_torchrig_warnings_are_one_line_on_the_command_line(monkeypatch):
+    """A torchrig warning on the command line reads `torchrig: warning: …`, without Python's file, line and source
+    line; other libraries' warnings keep Python's format; installing it twice keeps one wrapper."""
+    import warnings
+
+    import torchrig.cli as cli
+    import torchrig.parallel.wrap as wrap
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    cli._one_line_warnings()
+    cli._one_line_warnings()
+    ours = warnings.formatwarning("strategy 'dp' needs two GPUs", UserWarning, wrap.__file__, 42)
+    assert ours == "torchrig: warning: strategy 'dp' needs two GPUs\n"
+    theirs = warnings.formatwarning("deprecated", UserWarning, "/site-packages/other/x.py", 7, "x = 1")
+    assert theirs.startswith("/site-packages/other/x.py:7: UserWarning: deprecated")

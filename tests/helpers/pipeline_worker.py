@@ -3,6 +3,8 @@
     python tests/helpers/pipeline_worker.py pp OUT      # 2 processes (TEST_INIT, TEST_RANK, TEST_WORLD)
     python tests/helpers/pipeline_worker.py pp_dp OUT   # 4 processes: pp=2 × dp_replicate=2
     python tests/helpers/pipeline_worker.py pp_fsdp OUT # 4 processes: pp=2 × dp_shard=2 (FSDP2 in each stage)
+    python tests/helpers/pipeline_worker.py pp_hsdp OUT # 8 processes: pp=2 × dp_replicate=2 × dp_shard=2 (HSDP)
+    python tests/helpers/pipeline_worker.py pp_fsdp_stages OUT  # 4 processes: pp=2 × dp_shard=2, 2 stages per rank
     python tests/helpers/pipeline_worker.py resume_sharded OUT CHECKPOINT  # 2 processes: a pp=2 checkpoint, dp_shard=2
     python tests/helpers/pipeline_worker.py resume_tp OUT CHECKPOINT       # 2 processes: a pp=2 checkpoint, tp=2
 
@@ -27,7 +29,8 @@ from torch.utils.data import TensorDataset
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from helpers.parallel_worker import QUIET, SEQ, VOCAB, Tokens, build, has_transformers  # noqa: E402
+from helpers.parallel_worker import (QUIET, SEQ, VOCAB, Tokens, build, has_transformers,  # noqa: E402
+                                     local_fraction)
 
 DIM, CLASSES = 16, 4
 SAMPLES, BATCH, ACCUMULATE = 93, 4, 4  # 24 loaded batches, the last of 1 sample: 6 optimizer steps an epoch
@@ -62,6 +65,29 @@ class TokenNet(nn.Module):
         return self.head(h)
 
 
+class SplitBlock(nn.Module):
+    """A block whose MLP a tensor-parallel plan splits: ``up`` by columns, ``down`` by rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, h):
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class SplitTokenNet(TokenNet):
+    """The token model with a tensor-parallel plan over every stage: the embedding's rows, each block's MLP, the
+    head's columns (gathered)."""
+
+    tp_plan = {"embed": "embedding_rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
+               "head": "colwise_rep"}
+
+    def __init__(self, blocks: int = 4):
+        super().__init__(blocks)
+        self.blocks = nn.ModuleList([SplitBlock() for _ in range(blocks)])
+
+
 def token_loss(output, target):
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=-100)
 
@@ -86,6 +112,15 @@ def features(n: int = SAMPLES) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
 
 
+def llama() -> nn.Module:
+    """A Hugging Face Llama of two decoder layers: its own tensor-parallel plan (``auto``), one layer a stage."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
 def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -101,8 +136,28 @@ SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"parallel.pp_stages_p
 def runs(samples: int, scenario: str = "pp") -> dict:
     """name -> (model factory, data of ``samples`` samples, settings). Under ``pp`` the token model runs every
     schedule; the four-process scenario trains it once, beside data parallelism."""
+    if scenario in MORE_RUNS:
+        return MORE_RUNS[scenario](samples)
     if scenario == "pp_dp":
         return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b"})}
+    clipped = {"loss": token_loss, "parallel.tp_plan": "auto", "optimizer": "sgd", "lr": 0.5, "clip_grad_norm": 0.5}
+    if scenario == "pp_dp_tp":  # eight processes: each stage split in two, its halves sharded (FSDP2) or replicated
+        return {"split-sharded": (SplitTokenNet, padded_tokens(samples), {**clipped, "parallel.pp_schedule": "1f1b"}),
+                "split-replicated": (SplitTokenNet, padded_tokens(samples),
+                                     {**clipped, "parallel.pp_schedule": "1f1b", "parallel.dp_shard": 1,
+                                      "parallel.dp_replicate": 2})}
+    if scenario == "pp_tp":  # SGD clipped by the norm over both stages and both tensor-parallel halves of each
+        return {"split-1f1b": (SplitTokenNet, padded_tokens(samples), {**clipped, "parallel.pp_schedule": "1f1b"}),
+                "split-interleaved": (SplitTokenNet, padded_tokens(samples),
+                                      {**clipped, "parallel.pp_schedule": "interleaved_1f1b",
+                                       "parallel.pp_stages_per_rank": 2}),
+                # the head split by class on the last stage, its cross-entropy computed split (loss parallelism)
+                "split-loss-parallel": (sequential, features(samples),
+                                        {"parallel.tp_plan": {"0": "colwise", "2": "rowwise",
+                                                              "4": "colwise_loss_parallel"},
+                                         "loss": "cross_entropy", "metrics": ["accuracy"], "clip_grad_norm": 0.5,
+                                         "parallel.pp_schedule": "gpipe"}),
+                **({"split-llama": (llama, Tokens(samples), {"parallel.tp_plan": "auto"})} if has_transformers() else {})}
     if scenario == "pp_fsdp":  # SGD clipped by the norm over both stages and both shards of each (AdamW would
         # hide a wrong norm: it undoes a constant scale of the gradients)
         return {"tokens": (TokenNet, padded_tokens(samples), {"loss": token_loss, "parallel.pp_schedule": "1f1b",
@@ -127,7 +182,58 @@ def settings(run_dir: Path, **extra) -> dict:
 
 # scenario -> (the parallel degrees, the processes it takes)
 SCENARIOS = {"pp": ({"parallel.pp": 2}, 2), "pp_dp": ({"parallel.pp": 2, "parallel.dp_replicate": 2}, 4),
-             "pp_fsdp": ({"parallel.pp": 2, "parallel.dp_shard": 2}, 4)}
+             "pp_fsdp": ({"parallel.pp": 2, "parallel.dp_shard": 2}, 4),
+             "pp_tp": ({"parallel.pp": 2, "parallel.tp": 2}, 4),
+             "pp_dp_tp": ({"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2}, 8)}
+
+
+def data_parallel(scenario: str) -> int:
+    """The data-parallel ranks of ``scenario``: its processes over the pipeline's and tensor-parallel ranks."""
+    degrees, world = SCENARIOS[scenario]
+    return world // (degrees["parallel.pp"] * degrees.get("parallel.tp", 1))
+
+
+# FSDP2 stages beyond pp × dp_shard with one stage per rank: the token model with SGD clipped by the norm over every
+# stage and shard (a wrong gradient norm shows), as pp_fsdp trains it
+CLIPPED_SGD = {"loss": token_loss, "optimizer": "sgd", "lr": 0.5, "clip_grad_norm": 0.5}
+
+
+def hsdp_runs(samples: int) -> dict:
+    """pp=2 × dp_replicate=2 × dp_shard=2: each stage sharded over 2 ranks and replicated twice (HSDP)."""
+    return {"tokens": (TokenNet, padded_tokens(samples), {**CLIPPED_SGD, "parallel.pp_schedule": "1f1b"})}
+
+
+def stages_runs(samples: int) -> dict:
+    """pp=2 × dp_shard=2 with two FSDP2-sharded stages per rank (interleaved 1F1B: stages 1 and 3 on the first
+    rank, with ``dist.fsdp_cpu_offload`` on, which the CPU ignores with a warning; the V of zbv_zero_bubble: 1 and
+    4, the embedding and the head on one rank; interleaved zero bubble), then one stage per rank in bf16."""
+    data = padded_tokens(samples)
+    return {"tokens-interleaved_1f1b": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "interleaved_1f1b",
+                                                         "parallel.pp_stages_per_rank": 2,
+                                                         "dist.fsdp_cpu_offload": True}),
+            "tokens-zbv_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "zbv_zero_bubble",
+                                                        "parallel.pp_stages_per_rank": 2}),
+            "tokens-interleaved_zero_bubble": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_stages_per_rank": 2,
+                                                                "parallel.pp_schedule": "interleaved_zero_bubble"}),
+            "tokens-bf16": (TokenNet, data, {**CLIPPED_SGD, "parallel.pp_schedule": "1f1b", "precision": "bf16"})}
+
+
+def sharding(t) -> dict:
+    """How a Trainer's stages are sharded: the mesh dimensions and placements of a parameter (FSDP2: a DTensor),
+    and whether the pipeline's step averages the gradients over the replicas itself."""
+    param = next(t.model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    return {"mesh": list(mesh.mesh_dim_names) if mesh is not None else None,
+            "placements": [str(pl) for pl in getattr(param, "placements", ())],
+            "step_averages": t.step_fn.dp_group is not None}
+
+
+MORE_RUNS = {"pp_hsdp": hsdp_runs, "pp_fsdp_stages": stages_runs}
+# scenario -> the settings beside its degrees of its mid-epoch resume in the same layout
+MORE_RESUMES = {"pp_hsdp": {}, "pp_fsdp_stages": {"parallel.pp_schedule": "interleaved_1f1b",
+                                                  "parallel.pp_stages_per_rank": 2}}
+SCENARIOS.update({"pp_hsdp": ({"parallel.pp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}, 8),
+                  "pp_fsdp_stages": ({"parallel.pp": 2, "parallel.dp_shard": 2}, 4)})
 
 
 def eval_data(data):
@@ -149,13 +255,18 @@ def train(scenario: str, out: Path) -> None:
     degrees, world = SCENARIOS[scenario]
     rank = int(os.environ["TEST_RANK"])
     group = {"init_method": os.environ["TEST_INIT"], "rank": rank, "world_size": world}
-    dp = world // degrees["parallel.pp"]
+    dp = data_parallel(scenario)
     first, seen = None, {}
     for name, (make_model, data, extra) in runs(SAMPLES * dp, scenario).items():
-        t = Trainer(build(make_model), **settings(out / name, **degrees, **extra), **group)
+        t = Trainer(build(make_model), **settings(out / name, **{**degrees, **extra}), **group)
         first = first or t
         t.fit(data)
-        seen[name] = {"eval": t.evaluate(eval_data(data)), "stages": [st.index for st in t.layout.pipeline.stages]}
+        seen[name] = {"eval": t.evaluate(eval_data(data)), "stages": [st.index for st in t.layout.pipeline.stages],
+                      "local": local_fraction(t.model), "plan": sorted(t.layout.plan),
+                      "loss_parallel": t.step.loss_parallel,
+                      "memory": " ".join(t.summary().split("memory per process")[1].split()),
+                      "held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in t.model.parameters()),
+                      **sharding(t)}
         x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
         if x is not None:
             torch.save(t.predict(x), out / f"{name}-predicted-{rank}.pt")
@@ -166,6 +277,10 @@ def train(scenario: str, out: Path) -> None:
         refusals(out, group)
     if scenario == "pp_fsdp":
         resume(out, group, degrees, dp)
+    if scenario == "pp_tp":
+        resume(out, group, {**degrees, "parallel.tp_plan": "auto"}, dp, SplitTokenNet)
+    if scenario in MORE_RESUMES:
+        resume(out, group, {**degrees, **MORE_RESUMES[scenario]}, dp)
     first.close()
 
 
@@ -186,7 +301,7 @@ def refusals(out: Path, group: dict) -> None:
     (out / f"refused-{group['rank']}.json").write_text(json.dumps(said))
 
 
-def resume(out: Path, group: dict, degrees: Optional[dict] = None, dp: int = 1) -> None:
+def resume(out: Path, group: dict, degrees: Optional[dict] = None, dp: int = 1, model: type = TokenNet) -> None:
     """pp=2 (or ``degrees``, with ``dp`` data-parallel ranks): the token model trained 2 epochs (12 steps) with a
     checkpoint every 4 (DCP), then again from the checkpoint of step 4 (mid-epoch) in the same layout; each rank
     saves both final parameter sets."""
@@ -196,11 +311,11 @@ def resume(out: Path, group: dict, degrees: Optional[dict] = None, dp: int = 1) 
     kw = {**degrees, "loss": token_loss, "checkpoint.save_final": True, "checkpoint.every_steps": 4,
           "checkpoint.keep_last": 4, "epochs": 2}
     data = padded_tokens(SAMPLES * dp)
-    t = Trainer(build(TokenNet), **settings(out / "whole", **kw), **group)
+    t = Trainer(build(model), **settings(out / "whole", **kw), **group)
     t.fit(data)
     ckpt = out / "whole" / "checkpoints" / "step-00000004"
     kw.update({"checkpoint.every_steps": 0, "resume": str(ckpt)})
-    t2 = Trainer(build(TokenNet), **settings(out / "resumed", **kw), **group)
+    t2 = Trainer(build(model), **settings(out / "resumed", **kw), **group)
     t2.fit(data)
     torch.save({"whole": local_params(t.model), "resumed": local_params(t2.model),
                 "steps": (t.global_step, t2.global_step)}, out / f"resume-{group['rank']}.pt")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import command_line
@@ -181,6 +182,9 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
         parser.print_help()
         return EXIT_USAGE
     debug = getattr(args, "debug", False) or os.environ.get("TORCHRIG_DEBUG") == "1"
+    if args.command != "launch":
+        warn_once_per_job()
+        _one_line_warnings()
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
     stop = _stop_signal(args.command)
     try:
@@ -205,6 +209,35 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
     finally:
         if stop is not None:
             stop.at_exit() if until_exit else stop.uninstall()
+
+
+def warn_once_per_job() -> None:
+    """torchrig's own warnings (a setting ignored on the CPU, a deprecated key) from the first process only: under
+    ``torchrig launch``, torchrun or Slurm every process would print the same line. Errors still come from every
+    rank, and other libraries' warnings are left as they are."""
+    import warnings
+
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank.isdigit() and int(rank) > 0:
+        warnings.filterwarnings("ignore", module=r"torchrig(\.|$)")
+
+
+def _one_line_warnings() -> None:
+    """torchrig's warnings on the command line as one line, ``torchrig: warning: …``, without the file and the source
+    line Python adds (which speak of torchrig's insides, not of the user's settings)."""
+    import warnings
+
+    plain = warnings.formatwarning
+    if getattr(plain, "torchrig", False):  # installed by an earlier command of this process
+        return
+
+    def formatwarning(message, category, filename, lineno, line=None):  # noqa: ANN001 (warnings' own signature)
+        if "torchrig" in Path(filename).parts and category is UserWarning:
+            return f"torchrig: warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    formatwarning.torchrig = True  # type: ignore[attr-defined]
+    warnings.formatwarning = formatwarning
 
 
 def entry() -> None:

@@ -91,9 +91,6 @@ def _pipeline(cfg: Config) -> None:
     """``parallel.pp``: what a pipeline cannot be combined with (the micro-batches against the schedule, the split
     against the model, are checked when the stages are built)."""
     p, pp = cfg.parallel, f"parallel.pp={cfg.parallel.pp}"
-    if p.tp != 1:
-        raise ConfigError(f"config key 'parallel.tp': {p.tp} with {pp}: tensor parallelism inside pipeline stages is "
-                          f"not supported; use one of them, with parallel.dp_replicate for the remaining ranks")
     single = p.pp_schedule in ("gpipe", "1f1b")
     if single and p.pp_stages_per_rank != 1:
         raise ConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank} stages per rank need a "

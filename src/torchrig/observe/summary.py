@@ -41,6 +41,11 @@ def _nbytes(tensors: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _held(tensors: Iterable[Any]) -> int:
+    """The bytes this process holds of ``tensors``: a DTensor's local piece (FSDP2 shards, tensor-parallel halves)."""
+    return _nbytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+
+
 def _count(n: int) -> str:
     return f"{n:,}"
 
@@ -88,13 +93,15 @@ def optimizer_state(optimizers: Any, model: nn.Module) -> tuple[Optional[int], s
         if states is None:
             return None, name
         for group in opt.param_groups:
-            total += states(group) * _nbytes(p for p in group["params"] if p.requires_grad)
+            total += states(group) * _held(p for p in group["params"] if p.requires_grad)
     return total, "+".join(dict.fromkeys(names))
 
 
 def model_summary(model: nn.Module, optimizers: Any = None, precision: str = "fp32", shards: int = 1,
-                  ema: bool = False) -> str:
-    """The summary table (fits 80 columns) and the memory estimate of one process."""
+                  ema: bool = False, layout: str = "") -> str:
+    """The summary table (fits 80 columns) and the memory estimate of one process: ``1/shards`` of plain tensors
+    (FSDP2 about to shard them), the local pieces of DTensors, and ``layout`` (``tp=2 × pp=2``) named when the model
+    is split."""
     rows = _rows(model)
     if len(rows) > MAX_ROWS:
         rest = rows[MAX_ROWS - 1:]
@@ -112,13 +119,19 @@ def model_summary(model: nn.Module, optimizers: Any = None, precision: str = "fp
     for row in table:
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append(("  " + "  ".join(cells)).rstrip())
-    lines += _memory(model, params, optimizers, precision, shards, ema)
+    lines += _memory(model, params, optimizers, precision, shards, ema, layout)
     return "\n".join(lines)
 
 
-def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, shards: int, ema: bool) -> list[str]:
-    weights = _nbytes(params)
-    grads = _nbytes(p for p in params if p.requires_grad)
+def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, shards: int, ema: bool,
+            layout: str) -> list[str]:
+    if any(hasattr(p, "to_local") for p in params):  # sharded or split already: count what this process holds
+        shards, where = 1, f"per process ({layout or 'FSDP2'}: this process's part)"
+    else:
+        where = "per process" + (f" (FSDP2: 1/{shards} each)" if shards > 1 else f" ({layout}: this process's part)"
+                                 if layout else "")
+    weights = _held(params)
+    grads = _held(p for p in params if p.requires_grad)
     state, names = optimizer_state(optimizers, model)
     parts = [f"weights {size(weights / shards)}", f"gradients {size(grads / shards)}"]
     total = weights + grads
@@ -126,10 +139,9 @@ def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, sha
         parts.append(f"{names} state {size(state / shards)}")
         total += state
     if ema:
-        kept = _nbytes(params) + _nbytes(b for b in model.buffers() if b.is_floating_point())
+        kept = _held(params) + _held(b for b in model.buffers() if b.is_floating_point())
         parts.append(f"EMA {size(kept / shards)}")
         total += kept
-    where = "per process" + (f" (FSDP2: 1/{shards} each)" if shards > 1 else "")
     first = f"memory {where}: " + " + ".join(parts) + f" = {size(total / shards)}"
     note = (f"{names} state not estimated; " if state is None else "") + (
         f"{precision} autocast keeps weights, gradients and optimizer state fp32; " if precision != "fp32" else "")

@@ -32,6 +32,8 @@ def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.devic
     if isinstance(model, nn.ModuleDict):
         raise ParallelConfigError("config key 'parallel.pp': a pipeline cuts one model's forward; a dict of models "
                                   "(a GAN's networks) is not supported")
+    if layout.tp > 1:  # the plan is checked against the whole model, on every rank alike, before it is cut
+        layout.plan = tensor_parallel.resolve(model, p.tp_plan, layout.tp)
     plan = plan_stages(model, p.pp_split, layout.pp * p.pp_stages_per_rank)
     layout.pipeline = pipe = Pipeline(model, plan, rank=dist.get_rank(layout.pp_group), pp=layout.pp,
                                       per_rank=p.pp_stages_per_rank, schedule=p.pp_schedule, group=layout.pp_group,
@@ -42,12 +44,16 @@ def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.devic
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,
                 dtype: Optional[torch.dtype]) -> nn.Module:
     """Apply the layout to ``model`` (already on ``device``), in place: the tensor-parallel plan over the
-    ``tp`` sub-mesh, then FSDP2 over the data-parallel sub-mesh. Returns the module the loop calls."""
+    ``tp`` sub-mesh (under a pipeline: on the modules of this rank's stages, the plan resolved on the whole model
+    before the cut), then FSDP2 over the data-parallel sub-mesh. Returns the module the loop calls."""
     if layout.tp > 1:
         if isinstance(model, nn.ModuleDict):
             raise ParallelConfigError("config key 'parallel.tp': tensor parallelism splits one model; a dict of "
                                       "models (a GAN's networks) is not supported")
-        layout.plan = tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
+        if layout.pipeline is not None:
+            tensor_parallel.apply(model, layout.pipeline.held(layout.plan), layout.submesh("tp"), resolved=True)
+        else:
+            layout.plan = tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
     if layout.strategy == "fsdp" and layout.pipeline is not None:
         shard_stages(layout.pipeline, device, cfg.dist, dtype, data_parallel_mesh(layout))
     elif layout.strategy == "fsdp":
@@ -60,7 +66,19 @@ def shard_stages(pipe: Pipeline, device: torch.device, dist_cfg: Any, dtype: Opt
     """``parallel.pp`` × ``parallel.dp_shard``: FSDP2 over the data-parallel sub-mesh on each of this rank's stages
     (its blocks first, as ``dist.fsdp_wrap`` / ``dist.fsdp_min_params`` choose, then the stage), so that
     ``torch.distributed.pipelining`` sees FSDP modules: it skips the gradient reduce-scatter on every micro-batch's
-    backward but the last of a schedule step, which reduces the accumulated gradients once."""
+    backward but the last of a schedule step, which reduces the accumulated gradients once. Under the zero-bubble
+    schedules (a backward split into an input and a weight part) the stages keep their gathered parameters from
+    forward to backward (``dist.fsdp_reshard_after_forward`` off, said in one warning): resharded after the forward,
+    their weight gradients come out wrong (0.44 from one process on the pipeline tests' model, against 2.4e-7)."""
+    if pipe.splits_backward and dist_cfg is not None and dist_cfg.fsdp_reshard_after_forward:
+        import dataclasses
+        import warnings
+
+        warnings.warn(f"dist.fsdp_reshard_after_forward=true is ignored under parallel.pp_schedule="
+                      f"{pipe.schedule_name}: its weight gradients, computed apart from the input gradients, come out "
+                      f"wrong from stages resharded after the forward, so FSDP2 keeps each stage's parameters "
+                      f"gathered through each schedule step")
+        dist_cfg = dataclasses.replace(dist_cfg, fsdp_reshard_after_forward=False)
     for st in pipe.stages:
         if len(st.own):
             names = {id(p): n for n, p in pipe.model.named_parameters()}

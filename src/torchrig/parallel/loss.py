@@ -75,12 +75,27 @@ def whole(output: Any) -> Any:
 
 
 def context(on: bool) -> Any:
-    """PyTorch's ``loss_parallel()`` context (forward and backward of the loss run in it), or a no-op."""
-    if not on:
+    """PyTorch's ``loss_parallel()`` context (forward and backward of the loss run in it), or a no-op. Nested
+    ones are the outer one (a pipeline's schedule runs the loss's forward and backward inside one): PyTorch's
+    would switch the split cross-entropy off when the inner one ends."""
+    if not on or _active[0]:
         return contextlib.nullcontext()
+    return _outermost()
+
+
+_active = [False]
+
+
+@contextlib.contextmanager
+def _outermost() -> Any:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    return loss_parallel()
+    _active[0] = True
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _active[0] = False
 
 
 def split_loss(loss_fn: Callable, output: Any, target: Any) -> torch.Tensor:

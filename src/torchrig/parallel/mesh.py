@@ -9,7 +9,11 @@ has two levels (HSDP), the mesh is built once, with the dimensions ``pp``, ``dp_
 (every one, size 1 included; ``pp`` outermost, so that a stage's ranks are neighbours), and the group of the
 data-parallel ranks (those with the same ``pp`` and ``tp`` coordinates) becomes the one metrics and loss counts
 are reduced over (``runtime.set_data_parallel_group``). With ``pp > 1`` the ranks with the same data-parallel and
-``tp`` coordinates form a pipeline (``runtime.set_pipeline_group``), stage ``i`` on its ``i``-th rank.
+``tp`` coordinates form a pipeline (``runtime.set_pipeline_group``), stage ``i`` on its ``i``-th rank. Beside a
+pipeline, the data-parallel ranks of a stage replicate it (``dp_replicate`` alone: strategy ``ddp``, the pipeline's
+step averages the gradients once per optimizer step), shard it (``dp_shard``: FSDP2 on each stage), or both (HSDP:
+FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` sub-mesh, which all-reduces over the replicas itself, so the step
+does not average them again).
 """
 
 from __future__ import annotations
@@ -120,17 +124,9 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     if strategy_name in ("dp", "none") and layout.dp > 1:
         raise ParallelConfigError(f"config key 'dist.strategy': {strategy_name!r} cannot share the data-parallel "
                                   f"ranks of {layout.describe()}; use dist.strategy=auto")
-    if layout.pp > 1 and layout.dp_replicate > 1 and layout.dp_shard > 1:
-        raise ParallelConfigError(f"config key 'parallel.dp_replicate': {layout.describe()}: replicated shards (HSDP) "
-                                  f"beside a pipeline are not supported; give the data-parallel ranks to "
-                                  f"parallel.dp_shard or to parallel.dp_replicate, not both")
-    if layout.pp > 1 and layout.dp_shard > 1 and getattr(p, "pp_stages_per_rank", 1) > 1:
-        raise ParallelConfigError(f"config key 'parallel.pp_stages_per_rank': {p.pp_stages_per_rank} with "
-                                  f"{layout.describe()}: several FSDP2-sharded stages on one rank are not supported "
-                                  f"(the model's forward runs the code of this rank's other stages too); set "
-                                  f"parallel.pp_stages_per_rank=1, or use parallel.dp_replicate")
     # with TP, data parallelism is FSDP2 (as PyTorch's 2-D); beside a pipeline, FSDP2 shards of each stage
-    # (parallel.dp_shard) or replicas whose gradients the pipeline averages once per optimizer step
+    # (parallel.dp_shard; with parallel.dp_replicate too, HSDP: FSDP2 also all-reduces over the replicas), or
+    # replicas alone, whose gradients the pipeline averages once per optimizer step
     layout.strategy = "none" if layout.dp == 1 else "ddp" if layout.pp > 1 and layout.dp_shard == 1 else "fsdp"
     layout.mesh = _mesh(layout, device)
     layout.dp_group = _data_parallel_group(layout.mesh)

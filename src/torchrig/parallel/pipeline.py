@@ -13,8 +13,10 @@ Each stage runs **the model's own forward** on the micro-batch (every rank of a 
 
 * the blocks container iterates only the stage's blocks (the others are out of its ``_modules``);
 * on a stage after the first, a forward pre-hook on its first block replaces that block's first positional
-  argument with the activation received from the previous stage; modules owned by another stage answer with
-  zeros of the shape they would give (their outputs only feed what that hook replaces);
+  argument with the activation received from the previous stage; the modules around the blocks that the running
+  stage does not own answer with zeros of the shape they would give (their outputs only feed what that hook
+  replaces), those of the rank's other stages too while it runs (with several stages per rank: the embedding of
+  stage 1 is not computed again for stage 3, and under FSDP2 it is stage 1's shards, not gathered for stage 3);
 * on a stage before the last, a forward hook on its last block stops the forward there (an exception carrying
   that block's output, or the first element of a tuple output), and that tensor is sent on.
 
@@ -266,7 +268,8 @@ def stages_of_rank(rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int
 
 class _Elsewhere(nn.Module):
     """Stands in for a module another stage owns: no parameters; it returns zeros of the shape, dtype and device
-    the module would give (worked out on a parameter-free copy on the meta device)."""
+    the module would give (worked out on a parameter-free copy on the meta device, without the module's forward
+    hooks)."""
 
     def __init__(self, pipe: "Pipeline", name: str, module: nn.Module):
         super().__init__()
@@ -274,7 +277,12 @@ class _Elsewhere(nn.Module):
         for t in [*module.parameters(), *module.buffers()]:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        object.__setattr__(self, "_meta", copy.deepcopy(module, memo))
+        meta = copy.deepcopy(module, memo)
+        for m in meta.modules():  # the module's hooks are for its real calls (they may read values)
+            for hooks in (m._forward_hooks, m._forward_pre_hooks, m._forward_hooks_with_kwargs,
+                          m._forward_pre_hooks_with_kwargs, m._forward_hooks_always_called):
+                hooks.clear()
+        object.__setattr__(self, "_meta", meta)
         object.__setattr__(self, "_pipe", pipe)
         self.name = name
 
@@ -285,6 +293,12 @@ class _Elsewhere(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name}: held by another pipeline stage"
+
+
+def _ancestors(name: str) -> list:
+    """``a.b.c`` → ``[a.b.c, a.b, a]``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def _to_meta(obj: Any) -> Any:
@@ -343,6 +357,7 @@ class Pipeline:
         self.num_stages = len(plan.ranges)
         self.v_shape = schedule == "zbv_zero_bubble"
         self.single = schedule in ("gpipe", "1f1b")
+        self.splits_backward = schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")  # input, then weights
         self.forward_fn: Optional[Callable[[nn.Module, Any], Any]] = None
         self.active: Optional[StageModule] = None
         self._leaves: Optional[dict] = None  # while a stage's first training forward runs: placeholder leaves
@@ -368,29 +383,60 @@ class Pipeline:
         self.rest_view = {plan.keys[i]: blocks[i] for i in sorted(owned)}
         self.views = {st.index: {plan.keys[i]: blocks[i] for i in range(st.lo, st.hi)} for st in self.stages}
         object.__setattr__(container, "_modules", self.rest_view)
+        # the modules around the blocks a stage does not own answer as stand-ins while it runs, those of this rank's
+        # other stages too (under FSDP2 they are another stage's shards, and their outputs are not used anyway)
+        self.swaps: dict = {st.index: [] for st in self.stages}  # stage -> [(parent, attr, stand-in, the module)]
         for u in plan.units:
-            if (0 in ids) if u.pre else (last in ids):
+            if not isinstance(u.value, nn.Module):
+                if not ((0 in ids) if u.pre else (last in ids)):  # an ancestor's own parameter another rank holds:
+                    # a plain zero tensor of its shape (not trained, not saved here)
+                    del u.parent._parameters[u.attr]
+                    object.__setattr__(u.parent, u.attr,
+                                       torch.zeros_like(u.value, device=device).requires_grad_(False))
                 continue
-            if isinstance(u.value, nn.Module):
-                setattr(u.parent, u.attr, _Elsewhere(self, u.name, u.value))
-            else:  # an ancestor's own parameter: a plain zero tensor of its shape (not trained, not saved here)
-                del u.parent._parameters[u.attr]
-                object.__setattr__(u.parent, u.attr, torch.zeros_like(u.value, device=device).requires_grad_(False))
+            stand_in = _Elsewhere(self, u.name, u.value)
+            if not ((0 in ids) if u.pre else (last in ids)):
+                setattr(u.parent, u.attr, stand_in)
+                continue
+            for st in self.stages:
+                if not (st.first if u.pre else st.last):
+                    self.swaps[st.index].append((u.parent, u.attr, stand_in, u.value))
         for i in owned:
             blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
-            blocks[i].register_forward_hook(self._leave_block)
+        self._owned = [blocks[i] for i in sorted(owned)]  # their forward hooks: at the first run (_hook_outputs)
+
+    def held(self, plan: dict) -> dict:
+        """The entries of ``plan`` (``{module name: value}`` over the whole model) for the modules this rank's
+        stages hold (a tensor-parallel plan is applied to them alone)."""
+        modules = dict(self.model.named_modules())
+        return {name: v for name, v in plan.items()
+                if name in modules and not any(isinstance(modules.get(a), _Elsewhere) for a in _ancestors(name))}
 
     @property
     def holds_last(self) -> bool:
         return any(st.last for st in self.stages)
 
     # -- one stage's forward ---------------------------------------------------------------------
+    def _hook_outputs(self) -> None:
+        """The hook that ends a stage at its last block's output, registered once the model is wrapped, after the
+        hooks tensor parallelism and FSDP2 put on a block (a layer split by ``parallel.tp_plan`` hands on a local
+        tensor from its own forward hook; FSDP2 reshards in one), so that it sends what the next block would
+        get."""
+        for block in self._owned:
+            block.register_forward_hook(self._leave_block)
+        self._owned = []
+
     def run_stage(self, stage: StageModule, received: tuple, mb: Any) -> Any:
+        if self._owned:
+            self._hook_outputs()
         container = self.plan.container
         check = not stage.checked and torch.is_grad_enabled()
         stage.received = received[0] if received else None
         self.active, self._last_output, self._leaves = stage, None, ({} if check else None)
         object.__setattr__(container, "_modules", self.views[stage.index])
+        swaps = self.swaps[stage.index]
+        for parent, attr, stand_in, _ in swaps:
+            parent._modules[attr] = stand_in
         try:
             out = self.forward_fn(self.model, mb)
         except StageOutput as done:
@@ -403,6 +449,8 @@ class Pipeline:
                     f"cuts a forward that calls every block of {self.plan.container_name or 'the model'} in turn")
         finally:
             object.__setattr__(container, "_modules", self.rest_view)
+            for parent, attr, _, module in swaps:
+                parent._modules[attr] = module
             self.active = None
         if stage.received is not None:
             raise ParallelConfigError(

@@ -131,15 +131,17 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                                       f"heads ({attr}); choose a tp that divides {heads}")
 
 
-def apply(model: nn.Module, plan: Any, tp_mesh: Any) -> dict[str, str]:
-    """Split ``model`` in place by ``plan`` over ``tp_mesh``; returns the resolved ``{module: style}``."""
+def apply(model: nn.Module, plan: Any, tp_mesh: Any, resolved: bool = False) -> dict[str, str]:
+    """Split ``model`` in place by ``plan`` over ``tp_mesh``; returns the resolved ``{module: style}``. A plan
+    already ``resolved`` (a pipeline stage's share of the whole model's, see :func:`resolve`) is applied as it is."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    resolved = resolve(model, plan, tp_mesh.size())
+    if not resolved:
+        plan = resolve(model, plan, tp_mesh.size())
     styles = _styles()
-    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in resolved.items()})
+    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in plan.items()})
     out_of_place(model)
-    return resolved
+    return plan
 
 
 def out_of_place(model: nn.Module) -> None:

@@ -196,9 +196,15 @@ def average_gradients(params: list, group: Any = None) -> None:
     schedule steps of their own): one flat all-reduce per bucket of at most :data:`BUCKET_BYTES`, summed and
     divided in place, so the update never needs a gradient-sized buffer."""
     size = dist.get_world_size(group)
-    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    grads = [_local(p.grad) for p in params if p.grad is not None and not p.grad.is_sparse]
     for bucket in buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
         flat.div_(size)
         torch._foreach_copy_(bucket, [part.view_as(g) for g, part in zip(bucket, flat.split([g.numel() for g in bucket]))])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's piece on this rank (a tensor-parallel gradient: the replicas of a piece average alike), or
+    ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -51,7 +51,8 @@ class PipelineStep:
         window, self.window = self.window, []
         losses = torch.zeros(len(window), device=step.device)
         self.pipe.forward_fn = self._training_forward(step, losses)
-        self.pipe.train(window)
+        with parallel.loss.context(step.loss_parallel):  # split logits: the last stage's loss and its backward
+            self.pipe.train(window)
         self._feed_waiting(step)
         losses = runtime.from_last_stage(losses)
         if self.dp_group is not None:

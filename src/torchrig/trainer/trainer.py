@@ -224,8 +224,9 @@ class Trainer:
 
         shards = ((self.layout.dp_shard if self.layout.pp > 1 else self.world_size)  # a pipeline: this rank's stages
                   if self.strategy == "fsdp" else 1)
+        split = self.layout.describe() if self.layout.tp > 1 or self.layout.pp > 1 else ""
         return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
-                             self.ema is not None)
+                             self.ema is not None, split)
 
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
