@@ -43,13 +43,13 @@ N, FEATURES, HIDDEN, CLASSES, BATCH, LR = 8192, 32, 64, 2, 64, 0.05
 TARGET_WHOLE, TARGET_STEP, TARGET_FIXED_S = 1.03, 1.05, 0.3
 
 
-def _job():
+def _job(n: int = N):
     import torch
     from torch import nn
 
     c.pin_threads()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, FEATURES, generator=g)
+    x = torch.randn(n, FEATURES, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
@@ -58,7 +58,7 @@ def _job():
 
 def _arm_hand(p: dict) -> dict:
     t0 = time.perf_counter()
-    torch, x, y, model = _job()
+    torch, x, y, model = _job(p.get("n", N))
     loader = c.make_loader(x, y, BATCH)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with open(os.devnull, "w") as stream:
@@ -86,7 +86,7 @@ class _EpochClock:
 
 def _arm_trainer(p: dict) -> dict:
     t0 = time.perf_counter()
-    torch, x, y, model = _job()
+    torch, x, y, model = _job(p.get("n", N))
     from torchrig import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one run of each arm, to check the script works")
     args = ap.parse_args()
     runs = 1 if args.quick else args.runs
-    arms = {f"{arm}@{e}": {} for arm in ARMS for e in (3, 15)}
+    arms = {f"{arm}@{e}": {"n": N // 8} if args.quick else {} for arm in ARMS for e in (3, 15)}  # quick: 16 steps/epoch
     out = c.alternate(Path(__file__), arms, runs, warmup=not args.quick)
     med = {name: c.median([r["wall_s"] for r in rs]) for name, rs in out.items()}
     steps = {name: rs[0]["steps"] for name, rs in out.items()}
