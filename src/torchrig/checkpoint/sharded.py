@@ -54,7 +54,7 @@ def _options(flat: bool) -> Any:
 
 def _layout(meta: dict) -> dict:
     """What a sharded checkpoint's ``meta.json`` records beside ``sharded``: how its optimizer state is keyed."""
-    return dict(meta, sharded=True, strategy="fsdp",
+    return dict(meta, sharded=True, strategy=meta.get("strategy", "fsdp"),
                 **({"optimizer_keys": "by_name"} if runtime.pipeline_group() is not None else {}))
 
 

@@ -53,6 +53,7 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
             "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
     if c.layout is not None:  # the degrees it was saved in: a resume in another layout says so
         meta["layout"] = c.layout.degrees()
+        meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
     factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
