@@ -102,6 +102,12 @@ def test_auto_plans_of_torchrig_models_and_hugging_face_models():
     with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp': 4 does not divide the model's 2 "
                                                   r"attention heads \(num_key_value_heads\)"):
         tensor_parallel.resolve(W.llama(), "auto", 4)
+    from helpers.pipeline_worker import gpt2  # GPT-2's layers are transformers Conv1D: no plan, and none would split
+
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp_plan': auto, but GPT2LMHeadModel "
+                                                  r"declares no tensor-parallel plan, and its layers are transformers "
+                                                  r"Conv1D .*; use parallel.pp or dist.strategy=fsdp for this model$"):
+        tensor_parallel.resolve(gpt2(), "auto", 2)
 
 
 def one_process(tmp_path, scenario: str, name: str, dp: int, **extra) -> dict:

@@ -72,6 +72,11 @@ def model_plan(model: nn.Module) -> dict[str, str]:
         under = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
         plan.update({under + k: v for k, v in base_plan.items()})
         plan.update(getattr(type(model), "_tp_plan", None) or {})  # the head (lm_head) of a *ForCausalLM
+    if not plan and any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        raise ParallelConfigError(
+            f"config key '{KEY}': auto, but {type(model).__name__} declares no tensor-parallel plan, and its layers are "
+            f"transformers Conv1D (GPT-2's), which PyTorch's tensor-parallel styles do not split; use parallel.pp or "
+            f"dist.strategy=fsdp for this model")
     if not plan:
         raise ParallelConfigError(
             f"config key '{KEY}': auto, but {type(model).__name__} declares no tensor-parallel plan (no tp_plan "
