@@ -110,16 +110,22 @@ def test_pipeline_checkpoints_resume_bitwise_and_load_in_one_process(tmp_path, p
 def test_a_pipeline_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_run):
     """The pp=2 checkpoint of step 4 (mid-epoch; each rank wrote its stage's weights and AdamW state by name)
     resumed in one process ends where the uninterrupted pp=2 run ended, up to float rounding."""
-    _, whole, _ = resumed_parts(pp_run, 2)
-    ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
-    t = torchrig.Trainer(W.build(W.TokenNet), **W.settings(tmp_path / "one", loss=W.token_loss, epochs=2,
-                                                            resume=str(ckpt), **{"checkpoint.save_final": False},
-                                                            resume_changes="allow"))  # the worker's class was __main__'s
+    resume_in_one_process(tmp_path, pp_run, 2, W.TokenNet, "pp=2")
+
+
+def resume_in_one_process(tmp_path, out, ranks: int, model: type, layout: str) -> None:
+    """The checkpoint of step 4 that the ``ranks`` processes of ``out`` wrote, resumed in one process, ends within
+    1e-6 of their uninterrupted run (step 12)."""
+    _, whole, _ = resumed_parts(out, ranks)
+    ckpt = out / "whole" / "checkpoints" / "step-00000004"
+    t = torchrig.Trainer(W.build(model), **W.settings(tmp_path / "one", loss=W.token_loss, epochs=2, resume=str(ckpt),
+                                                      **{"checkpoint.save_final": False},
+                                                      resume_changes="allow"))  # the worker's class was __main__'s
     t.fit(W.padded_tokens())
     got = t.model.state_dict()
     assert t.global_step == 12 and got.keys() == whole.keys()
     worst = max(float((got[k] - whole[k]).abs().max()) for k in whole)
-    assert worst < 1e-6, f"pp=2 step 4 resumed in one process: {worst:.3g} from the pp=2 run"
+    assert worst < 1e-6, f"{layout} step 4 resumed in one process: {worst:.3g} from the {layout} run"
     t.close()
 
 
@@ -128,17 +134,24 @@ def test_a_pipeline_checkpoint_resumes_under_fsdp2_on_two_processes_within_1e_6(
     """The pp=2 checkpoint of step 4 (mid-epoch) resumed without a pipeline, sharded by FSDP2 over 2 processes
     (parallel.dp_shard=2, half the batch per rank: the same global batches), ends where the uninterrupted pp=2 run
     ended, up to float rounding."""
-    _, whole, _ = resumed_parts(pp_run, 2)
-    ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
-    out = tmp_path / "sharded"
-    for r in dist_procs.processes(["resume_sharded", str(out), str(ckpt)], 2, out, tmp_path / "store",
+    resume_in_two_processes(tmp_path, pp_run, "sharded", "dp_shard=2")
+
+
+def resume_in_two_processes(tmp_path, pp_out, how: str, layout: str) -> list:
+    """The pp=2 checkpoint of step 4 in ``pp_out`` resumed by two processes of the worker's ``resume_{how}`` (in
+    ``layout``): each ends within 1e-6 of the uninterrupted pp=2 run (step 12). Returns what each saved."""
+    _, whole, _ = resumed_parts(pp_out, 2)
+    ckpt = pp_out / "whole" / "checkpoints" / "step-00000004"
+    out = tmp_path / how
+    for r in dist_procs.processes([f"resume_{how}", str(out), str(ckpt)], 2, out, tmp_path / "store",
                                   worker=dist_procs.HELPERS / "pipeline_worker.py"):
         assert r.returncode == 0, r.output[-3000:]
-    for rank in (0, 1):
-        got = torch.load(out / f"sharded-{rank}.pt")
+    saved = [torch.load(out / f"{how}-{rank}.pt") for rank in (0, 1)]
+    for got in saved:
         assert got["step"] == 12 and got["params"].keys() == whole.keys()
         worst = max(float((got["params"][k] - whole[k]).abs().max()) for k in whole)
-        assert worst < 1e-6, f"pp=2 step 4 resumed at dp_shard=2: {worst:.3g} from the pp=2 run"
+        assert worst < 1e-6, f"pp=2 step 4 resumed at {layout}: {worst:.3g} from the pp=2 run"
+    return saved
 
 
 @pytest.mark.slow
@@ -147,20 +160,11 @@ def test_a_pipeline_checkpoint_resumes_at_tp2_within_1e_6(tmp_path, pp_run):
     split by the model's own tensor-parallel plan over 2 processes (parallel.tp=2, parallel.tp_plan=auto: both ranks
     see the whole batch, the same global batches), ends where the uninterrupted pp=2 run ended, up to float
     rounding."""
-    _, whole, _ = resumed_parts(pp_run, 2)
     ckpt = pp_run / "whole" / "checkpoints" / "step-00000004"
     assert json.loads((ckpt / "meta.json").read_text())["optimizer_keys"] == "by_name"
-    out = tmp_path / "tp"
-    for r in dist_procs.processes(["resume_tp", str(out), str(ckpt)], 2, out, tmp_path / "store",
-                                  worker=dist_procs.HELPERS / "pipeline_worker.py"):
-        assert r.returncode == 0, r.output[-3000:]
-    for rank in (0, 1):
-        got = torch.load(out / f"tp-{rank}.pt")
+    for got in resume_in_two_processes(tmp_path, pp_run, "tp", "tp=2"):
         assert got["plan"] == {"embed": "embedding_rowwise", **{f"blocks.{i}.fc": "colwise_rep" for i in range(4)},
                                "head": "colwise_rep"}
-        assert got["step"] == 12 and got["params"].keys() == whole.keys()
-        worst = max(float((got["params"][k] - whole[k]).abs().max()) for k in whole)
-        assert worst < 1e-6, f"pp=2 step 4 resumed at tp=2: {worst:.3g} from the pp=2 run"
 
 
 @pytest.mark.slow
@@ -269,17 +273,7 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path, pp_tp_run)
 def test_a_pipeline_and_tensor_parallel_checkpoint_resumes_in_one_process_within_1e_6(tmp_path, pp_tp_run):
     """The pp=2 × tp=2 checkpoint of step 4 (mid-epoch; each rank wrote its stages' halves through DCP) resumed in one
     process, the halves joined by name, ends where the uninterrupted pp=2 × tp=2 run ended, up to float rounding."""
-    _, whole, _ = resumed_parts(pp_tp_run, 4)
-    ckpt = pp_tp_run / "whole" / "checkpoints" / "step-00000004"
-    t = torchrig.Trainer(W.build(W.SplitTokenNet), **W.settings(
-        tmp_path / "one", loss=W.token_loss, epochs=2, resume=str(ckpt),
-        **{"checkpoint.save_final": False}, resume_changes="allow"))  # the worker's class was __main__'s
-    t.fit(W.padded_tokens())
-    got = t.model.state_dict()
-    assert t.global_step == 12 and got.keys() == whole.keys()
-    worst = max(float((got[k] - whole[k]).abs().max()) for k in whole)
-    assert worst < 1e-6, f"pp=2 × tp=2 step 4 resumed in one process: {worst:.3g} from the pp=2 × tp=2 run"
-    t.close()
+    resume_in_one_process(tmp_path, pp_tp_run, 4, W.SplitTokenNet, "pp=2 × tp=2")
 
 
 @pytest.mark.slow
