@@ -94,3 +94,25 @@ def test_postfix_and_summary_cut_to_the_budget():
                                                                   "· lr 0.0010")
     wrapped = terminal.fit_lines("torchrig: a · " + "b" * 50 + " · c", 40)
     assert wrapped.splitlines() == ["torchrig: a", "  " + "b" * 50, "  c"]
+
+
+def test_a_terminal_that_reports_no_size_counts_as_80_columns(monkeypatch):
+    """A new pseudo-terminal is 0 × 0 until its owner sets a size (docker exec -t, script): the bar and the epoch
+    lines get 80 columns, not 0 (which showed no bar at all); a real size and COLUMNS still win."""
+    import fcntl
+    import struct
+    import termios
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(os.dup(slave), "w") as stream:
+            assert os.get_terminal_size(stream.fileno()).columns == 0
+            assert terminal.width(stream) == 80
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+            assert terminal.width(stream) == 120
+            monkeypatch.setenv("COLUMNS", "100")
+            assert terminal.width(stream) == 100
+    finally:
+        os.close(master)
+        os.close(slave)

@@ -41,13 +41,15 @@ def short(v: Any) -> str:
 
 
 def width(stream: Any) -> int:
-    """Columns of the terminal ``stream`` writes to (``COLUMNS`` wins, as for every CLI tool)."""
+    """Columns of the terminal ``stream`` writes to (``COLUMNS`` wins, as for every CLI tool); 80 for a terminal
+    that reports no size (a new pseudo-terminal is 0 × 0 until its owner sets one: ``docker exec -t``, ``script``)."""
     try:
         if not os.environ.get("COLUMNS"):
-            return os.get_terminal_size(stream.fileno()).columns
+            columns = os.get_terminal_size(stream.fileno()).columns
+            return columns if columns > 0 else 80
     except (AttributeError, OSError, ValueError):
         pass
-    return shutil.get_terminal_size((80, 24)).columns
+    return shutil.get_terminal_size((80, 24)).columns or 80
 
 
 def _loss_key(values: dict) -> Optional[str]:
