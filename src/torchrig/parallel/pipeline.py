@@ -42,6 +42,7 @@ from torch import nn
 
 from ..errors import suggest
 from .mesh import ParallelConfigError
+from .tp import out_of_place
 
 KEY = "parallel.pp_split"
 CACHED_SCHEDULES = 4  # schedules (with their receive buffers) kept for micro-batch shapes seen lately
@@ -403,6 +404,9 @@ class Pipeline:
                     self.swaps[st.index].append((u.parent, u.attr, stand_in, u.value))
         for i in owned:
             blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
+        for st in self.stages:  # the activation a stage receives is a leaf, which autograd keeps unchanged: an
+            if not st.first:    # in-place ReLU (nn.ReLU(inplace=True)) beginning the stage computes out of place
+                out_of_place(blocks[st.lo])
         self._owned = [blocks[i] for i in sorted(owned)]  # their forward hooks: at the first run (_hook_outputs)
 
     def held(self, plan: dict) -> dict:
@@ -441,6 +445,13 @@ class Pipeline:
             out = self.forward_fn(self.model, mb)
         except StageOutput as done:
             out = done.hidden
+        except RuntimeError as exc:
+            if stage.first or "leaf Variable that requires grad is being used in an in-place" not in str(exc):
+                raise
+            raise ParallelConfigError(
+                f"config key '{KEY}': stage {stage.index + 1} changes the activation it receives in place (in "
+                f"{self.plan.block_name(stage.lo)!r}, where it begins), which autograd forbids; compute that "
+                f"operation out of place (x = x + y, not x += y), or begin the stage at another block") from None
         else:
             if not stage.last:
                 raise ParallelConfigError(
