@@ -52,6 +52,11 @@ class command_line:
         _COMMAND_LINE[0] -= 1
 
 
+def same_run() -> str:
+    """How to run the same job again where the user is: the same command, or the same Trainer arguments."""
+    return "the same command and" if _COMMAND_LINE[0] else "the same Trainer arguments and"
+
+
 def setting(key: str, value: object) -> str:
     """How the user sets ``key`` to ``value`` where they are: ``--set resume=latest`` on the command line,
     ``resume="latest"`` / ``overwrite=True`` as a Trainer keyword in Python (``**{"a.b": 1}`` for a dotted key)."""
@@ -67,4 +72,4 @@ def settings(*pairs: tuple[str, object]) -> str:
     return (" " if _COMMAND_LINE[0] else ", ").join(setting(k, v) for k, v in pairs)
 
 
-__all__ = ["TorchrigError", "command_line", "setting", "settings", "suggest"]
+__all__ = ["TorchrigError", "command_line", "same_run", "setting", "settings", "suggest"]

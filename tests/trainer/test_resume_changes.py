@@ -127,7 +127,9 @@ def test_another_model_class_with_the_same_keys_is_refused(make_trainer, data, r
     ((2, 1), 4, 8, ""), ((1, 2), 8, 4, ""), ((2, 2), 4, 8, "data.batch_size 4 → 8"),
     ((2, 1), 4, 6, "data.batch_size 4 → 6 (global batch 8 → 6 over 2 → 1 data-parallel ranks)"),
     ((2, 1), 4, 4, "data.batch_size 4 → 4 (global batch 8 → 4 over 2 → 1 data-parallel ranks)"),
-    pytest.param((2, 1), 4, 4, "", id="restarted")])
+    pytest.param((2, 1), 4, 4, "", id="restarted"),
+    pytest.param((1, 4), (4, 2), (64, 1), "accumulate 2 → 1, data.batch_size 4 → 64 (global batch 8 → 256 over 1 → 4 "
+                 "data-parallel ranks)", id="accumulated")])
 def test_the_batch_size_that_must_stay_is_the_global_one(worlds, before, after, refused, request, monkeypatch):
     """data.batch_size is per process: a checkpoint of 2 ranks of 4 resumes exactly in 1 process of 8, and the same
     4 per process on 1 instead of 2 is refused by a resume asked for by hand. A job that torchrun (or Slurm)
@@ -136,7 +138,9 @@ def test_the_batch_size_that_must_stay_is_the_global_one(worlds, before, after, 
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if "restarted" in request.node.name else "0")
 
-    saved, now = {"data": {"batch_size": before}}, {"data": {"batch_size": after}}
+    (before, acc_before), (after, acc_after) = (v if isinstance(v, tuple) else (v, 1) for v in (before, after))
+    saved = {"data": {"batch_size": before}, "accumulate": acc_before}
+    now = {"data": {"batch_size": after}, "accumulate": acc_after}
     found, _ = changes.changed(saved, now, worlds)
     assert ", ".join(f"{k} {a} → {b}{note}" for k, a, b, note in found) == refused
 

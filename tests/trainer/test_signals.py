@@ -51,8 +51,8 @@ def test_signal_finishes_the_step_saves_and_resumes_bitwise(tmp_path, capsys, na
     with pytest.raises(RunStopped) as stop:
         _fit(run, step_fn=step_with_signal)
     assert stop.value.code == CODES[name]
-    line = (f"stopped by {name} at step {at}; checkpoint {run}/checkpoints/step-{at:08d}; continue with "
-            f"run_dir=\"{run}\", resume=\"latest\"")  # the Python API names the Trainer keywords, the run first
+    line = (f"stopped by {name} at step {at}; checkpoint {run}/checkpoints/step-{at:08d}; continue with the same "
+            f"Trainer arguments and run_dir=\"{run}\", resume=\"latest\"")  # the Python API names the Trainer keywords, the run first
     assert str(stop.value) == line
     assert line in capsys.readouterr().err
     assert resolve("latest", run).name == f"step-{at:08d}"
@@ -109,8 +109,8 @@ def test_ctrl_c_with_dataloader_workers_is_the_same_every_time(tmp_path):
         code, out, err = _finish(proc)
         step = int(resolve("latest", run).name.split("-")[1])
         outcomes.append(code)
-        assert f"stopped by SIGINT at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; continue with " \
-               f"run_dir=\"{run}\", resume=\"latest\"" in err, err[-2000:]
+        assert f"stopped by SIGINT at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; continue with the same " \
+               f"Trainer arguments and run_dir=\"{run}\", resume=\"latest\"" in err, err[-2000:]
         assert "Traceback" not in err and "exited unexpectedly" not in err, err[-2000:]
     assert outcomes == [130] * 5
 
@@ -245,7 +245,7 @@ def test_a_signal_during_a_long_save_lets_it_finish(tmp_path, async_save):
     step = int(resolve("latest", run).name.split("-")[1])
     assert step == (1 if async_save == "false" else 2)
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with run_dir=\"{run}\", resume=\"latest\"" in err
+           f"continue with the same Trainer arguments and run_dir=\"{run}\", resume=\"latest\"" in err
 
 
 @pytest.mark.slow
@@ -322,7 +322,7 @@ def test_cli_train_sigterm_then_resume(tmp_path):
     assert code == 143, err[-2000:]
     step = int(resolve("latest", run).name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with --set run_dir={run} --set resume=latest" in err
+           f"continue with the same command and --set run_dir={run} --set resume=latest" in err
     done = subprocess.run([PYTHON, *args, "--set", "resume=latest"], capture_output=True, text=True,
                           env=subprocess_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -102,7 +102,9 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
         if per_rank:
             if a * worlds[0] == b * worlds[1]:
                 continue
-            note = f" (global batch {a * worlds[0]} → {b * worlds[1]} over {worlds[0]} → {worlds[1]} data-parallel ranks)"
+            acc = [w if isinstance(w, int) else 1 for w in (old.get("accumulate", 1), new.get("accumulate", 1))]
+            note = (f" (global batch {a * worlds[0] * acc[0]} → {b * worlds[1] * acc[1]} over {worlds[0]} → "
+                    f"{worlds[1]} data-parallel ranks)")
         if key in ("epochs", "max_steps"):
             length.append((key, a, b, note))
         elif not _harmless(key):
