@@ -83,6 +83,16 @@ def test_plans_are_checked_against_the_model():
     with pytest.raises(ParallelConfigError, match="^config key 'parallel.tp_plan': auto, but Block declares no "
                                                   "tensor-parallel plan"):
         tensor_parallel.resolve(block, "auto", 2)
+    # heads a rank would hold in part: a head_dim the split output features do not hold whole, or a head count
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp': 4 does not divide the 2 attention heads "
+                                                  r"\(of 8 features\) of module 'attn': 'attn.q' has 16 output features"):
+        tensor_parallel.resolve(W.Block(dim=16, heads=2), {"attn.q": "colwise"}, 4)
+    counted = W.Block()
+    counted.attn.num_heads = 3
+    with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.tp': 2 does not divide the 3 attention heads "
+                                                  r"of module 'attn' \(num_heads\)"):
+        tensor_parallel.resolve(counted, {"attn.q": "colwise"}, 2)
+    assert tensor_parallel.resolve(counted, {"head": "colwise"}, 2) == {"head": "colwise"}  # attention left whole
 
 
 def test_auto_plans_of_torchrig_models_and_hugging_face_models():

@@ -104,7 +104,7 @@ def resolve(model: nn.Module, plan: Any, tp: int) -> dict[str, str]:
         for name in matched:
             _check_divides(name, modules[name], style, tp)
             out[name] = style
-    _check_heads(model, tp)
+    _check_heads(model, tp, out)
     return out
 
 
@@ -127,13 +127,41 @@ def _check_divides(name: str, module: nn.Module, style: str, tp: int) -> None:
                                   f"the model that {tp} divides")
 
 
-def _check_heads(model: nn.Module, tp: int) -> None:
+HEAD_COUNTS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+               "n_kv_heads")
+
+
+def _check_heads(model: nn.Module, tp: int, planned: dict[str, str]) -> None:
+    """Attention heads that ``tp`` does not divide, each rank holding ``heads / tp`` of them: a Hugging Face
+    config's counts, and a module of the plan's layers that says its own (``num_heads``, ``n_heads``, ... or a
+    ``head_dim`` its column-split layers' output features, split ``tp`` ways, do not hold whole)."""
     config = getattr(model, "config", None)
     for attr in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, attr, None)
         if isinstance(heads, int) and heads % tp:
             raise ParallelConfigError(f"config key 'parallel.tp': {tp} does not divide the model's {heads} attention "
                                       f"heads ({attr}); choose a tp that divides {heads}")
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        split = [n for n, style in planned.items() if n.startswith(f"{name}.") and "colwise" in style
+                 and isinstance(modules[n], nn.Linear)]
+        if not split:
+            continue
+        for attr in HEAD_COUNTS:
+            heads = getattr(module, attr, None)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads % tp:
+                raise ParallelConfigError(
+                    f"config key 'parallel.tp': {tp} does not divide the {heads} attention heads of module {name!r} "
+                    f"({attr}), whose layers the plan splits by heads; choose a tp that divides {heads}")
+        head_dim = getattr(module, "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0:
+            for n in split:
+                features = modules[n].out_features
+                if features % head_dim == 0 and (features // tp) % head_dim:
+                    raise ParallelConfigError(
+                        f"config key 'parallel.tp': {tp} does not divide the {features // head_dim} attention heads "
+                        f"(of {head_dim} features) of module {name!r}: {n!r} has {features} output features; choose a "
+                        f"tp that divides {features // head_dim}")
 
 
 def apply(model: nn.Module, plan: Any, tp_mesh: Any, resolved: bool = False) -> dict[str, str]:
