@@ -200,6 +200,13 @@ def test_bad_inputs_have_clear_messages(tmp_path, capsys):
     assert rc == 1 and "the test data has labels ['politics'] that the training data does not have (line 2); " \
         "every label must occur in training" in err
 
+    # the recipe predicts with a function of its own, which a model cut into pipeline stages cannot run
+    rc, _, err = cli(run + sets(f"data.path={train}", "parallel.pp=2", f"run_dir={tmp_path / 'r'}"), capsys)
+    assert rc == 1 and err.strip().splitlines()[-1] == ("torchrig: error: config key 'parallel.pp': 2, but recipe "
+                                                        "'text-classification' "
+                                       "runs a predict_fn of its own, which a model cut into pipeline stages cannot "
+                                       "run; train it with parallel.tp or dist.strategy=fsdp, or set parallel.pp=1")
+
     one = write_csv(tmp_path / "one.csv", [("a b c", "x"), ("d e f", "x")])
     rc, _, err = cli(run + sets(f"data.path={one}", "data.val_fraction=0", f"run_dir={tmp_path / 'r'}"), capsys)
     assert rc == 1 and "the training data has 1 label(s) ['x']; a classifier needs 2 or more (is " \

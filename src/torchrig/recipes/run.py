@@ -82,6 +82,11 @@ def build_run(cfg: C.Config, callbacks: Optional[list] = None):
     prepare_model(model, cfg)
     data = factory.build_data(recipe, cfg)
     kwargs = recipe.trainer_kwargs(cfg, data)
+    own = [k for k in ("step_fn", "eval_fn", "predict_fn") if kwargs.get(k) is not None]
+    if own and cfg.parallel.pp != 1:
+        raise C.ConfigError(f"config key 'parallel.pp': {cfg.parallel.pp}, but recipe {recipe.name!r} runs a {own[0]} of "
+                            f"its own, which a model cut into pipeline stages cannot run; train it with parallel.tp or "
+                            f"dist.strategy=fsdp, or set parallel.pp=1")
     if callbacks:
         kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks]
     trainer = Trainer(model, config=cfg, **kwargs)
