@@ -96,3 +96,28 @@ def test_the_command_fits_80_columns(capsys, tmp_path, monkeypatch):
     assert "sgd state 0 B" in out and all(len(line) <= 80 for line in out.splitlines())
     assert not (tmp_path / "runs").exists()  # nothing written
     assert QUIET  # the helpers' quiet settings keep the other tests' output short
+
+
+def test_the_memory_line_never_breaks_between_a_number_and_its_unit():
+    from torchrig.observe.summary import _wrap
+
+    text = ("memory per process (tp=2 × pp=2: this process's part): weights 74.8 KB + gradients 74.8 KB + adamw "
+            "state 149.6 KB = 299.2 KB; activations not counted")
+    for width in range(40, 100):
+        lines = _wrap(text, width)
+        assert " ".join(" ".join(lines).split()) == text
+        assert not any(line.split()[-1][0].isdigit() for line in lines[:-1]), (width, lines)
+        assert not any(line.split()[0] in ("B", "KB", "MB", "GB") for line in lines[1:]), (width, lines)
+
+
+def test_a_module_held_by_another_pipeline_stage_is_named_so():
+    from torchrig.observe.summary import model_summary
+
+    class Elsewhere(nn.Module):  # what a pipeline leaves in place of a module another stage holds
+        summary_kind = "(other stage)"
+
+    model = nn.Sequential()
+    model.add_module("body", nn.Linear(4, 4))
+    model.add_module("head", Elsewhere())
+    rows = [line.split() for line in model_summary(model).splitlines()]
+    assert ["head", "(other", "stage)", "0", "0", "0", "0", "B"] in rows

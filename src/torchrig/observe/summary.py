@@ -73,7 +73,8 @@ def _rows(model: nn.Module) -> list[list]:
     children = list(model.named_children())
     if not children:
         return [tally("(whole model)", type(model).__name__, model.parameters(), model.buffers())]
-    rows = [tally(name, type(child).__name__, child.parameters(), child.buffers()) for name, child in children]
+    rows = [tally(name, getattr(child, "summary_kind", type(child).__name__), child.parameters(), child.buffers())
+            for name, child in children]  # summary_kind: a pipeline's stand-in for a module another stage holds
     direct = list(model.parameters(recurse=False))
     if direct:
         rows.append(tally("(own parameters)", "Parameter", direct, model.buffers(recurse=False)))
@@ -153,6 +154,10 @@ def _cut(text: str, width: int) -> str:
 
 
 def _wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width``, never between a number and its unit (``74.8 KB``)."""
+    import re
     import textwrap
 
-    return textwrap.wrap(text, width=width, subsequent_indent="  ", break_on_hyphens=False)
+    kept = re.sub(r"(\d) (B|KB|MB|GB)\b", "\\1\x00\\2", text)
+    return [line.replace("\x00", " ") for line in
+            textwrap.wrap(kept, width=width, subsequent_indent="  ", break_on_hyphens=False)]

@@ -272,6 +272,8 @@ class _Elsewhere(nn.Module):
     the module would give (worked out on a parameter-free copy on the meta device, without the module's forward
     hooks)."""
 
+    summary_kind = "(other stage)"  # in the model summary's table
+
     def __init__(self, pipe: "Pipeline", name: str, module: nn.Module):
         super().__init__()
         memo: dict = {}
