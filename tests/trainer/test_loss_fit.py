@@ -60,3 +60,17 @@ def test_what_fits_trains(make_trainer):
     x = torch.randn(16, 8)
     make_trainer(nn.Linear(8, 1), loss="bce_with_logits", max_steps=2).fit((x, Y2.float()))
     make_trainer(nn.Linear(8, 1), loss=nn.MSELoss(), max_steps=2, overwrite=True).fit((x, Y3.float().view(16, 1)))
+
+
+def test_a_token_models_output_gets_the_fit_for_positions(make_trainer):
+    """(batch, positions, classes) logits with a class per position: PyTorch's cross-entropy would read the positions
+    as classes; the message says so and how to flatten, instead of asking for class indices below the positions."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 20, (16, 6)), torch.randint(0, 10, (16, 6))
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 10))  # (16, 6) ids -> (16, 6, 10) logits
+    with pytest.raises(BatchError) as info:
+        make_trainer(model, loss="cross_entropy", max_steps=2).fit((ids, labels))
+    assert str(info.value).startswith(
+        "the loss cross_entropy (config key 'loss'): the model's output is float32 (8, 6, 10) and the targets are "
+        "int64 (8, 6): an output of (batch, positions, classes) with a class per position, but PyTorch's "
+        "cross-entropy reads classes in dimension 1; flatten both (F.cross_entropy(out.flatten(0, -2), y.flatten())")

@@ -289,6 +289,12 @@ def explain_loss_error(exc: BaseException, loss_fn: Any, prediction: Any, target
         return BatchError(f"{key} takes one class index per sample (shape {tuple(prediction.shape[:1])}) or class "
                           f"probabilities shaped like the output {tuple(prediction.shape)}, but {pair}; give one "
                           f"label per sample")
+    if prediction.ndim >= 3 and prediction.ndim == target.ndim + 1 and tuple(prediction.shape[:-1]) == \
+            tuple(target.shape):  # a token model's (batch, positions, classes), which PyTorch reads as (N, C, d)
+        return BatchError(f"{key}: {pair}: an output of (batch, positions, classes) with a class per position, but "
+                          f"PyTorch's cross-entropy reads classes in dimension 1; flatten both "
+                          f"(F.cross_entropy(out.flatten(0, -2), y.flatten()) as the loss in Python), or have the "
+                          f"model return its own loss (loss=auto takes it, as from Hugging Face models)")
     if ("target" in text.lower() or "size" in text.lower()) and classes is not None:
         return BatchError(f"{key} cannot take these targets: {pair} ({text}); give one class index in "
                           f"[0, {classes - 1}] per sample")
