@@ -69,6 +69,27 @@ def test_peer_that_stops_participating_fails_the_run_within_the_timeout(tmp_path
     assert "torchrig launch: error: the run failed" in r.stderr
 
 
+def test_an_error_every_rank_makes_is_printed_once_and_one_rank_alone_still_says_its_own(tmp_path):
+    """Under torchrig launch a setting every process refuses is one line (rank 0's; the others end before theirs),
+    without torchrun's banner or its log line of the failed worker; an error of rank 1 alone is still printed."""
+    r = dist_procs.torchrig(["launch", "--nproc-per-node", "2", "--", "train", *COMMON, "--set", "parallel.tp=3",
+                             "--set", "parallel.tp_plan=auto", "--set", f"run_dir={tmp_path / 'run'}"], timeout=120)
+    assert r.returncode == 1, r.output[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("torchrig: error:")]
+    assert errors == ["torchrig: error: config key 'parallel': tp=3 needs a multiple of 3 processes, but the job has "
+                      "2; start 3 (or a multiple) with torchrig launch --nproc-per-node, or lower the degrees"], r.stderr
+    assert "OMP_NUM_THREADS" not in r.stderr and "failed (exitcode" not in r.stderr, r.stderr
+    assert "torchrig launch: error: the run failed" in r.stderr
+    (tmp_path / "rankone.py").write_text(
+        "import os\nfrom torch import nn\nfrom torchrig.config import ConfigError\n\n\n"
+        "def build(cfg):\n    if os.environ['RANK'] == '1':\n"
+        "        raise ConfigError('rank 1 alone refuses its model')\n    return nn.Linear(64, 10)\n")
+    r = dist_procs.torchrig(["launch", "--nproc-per-node", "2", "--", "train", *COMMON, "--model", "rankone:build",
+                             "--set", f"run_dir={tmp_path / 'one'}", "--set", "dist.timeout=30"],
+                            timeout=120, env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert r.returncode != 0 and "torchrig: error: rank 1 alone refuses its model" in r.stderr, r.output[-3000:]
+
+
 # ----------------------------------------------------------------------------- two machines
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

@@ -203,6 +203,8 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
             raise
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         kind = "" if _is_user_error(exc) else f"{type(exc).__name__}: "
+        if _is_user_error(exc):
+            _after_rank_zero()
         print(f"torchrig: error: {kind}{msg}" + ("" if _is_user_error(exc) else " (run with --debug for the traceback)"),
               file=sys.stderr)
         return EXIT_ERROR
@@ -220,6 +222,24 @@ def warn_once_per_job() -> None:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     if rank.isdigit() and int(rank) > 0:
         warnings.filterwarnings("ignore", module=r"torchrig(\.|$)")
+
+
+WAIT_FOR_RANK_ZERO_S = 3.0
+
+
+def _after_rank_zero() -> None:
+    """Under torchrun (``torchrig launch``), a process other than rank 0 waits a moment before printing its error:
+    a setting every process refuses alike is then said once, by rank 0, whose exit makes torchrun end the others
+    (a SIGTERM that now ends this one at once, silently); an error of this process alone is still printed after
+    the wait, while the others wait for it."""
+    import signal
+    import time
+
+    rank = os.environ.get("RANK", "0")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not rank.isdigit() or int(rank) == 0:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(WAIT_FOR_RANK_ZERO_S)
 
 
 def _one_line_warnings() -> None:

@@ -358,6 +358,25 @@ def torchrun_args(argv: list[str], parse_args=None) -> argparse.Namespace:
     return targs
 
 
+def _quiet_torchrun(targs: argparse.Namespace) -> None:
+    """What torchrun would print that torchrig says itself: its OMP_NUM_THREADS banner (torchrun sets 1 thread per
+    worker when several share a machine and the variable is unset; set here, as it would, without the banner) and
+    its log lines of a failed worker and of the SIGTERM it sends the others (the launcher's error lists every
+    rank and how it ended)."""
+    import logging
+
+    nproc = str(getattr(targs, "nproc_per_node", "1"))
+    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+    class _NoFailureLine(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            text = record.getMessage()
+            return "failed (exitcode" not in text and "closing signal" not in text
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureLine())
+
+
 def launch(argv: list[str], env: dict[str, str]) -> int:
     """Run torchrun in this process (so the loopback rendezvous is available); returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -366,6 +385,7 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
     _register_loopback_backend()
     os.environ.update(env)
     targs = torchrun_args(argv, parse_args)
+    _quiet_torchrun(targs)
     try:
         run(targs)
     except ChildFailedError as exc:
