@@ -264,6 +264,8 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path, pp_tp_run)
                                  f"+ gradients {size(seen['split-1f1b']['held'])} + sgd state"), memory
     _, whole, resumed = resumed_parts(out, 4)
     check_resumed_and_consolidated(out, whole, resumed, "pp=2 × tp=2 resumed at step 4")
+    said = (out / "pp_tp-0.err").read_text()  # the start line names the layout and the schedule
+    assert "· tp=2 × pp=2 (1f1b) ·" in said and "· tp=2 × pp=2 (interleaved_1f1b, 2 stages per rank) ·" in said
     meta = json.loads((out / "whole" / "checkpoints" / "step-00000004" / "meta.json").read_text())
     assert meta["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 2, "world_size": 4}
     assert meta["strategy"] == "none" and meta["sharded"]  # no data-parallel wrapper, not "fsdp"

@@ -372,6 +372,9 @@ class Trainer:
             self.print(self.summary())
         A = cfg.accumulate
         split = f" · {self.layout.describe()}" if self.layout.mesh is not None else ""
+        if self.layout.pipeline is not None:  # the schedule, and the stages a rank holds when more than one
+            per = len(self.layout.pipeline.stages)
+            split += f" ({cfg.parallel.pp_schedule}{f', {per} stages per rank' if per > 1 else ''})"
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy}{split} · "
                    f"precision {self.precision.name} · "
                    f"{describe_split(cfg.data.batch_size, self.dp_size, A, cfg.data.global_batch_size)} · "
