@@ -36,6 +36,8 @@ def test_degrees_take_the_rest_of_the_ranks():
 
 @pytest.mark.parametrize("world, given, words", [
     (3, dict(tp=2), "config key 'parallel': tp=2 needs a multiple of 2 processes, but the job has 3"),
+    (4, dict(dp_replicate=2, dp_shard=1, tp=2, pp=2), "config key 'parallel': dp_replicate=2 × tp=2 × pp=2 needs exactly 8 "
+                                                    "processes, but the job has 4; start 8 with torchrig launch"),
     (4, dict(dp_replicate=1, dp_shard=1, tp=2), "config key 'parallel': dp_replicate × dp_shard × tp × pp = 1 × 1 × 2 × 1 = 2 "
                                        "processes, but the job has 4; set one degree to -1"),
 ])

@@ -87,10 +87,12 @@ def resolve_degrees(p: Any, strategy: str, world_size: int) -> dict[str, int]:
         if isinstance(v, int) and v > 0:
             fixed *= v
     named = " × ".join(f"{k}={v}" for k, v in given.items() if v not in ("auto", 1))
+    exact = not any(v in ("auto", -1) for v in given.values())  # every degree given: no rank left to place
     if world_size % fixed:
         raise ParallelConfigError(
-            f"config key 'parallel': {named} needs a multiple of {fixed} processes, but the job has {world_size}; "
-            f"start {fixed} (or a multiple) with torchrig launch --nproc-per-node, or lower the degrees")
+            f"config key 'parallel': {named} needs {'exactly' if exact else 'a multiple of'} {fixed} processes, but "
+            f"the job has {world_size}; start {fixed}{'' if exact else ' (or a multiple)'} with torchrig launch "
+            f"--nproc-per-node, or {'change' if exact else 'lower'} the degrees")
     rest = world_size // fixed
     out = {k: v for k, v in given.items() if isinstance(v, int) and v > 0}
     open_ = [k for k, v in given.items() if v == -1] or [k for k, v in given.items() if v == "auto"]
