@@ -346,6 +346,9 @@ def test_auto_split_balances_parameters_and_keeps_names():
     assert plan.container_name == "" and plan.ranges == [(0, 1), (1, 5)]  # 144 against 272 + 68
     plan = plan_stages(W.TokenNet(blocks=4), ["blocks.1", "blocks.3"], 3)
     assert plan.ranges == [(0, 1), (1, 3), (3, 4)] and plan.describe().startswith("stage 1: blocks.0, stage 2")
+    cfg = Config()  # an nn.Sequential's blocks by number, as YAML reads them: --set 'parallel.pp_split=[2]'
+    set_key(cfg, "parallel.pp_split", "[2]")
+    assert cfg.parallel.pp_split == ["2"] and plan_stages(W.sequential(), cfg.parallel.pp_split, 2).ranges == [(0, 2), (2, 5)]
 
 
 @pytest.mark.parametrize("split, stages, words", [

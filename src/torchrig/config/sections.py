@@ -18,7 +18,9 @@ _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 
 def _input_keys(v: Any) -> list:
     accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
-    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+    # an nn.Sequential's blocks are named 0, 1, ...: --set 'parallel.pp_split=[4]' means the block '4'
+    return [str(k) if isinstance(k, int) and not isinstance(k, bool) else accept(isinstance(k, str) and k.strip() != "", k)
+            for k in v]
 
 
 def _steps(v: Any) -> list:
@@ -279,7 +281,9 @@ def _pp_split(v: Any) -> Any:
     if isinstance(v, str):  # --set parallel.pp_split=transformer.h.6,transformer.h.12
         v = [part.strip() for part in v.split(",")]
     accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
-    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+    # an nn.Sequential's blocks are named 0, 1, ...: --set 'parallel.pp_split=[4]' means the block '4'
+    return [str(k) if isinstance(k, int) and not isinstance(k, bool) else accept(isinstance(k, str) and k.strip() != "", k)
+            for k in v]
 
 
 @dataclass
