@@ -18,9 +18,7 @@ _BACKEND = r"(?:(?:cpu|cuda|xpu):)?(?:gloo|nccl|mpi|ucc|xccl)"
 
 def _input_keys(v: Any) -> list:
     accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
-    # an nn.Sequential's blocks are named 0, 1, ...: --set 'parallel.pp_split=[4]' means the block '4'
-    return [str(k) if isinstance(k, int) and not isinstance(k, bool) else accept(isinstance(k, str) and k.strip() != "", k)
-            for k in v]
+    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
 
 
 def _steps(v: Any) -> list:
