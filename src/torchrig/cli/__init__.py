@@ -219,9 +219,15 @@ def warn_once_per_job() -> None:
     rank, and other libraries' warnings are left as they are."""
     import warnings
 
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    if rank.isdigit() and int(rank) > 0:
+    if _rank_from_env() > 0:
         warnings.filterwarnings("ignore", module=r"torchrig(\.|$)")
+
+
+def _rank_from_env() -> int:
+    """This process's rank as torchrun (``RANK``) or srun (``SLURM_PROCID``) gives it, before any process group;
+    0 when neither does."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(rank) if rank.isdigit() else 0
 
 
 WAIT_FOR_RANK_ZERO_S = 3.0
@@ -235,8 +241,7 @@ def _after_rank_zero() -> None:
     import signal
     import time
 
-    rank = os.environ.get("RANK", "0")
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not rank.isdigit() or int(rank) == 0:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _rank_from_env() == 0:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(WAIT_FOR_RANK_ZERO_S)

@@ -20,6 +20,8 @@ from typing import Any, Iterable, Optional
 
 from torch import nn
 
+from .. import runtime
+
 MB = 1024 ** 2
 MAX_ROWS = 12  # top-level modules listed one per row; the rest share one row
 
@@ -43,7 +45,7 @@ def _nbytes(tensors: Iterable[Any]) -> int:
 
 def _held(tensors: Iterable[Any]) -> int:
     """The bytes this process holds of ``tensors``: a DTensor's local piece (FSDP2 shards, tensor-parallel halves)."""
-    return _nbytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return _nbytes(runtime.local_tensor(t) for t in tensors)
 
 
 def _count(n: int) -> str:

@@ -31,11 +31,6 @@ from .. import runtime
 WEIGHTS_FILE = "ema.safetensors"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a parameter: the local shard of a DTensor (FSDP2), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class EMA:
     """A float32 moving average of ``model``'s floating-point parameters (a Stateful object).
 
@@ -55,7 +50,7 @@ class EMA:
 
     def _start(self) -> list[torch.Tensor]:
         with torch.no_grad():
-            self.shadow = [_local(p).detach().to(torch.float32, copy=True) for p in self.params]
+            self.shadow = [runtime.local_tensor(p).detach().to(torch.float32, copy=True) for p in self.params]
         return self.shadow
 
     def current_decay(self, updates: Optional[int] = None) -> float:
@@ -80,7 +75,7 @@ class EMA:
         if skipped is True:
             return
         weight = 1.0 - self.current_decay(self.num_updates - 1)
-        current = [_local(p).detach() for p in self.params]
+        current = [runtime.local_tensor(p).detach() for p in self.params]
         current = [t if t.dtype == torch.float32 else t.float() for t in current]
         if isinstance(skipped, torch.Tensor):  # per-tensor weights: a 0-d tensor would be read as a Python number
             w = (1.0 - skipped.to(self.shadow[0].device, torch.float32)) * weight
@@ -95,7 +90,7 @@ class EMA:
         if self.shadow is None:  # no update yet: the average is the weights themselves
             yield
             return
-        local = [_local(p).detach() for p in self.params]
+        local = [runtime.local_tensor(p).detach() for p in self.params]
         with torch.no_grad():
             saved = [t.clone() for t in local]
             torch._foreach_copy_(local, self.shadow)
@@ -118,7 +113,7 @@ class EMA:
 
         Collective under FSDP2 (every rank calls it; the shards are gathered into full tensors).
         """
-        shadow = self.shadow or [_local(p).detach().float() for p in self.params]
+        shadow = self.shadow or [runtime.local_tensor(p).detach().float() for p in self.params]
         out: dict[str, torch.Tensor] = {}
         for name, p, s in zip(self.names, self.params, shadow):
             if hasattr(p, "to_local"):  # DTensor: the same layout as the parameter, gathered
@@ -144,7 +139,7 @@ class EMA:
                 from torch.distributed.tensor import distribute_tensor
 
                 t = distribute_tensor(t.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
-            shadow.append(t.to(_local(p).device).clone())
+            shadow.append(t.to(runtime.local_tensor(p).device).clone())
         self.shadow = shadow
 
 

@@ -236,7 +236,7 @@ class NonFiniteGuard:
             return self.reject(opt, "loss is not finite", where)
         grads = [p.grad for p in params]
         if self.agree:  # each rank checks its own pieces; the ranks then agree
-            grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+            grads = [runtime.local_tensor(g) for g in grads if g is not None]
         ok = finite(norm) if norm is not None else self.check.finite(grads, id(opt))
         if self.agree:
             ok = not runtime.agree_max([0.0 if ok else 1.0], _device(opt))[0]

@@ -104,7 +104,7 @@ def scale_gradients(grads: list, factor: Union[float, torch.Tensor]) -> None:
     groups: dict = {}
     with torch.no_grad():
         for g in grads:
-            g = g.to_local() if hasattr(g, "to_local") else g
+            g = runtime.local_tensor(g)
             if g.is_sparse:
                 g.mul_(factor if isinstance(factor, float) else factor.to(g.device, g.dtype))
             else:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..runtime.device import RuntimeSetupError
-from ..runtime.modules import is_compiled
+from ..runtime.modules import is_compiled, local_tensor
 
 STRATEGIES = ("auto", "none", "ddp", "dp", "fsdp")
 
@@ -190,21 +190,26 @@ def buckets(tensors: list, limit: int = BUCKET_BYTES) -> list:
     return out
 
 
+def flat_collective(tensors: list, collective: Callable[[torch.Tensor], Any]) -> None:
+    """``collective(flat)`` (in place) on ``tensors`` one flat bucket of :func:`buckets` at a time, the result
+    written back into them: one call per bucket instead of one per tensor, no buffer larger than a bucket."""
+    for bucket in buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        collective(flat)
+        torch._foreach_copy_(bucket, [part.view_as(t) for t, part in zip(bucket, flat.split([t.numel() for t in bucket]))])
+
+
 def average_gradients(params: list, group: Any = None) -> None:
     """The mean of the dense gradients over the ranks of ``group`` (None: every rank), as DDP makes it, where DDP
     cannot (a window whose backward a rank may have to run again; a pipeline stage's, whose micro-batches run in
     schedule steps of their own): one flat all-reduce per bucket of at most :data:`BUCKET_BYTES`, summed and
     divided in place, so the update never needs a gradient-sized buffer."""
     size = dist.get_world_size(group)
-    grads = [_local(p.grad) for p in params if p.grad is not None and not p.grad.is_sparse]
-    for bucket in buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+    grads = [local_tensor(p.grad) for p in params  # a tensor-parallel piece: its replicas average alike
+             if p.grad is not None and not p.grad.is_sparse]
+
+    def mean(flat: torch.Tensor) -> None:
         dist.all_reduce(flat, group=group)
         flat.div_(size)
-        torch._foreach_copy_(bucket, [part.view_as(g) for g, part in zip(bucket, flat.split([g.numel() for g in bucket]))])
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's piece on this rank (a tensor-parallel gradient: the replicas of a piece average alike), or
-    ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    flat_collective(grads, mean)

@@ -12,7 +12,7 @@ from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_re
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
-from .modules import unwrap
+from .modules import local_tensor, unwrap
 from .notebook import RunInterrupted, as_notebook_stop, in_jupyter_kernel
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "all_reduce_mean", "all_reduce_sum", "barrier", "broadcast", "destroy_process_group", "detect",
     "gather", "get_rank", "get_world_size", "host_collectives", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
-    "unwrap", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
+    "unwrap", "local_tensor", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
     "signal_name", "stop_phase", "data_parallel_group", "data_parallel_rank", "data_parallel_size",
     "set_data_parallel_group", "set_pipeline_group", "pipeline_group", "is_last_stage", "from_last_stage",
     "gather_to_first", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",

@@ -374,12 +374,7 @@ def from_last_stage(obj: Any) -> Any:
     None), on every rank of the pipeline; ``obj`` itself without a pipeline. Collective over the pipeline's ranks.
     A tensor of the same shape and dtype on every rank is filled in place instead (no serialising)."""
     group = pipeline_group()
-    if group is None:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        dist.broadcast(obj, _PIPELINE[1], group=group)
-        return obj
-    return _broadcast_object(obj, _PIPELINE[1], group)
+    return obj if group is None else broadcast(obj, _PIPELINE[1], group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -14,6 +15,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t``: a DTensor's local shard (FSDP2, tensor parallel), else ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -263,7 +263,4 @@ class MicroBatcher:
 
 def _broadcast_flat(tensors: list) -> None:
     """Rank 0's values of ``tensors``, one broadcast per bucket instead of one per tensor."""
-    for bucket in parallel.buckets([t for t in tensors if t.numel()]):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        torch.distributed.broadcast(flat, 0)
-        torch._foreach_copy_(bucket, [part.view_as(t) for t, part in zip(bucket, flat.split([t.numel() for t in bucket]))])
+    parallel.flat_collective([t for t in tensors if t.numel()], lambda flat: torch.distributed.broadcast(flat, 0))

@@ -38,7 +38,7 @@ def finite_parameters(model: nn.Module, device: torch.device) -> bool:
     """Whether every parameter is finite, on every rank (collective with several ranks; FSDP shards too)."""
     bad = torch.zeros(1, device=device)
     for p in model.parameters():
-        t = p.to_local() if hasattr(p, "to_local") else p
+        t = runtime.local_tensor(p)
         if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
             bad.fill_(1)
             break
