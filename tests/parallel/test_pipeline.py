@@ -7,6 +7,7 @@ The multi-process runs are real gloo process groups on the CPU (tests/helpers/pi
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -465,3 +466,26 @@ def test_a_stage_answers_for_its_rank_s_other_stages_with_stand_ins():
                                                   r"embed \(held by another stage\)"):
         last(torch.randn(3, ids.shape[1], W.DIM, requires_grad=True), mb=ids)
     assert type(model.embed).__name__ == "Embedding"  # given back after the failed run
+
+
+def test_an_error_inside_a_later_stage_is_one_line_naming_the_stage_and_the_block(tmp_path):
+    """A stage ends its forward by an exception (the documented mechanism, caught around the forward call); any
+    other error raised inside a stage comes out once under torchrig launch, naming the stage, the rank and the block
+    that was running, with the error's own words."""
+    (tmp_path / "stagefail.py").write_text(
+        "from torch import nn\n\n\nclass Bad(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(32, 32)\n\n    def forward(self, x):\n"
+        "        raise ValueError('the hidden state has a NaN in row 3')\n\n\n"
+        "def build(cfg):\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), Bad(), nn.Linear(32, 10))\n")
+    r = dist_procs.torchrig(
+        ["launch", "--nproc-per-node", "2", "--", "train", "--model", "stagefail:build", "--set", "parallel.pp=2",
+         "--set", "parallel.pp_split=[3]", "--set", "accumulate=2", "--set", "max_steps=2", "--set", "log.progress=none",
+         "--set", "log.summary=false", "--set", "log.tensorboard=false", "--set", "log.plot=false",
+         "--set", f"run_dir={tmp_path / 'run'}", "--set", "dist.timeout=30"],
+        timeout=240, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        cwd=tmp_path)
+    assert r.returncode != 0, r.output[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("torchrig: error:")]
+    assert errors == ["torchrig: error: pipeline stage 2 of 2 (rank 1) failed in block '3' (Bad): ValueError: the "
+                      "hidden state has a NaN in row 3"], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "StageOutput" not in r.output

@@ -28,13 +28,13 @@ def states(c: FitContext) -> dict[str, Any]:
         "scaler": ScalerState(c.precision.scaler),
         "counters": c.state,
         "tracker": c.early_stopping,
-        "train_metrics": MetricStates(c.train_metrics, c.rank, c.world_size),
+        "train_metrics": MetricStates(c.train_metrics, c.layout.groups),
         "window": c.metrics_log,
         "callbacks": c.callbacks,
         "rng": RNGState(c.rank, c.world_size),
         "data": c.data,  # the training data's position where it can report one
         **({"ema": c.ema} if c.ema is not None else {}),
-        "micro_batch": c.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
+        "micro_batch": c.windows,  # the size data.micro_batch_size=auto settled on
         **({"spikes": c.spikes} if c.spikes is not None else {}),  # the spike check's recent steps
     }
 
@@ -51,9 +51,9 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
     c.state.samples_in_epoch = c.data.samples_before(c.state.batch_in_epoch)  # the position, in any world size
     meta = {"step": c.state.global_step, "epoch": c.state.epoch, "batch_in_epoch": c.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
-    if c.layout is not None:  # the degrees it was saved in: a resume in another layout says so
-        meta["layout"] = c.layout.degrees()
-        meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
+    meta["layout"] = c.layout.degrees()  # the degrees it was saved in: a resume in another layout says so
+    meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
+    meta["plan"] = c.plan.record()  # what the run derived from its config: per-process batch, accumulation
     factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
@@ -73,13 +73,13 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
         return None, 0, 0
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.sharded)
+        load_weights_only(c.model, path, sharded=c.sharded, pipeline=c.layout.groups.pipeline)
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
     meta = read_meta(path)
     saved_layout = layout_of(meta)
-    now = c.layout.degrees() if c.layout is not None else {"world_size": c.world_size}
+    now = c.layout.degrees()
     changes.check(read_config(path), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
                   worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
@@ -91,7 +91,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
               f"kept; equal to the run in its saved layout up to float rounding, not bitwise")
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
-    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate),
+    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
                                            getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
         if line:
