@@ -409,7 +409,7 @@ class _FullDisk:
 
 
 def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data, run_dir, monkeypatch):
-    import torchrig.observe.progress as progress
+    import torchrig.observe.run_logger as progress
 
     monkeypatch.setattr(progress, "open", lambda *a, **k: _FullDisk(open(*a, **k), after=3), raising=False)
     with pytest.raises(RunDirError) as err:

@@ -439,14 +439,14 @@ def test_a_stage_answers_for_its_rank_s_other_stages_with_stand_ins():
     embed.register_forward_hook(lambda *_: calls.append("embed"))
     pipe = Pipeline(model, plan_stages(model, "auto", 4), rank=0, pp=2, per_rank=2, schedule="interleaved_1f1b",
                     group=None, device=torch.device("cpu"))
-    pipe.forward_fn = lambda m, ids: m(ids)
     ids = W.padded_tokens(3).tensors[0]
     first, third = pipe.stages
     assert (first.index, third.index) == (0, 2)
     hidden = torch.randn(3, ids.shape[1], W.DIM, requires_grad=True)
-    out = third(hidden, mb=ids)  # checked: its first training forward
-    assert calls == [] and out.shape == hidden.shape and model.embed is embed
-    first(mb=ids)
+    with pipe.running(lambda m, ids: m(ids)):
+        out = third(hidden, mb=ids)  # checked: its first training forward
+        assert calls == [] and out.shape == hidden.shape and model.embed is embed
+        first(mb=ids)
     assert calls == ["embed"] and model.embed is embed and type(model.head).__name__ == "_Elsewhere"
 
     class HeadReadsEmbedding(W.TokenNet):
@@ -459,11 +459,10 @@ def test_a_stage_answers_for_its_rank_s_other_stages_with_stand_ins():
     model = HeadReadsEmbedding()
     pipe = Pipeline(model, plan_stages(model, "auto", 4), rank=0, pp=2, per_rank=2, schedule="zbv_zero_bubble",
                     group=None, device=torch.device("cpu"))
-    pipe.forward_fn = lambda m, ids: m(ids).sum()
     last = pipe.stages[1]
     assert last.index == 3 and last.last
     with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.pp_split': stage 4's result depends on "
-                                                  r"embed \(held by another stage\)"):
+                                                  r"embed \(held by another stage\)"), pipe.running(lambda m, ids: m(ids).sum()):
         last(torch.randn(3, ids.shape[1], W.DIM, requires_grad=True), mb=ids)
     assert type(model.embed).__name__ == "Embedding"  # given back after the failed run
 

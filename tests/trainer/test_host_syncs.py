@@ -23,8 +23,8 @@ from torch.utils.data import TensorDataset
 import torchrig
 from torchrig.metrics import get_metric
 from torchrig.trainer import NonFiniteLossError
-from torchrig.observe.logger import MetricsLogger
-from torchrig.observe.progress import RunLogger
+from torchrig.observe.metrics_logger import MetricsLogger
+from torchrig.observe.run_logger import RunLogger
 from torchrig.trainer.state import MetricStates
 from torchrig.trainer.step import Step, default_step
 

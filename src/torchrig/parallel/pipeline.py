@@ -40,6 +40,7 @@ embeddings) are refused when the stages are built.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional
@@ -578,9 +579,15 @@ class Pipeline:
         """Every micro-batch of a window through this rank's stages, forward (``forward_fn``) and backward, by the
         configured schedule; the gradients add up in the parameters. Micro-batches of one shape run as one schedule
         step; a change of shape (a short last batch) starts another, in order."""
+        with self.running(forward_fn):
+            self._train(micro_batches)
+
+    @contextlib.contextmanager
+    def running(self, forward_fn: Callable[[nn.Module, Any], Any]):
+        """The stages' forward while in the block: ``forward_fn(model, micro_batch)``."""
         self._forward_fn = forward_fn
         try:
-            self._train(micro_batches)
+            yield self
         finally:
             self._forward_fn = None
 
@@ -644,11 +651,8 @@ class Pipeline:
         """One micro-batch through the stages without backward (evaluation, prediction), stage by stage: each rank
         runs its stages in order (their forward: ``forward_fn``), receiving the activation from the previous stage's
         rank and sending its output to the next's. No schedule: nothing to overlap, and no shape to learn first."""
-        self._forward_fn = forward_fn
-        try:
+        with self.running(forward_fn):
             self._forward(mb)
-        finally:
-            self._forward_fn = None
 
     def _forward(self, mb: MicroBatch) -> None:
         import torch.distributed as dist

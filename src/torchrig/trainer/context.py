@@ -21,7 +21,7 @@ from ..checkpoint import CheckpointManager
 from ..data import Batches
 from ..data.iterable import IterableBatches
 from ..metrics import Metric
-from ..observe.logger import MetricsLogger
+from ..observe.metrics_logger import MetricsLogger
 from ..optim.ema import EMA
 from ..parallel import Layout
 from ..runtime import Precision, StopSignal

@@ -27,8 +27,8 @@ from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, p
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
-from ..observe.logger import MetricsLogger
-from ..observe.progress import RunLogger
+from ..observe.metrics_logger import MetricsLogger
+from ..observe.run_logger import RunLogger
 from ..observe.throughput import FlopCount, fit_callbacks
 from ..optim import losses
 from ..optim.ema import build_ema, ema_weights

@@ -1,6 +1,6 @@
 """The metrics logger: what the loop logs, when, and the sums behind it.
 
-Two kinds of rows reach ``metrics.jsonl`` (and TensorBoard) through :class:`~.progress.RunLogger`,
+Two kinds of rows reach ``metrics.jsonl`` (and TensorBoard) through :class:`~.run_logger.RunLogger`,
 told apart by their ``kind`` field:
 
 * ``interval`` rows every ``log.every_steps`` optimizer steps: the means of the step function's values
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .. import runtime
-from .progress import RunLogger
+from .run_logger import RunLogger
 from .throughput import rates, tokens_of
 
 
