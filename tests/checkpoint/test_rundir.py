@@ -381,7 +381,7 @@ def test_trim_metrics_is_atomic_and_exact(tmp_path):
     replaced = []
     real = os.replace
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real(a, b))[1])
+        mp.setattr(os, "replace", lambda a, b, **kw: (replaced.append(Path(b).name), real(a, b, **kw))[1])
         trim_metrics(path, 2)
     assert replaced == ["metrics.jsonl"]  # written beside it, then renamed over it
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 2]
