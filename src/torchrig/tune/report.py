@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from .. import config as C
 from ..checkpoint.io import write_bytes_atomic
+from ..observe.plot import save_figure
 from .space import value_of
 
 # Keys of a trial's config that belong to its own run, not to the configuration found.
@@ -172,8 +173,4 @@ def plot(path: Path, trial_rows: list[dict], weights: dict[str, float], monitor:
         bars.set_axis_off()
         bars.text(0.5, 0.5, "importances need two finished trials\nwith different parameters", ha="center",
                   va="center")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

@@ -28,6 +28,7 @@ from .. import config as C
 from .. import recipes as _recipes  # noqa: F401  (their config sections: a study's config may hold them)
 from ..checkpoint.io import write_bytes_atomic
 from ..checkpoint.rundir import RunLock, reached_step
+from ..config.files import open_own, refuse_link
 from .space import Space, TuneError, load_space, value_of
 from .trial import Clock, Outcome, best_of
 
@@ -268,7 +269,12 @@ def open_storage(url: Optional[str], folder: Path) -> Any:
     (trials of ``--parallel`` workers write to it at once)."""
     import optuna
 
-    url = url or f"sqlite:///{(Path(folder) / DATABASE).resolve()}"
+    if url is None:  # SQLite follows links: a link planted as the database or its journal is refused
+        db = Path(folder).resolve() / DATABASE
+        for tail in ("", "-journal", "-wal", "-shm"):
+            refuse_link(db.with_name(DATABASE + tail), "study file",
+                        "remove it, or start a new study in another --study-dir", TuneError)
+        url = f"sqlite:///{db}"
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
@@ -286,7 +292,9 @@ def ask_lock(folder: Path):
     except ImportError:  # not POSIX: one process per study
         yield
         return
-    fd = os.open(Path(folder) / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(folder) / ".ask.lock"
+    fd = open_own(path, True, lambda what: TuneError(
+        f"'{path}' is {what}, not torchrig's lock file; it was left as it is. Remove it and start again"))
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
