@@ -296,9 +296,9 @@ def test_the_ask_lock_is_never_followed_through_a_link(tmp_path, monkeypatch, ca
     outside = tmp_path / "outside" / "created"
     outside.parent.mkdir()
     (tmp_path / "s" / ".ask.lock").symlink_to(outside)  # dangling: O_CREAT alone would create its target
-    assert resume_cli(capsys) == (1, f"torchrig: error: '{Path('s') / '.ask.lock'}' is a symbolic link; torchrig never "
-                                     f"follows a link in a study folder: remove it and continue with torchrig tune "
-                                     f"--study-dir s --resume")
+    assert resume_cli(capsys) == (1, f"torchrig: error: '{Path('s') / '.ask.lock'}' is a symbolic link (to "
+                                     f"'{outside}'); torchrig never follows a link in a study folder: remove it and "
+                                     f"continue with torchrig tune --study-dir s --resume")
     assert list(outside.parent.iterdir()) == [] and not (tmp_path / "s" / "trials").exists()
 
 

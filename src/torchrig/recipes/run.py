@@ -9,7 +9,7 @@ from typing import Any, Optional
 from .. import config as C
 from ..errors import suggest
 from . import factory, get_recipe
-from .base import RecipeError, check_output_kind
+from .base import RecipeError, check_output_kind, saved_bytes, write_output
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -310,15 +310,15 @@ def write_fields(outputs: Any, out: Path) -> None:
     else:
         raise RecipeError(f"predict --all-outputs: the predictions are a {type(outputs).__name__}, not tensors; "
                           f"write them without --all-outputs")
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        save_file({k: v.contiguous() for k, v in fields.items()}, str(out))
+        write_output(out, save({k: v.contiguous() for k, v in fields.items()}))
     else:
         import numpy as np
 
-        np.savez(out, **{k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in fields.items()})
+        arrays = {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in fields.items()}
+        write_output(out, saved_bytes(np.savez, **arrays))
 
 
 class FeatureHooks:
@@ -360,9 +360,8 @@ class FeatureHooks:
                 padded.append(torch.nn.functional.pad(c, pad) if any(pad) else c)
             base = out if (out.is_dir() or not out.suffix) else out.parent
             stem = "features" if base is out else out.stem + ".features"
-            base.mkdir(parents=True, exist_ok=True)
             file = base / f"{stem}.{name}.npy"
-            np.save(file, torch.cat(padded).numpy())
+            write_output(file, saved_bytes(np.save, torch.cat(padded).numpy()))
             self.files.append(file)
             print(f"features of '{name}' {tuple(torch.cat(padded).shape)} written to {file}")
         return self.files

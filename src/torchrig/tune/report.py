@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from .. import config as C
 from ..checkpoint.io import write_bytes_atomic
+from ..observe.plot import save_figure
 from .space import value_of
 from .trial import seconds_of
 
@@ -176,8 +177,4 @@ def plot(path: Path, trial_rows: list[dict], weights: dict[str, float], monitor:
         bars.set_axis_off()
         bars.text(0.5, 0.5, "importances need two finished trials\nwith different parameters", ha="center",
                   va="center")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import json
 import os
 import textwrap
@@ -29,6 +28,7 @@ from .. import config as C
 from .. import recipes as _recipes  # noqa: F401  (their config sections: a study's config may hold them)
 from ..checkpoint.io import write_bytes_atomic
 from ..checkpoint.rundir import RunLock, reached_step
+from ..config.files import open_own, refuse_link
 from .manifest import (DATABASE, MANIFEST, PRUNERS, SAMPLERS, check_same, check_searched, check_trial_folder, checked,
                        database, read_manifest, resumed_config, trial_dir)
 from .space import Space, TuneError, load_space, value_of
@@ -276,7 +276,12 @@ def open_storage(url: Optional[str], folder: Path) -> Any:
     (trials of ``--parallel`` workers write to it at once)."""
     import optuna
 
-    url = url or f"sqlite:///{database(folder)}"
+    if url is None:  # SQLite follows links: a link planted as the database or its journal is refused
+        db = database(folder)
+        for tail in ("-journal", "-wal", "-shm"):
+            refuse_link(db.with_name(DATABASE + tail), "study file",
+                        "remove it, or start a new study in another --study-dir", TuneError)
+        url = f"sqlite:///{db}"
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
@@ -305,13 +310,9 @@ def ask_lock(folder: Path):
         yield
         return
     path = Path(folder) / ".ask.lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise TuneError(f"'{path}' is a symbolic link; torchrig never follows a link in a study folder: remove it "
-                        f"and continue with torchrig tune --study-dir {folder} --resume") from None
+    fd = open_own(path, True, lambda what: TuneError(
+        f"'{path}' is {what}; torchrig never follows a link in a study folder: remove it and continue with "
+        f"torchrig tune --study-dir {folder} --resume"))
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
