@@ -63,7 +63,7 @@ def test_the_tuning_commands_run(tmp_path):
     script = tmp_path / "tuning.sh"
     script.write_text(f'set -e\ntorchrig() {{ "{sys.executable}" -m torchrig "$@"; }}\n' + shortened(tuning_block()))
     # its own process group, killed whole at the limit: the shell, the studies and their parallel workers
-    r = dist_procs.run(["bash", str(script)], timeout=900, env=subprocess_env(), cwd=tmp_path)
+    r = dist_procs.run(["bash", str(script)], timeout=540, env=subprocess_env(), cwd=tmp_path)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     out = r.stdout
     assert out.startswith("torchrig: model DigitsCNN")  # torchrig summary
