@@ -7,6 +7,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from helpers import QUIET, TinyNet, make_classification
+# a hung test fails by name within its time limit and takes the processes it started with it
+from helpers.timeouts import (pytest_runtest_makereport, pytest_runtest_protocol,  # noqa: F401
+                              pytest_timeout_set_timer)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -249,8 +249,8 @@ def test_resaving_a_step_keeps_latest_whole_at_every_instant(make_trainer, data,
     real = os.replace
     checks = []
 
-    def replace(src, dst):
-        real(src, dst)
+    def replace(src, dst, **kwargs):
+        real(src, dst, **kwargs)
         if os.path.basename(str(dst)).startswith("step-") or os.path.basename(str(src)).startswith("step-"):
             target = resolve("latest", run_dir)  # would raise if latest named a missing directory
             if target is None:  # the very first checkpoint: no latest yet

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from torchrig import Trainer
 from torchrig.checkpoint import CheckpointError, CheckpointManager, read_checkpoint, resolve
-from torchrig.checkpoint import io as io_mod
+from torchrig.config import files as files_mod
 from torchrig.cli import main
 from torchrig.recipes import get_recipe
 from torchrig.recipes.run import build_config
@@ -344,7 +344,7 @@ def _fail_writes(monkeypatch, code: int, file: str, from_step: int) -> None:
         return fh
 
     monkeypatch.setattr(CheckpointManager, "save", save)
-    monkeypatch.setattr(io_mod, "open", fake_open, raising=False)  # the one open() every checkpoint file goes through
+    monkeypatch.setattr(files_mod, "open", fake_open, raising=False)  # the one open() every file written goes through
 
 
 def _temporaries(folder: Path) -> list[str]:

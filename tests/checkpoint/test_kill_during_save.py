@@ -134,19 +134,20 @@ def _after_kill(run_dir: Path, last_step: int) -> int:
     return _check_latest(run_dir, step)
 
 
-# (pause point, what must exist at the kill, relative to checkpoints/). Saves alternate: new step, re-save.
+# (pause point, what must exist at the kill, relative to checkpoints/; temporary names end in random hex digits).
+# Saves alternate: new step, re-save.
 POINTS = [
-    ("model.safetensors", ".tmp-step-*-{pid}/.model.safetensors.tmp-{pid}"),  # first file of a new step
-    ("state.pt@2", ".tmp-step-*-{pid}/.state.pt.tmp-{pid}"),                  # mid re-save
-    ("config.yaml", ".tmp-step-*-{pid}/.config.yaml.tmp-{pid}"),
-    ("meta.json@2", ".tmp-step-*-{pid}/.meta.json.tmp-{pid}"),
-    ("publish", ".tmp-step-*-{pid}/meta.json"),                               # complete, not yet renamed
-    ("latest@1", ".latest.tmp-{pid}"),                                         # new step in place, link not swapped
-    ("latest@2", ".tmp-step-*-{pid}/meta.json"),                              # re-save: latest about to name tmp
-    ("swap", ".tmp-trash-step-*-{pid}/model.safetensors"),                    # old step moved aside, new not in
-    ("latest@3", ".tmp-step-*-{pid}/model.safetensors"),                      # latest still names the tmp copy
-    ("best", ".best.tmp-{pid}"),
-    ("index.json@2", ".index.json.tmp-{pid}"),
+    ("model.safetensors", ".tmp-step-*-*/.model.safetensors.tmp-*"),  # first file of a new step
+    ("state.pt@2", ".tmp-step-*-*/.state.pt.tmp-*"),                  # mid re-save
+    ("config.yaml", ".tmp-step-*-*/.config.yaml.tmp-*"),
+    ("meta.json@2", ".tmp-step-*-*/.meta.json.tmp-*"),
+    ("publish", ".tmp-step-*-*/meta.json"),                               # complete, not yet renamed
+    ("latest@1", ".latest.tmp-*"),                                         # new step in place, link not swapped
+    ("latest@2", ".tmp-step-*-*/meta.json"),                              # re-save: latest about to name tmp
+    ("swap", ".tmp-trash-step-*-*/model.safetensors"),                    # old step moved aside, new not in
+    ("latest@3", ".tmp-step-*-*/model.safetensors"),                      # latest still names the tmp copy
+    ("best", ".best.tmp-*"),
+    ("index.json@2", ".index.json.tmp-*"),
 ]
 
 

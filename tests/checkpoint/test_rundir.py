@@ -381,7 +381,7 @@ def test_trim_metrics_is_atomic_and_exact(tmp_path):
     replaced = []
     real = os.replace
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real(a, b))[1])
+        mp.setattr(os, "replace", lambda a, b, **kw: (replaced.append(Path(b).name), real(a, b, **kw))[1])
         trim_metrics(path, 2)
     assert replaced == ["metrics.jsonl"]  # written beside it, then renamed over it
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 2]
@@ -411,7 +411,8 @@ class _FullDisk:
 def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data, run_dir, monkeypatch):
     import torchrig.observe.run_logger as progress
 
-    monkeypatch.setattr(progress, "open", lambda *a, **k: _FullDisk(open(*a, **k), after=3), raising=False)
+    real = progress.open_append
+    monkeypatch.setattr(progress, "open_append", lambda *a, **k: _FullDisk(real(*a, **k), after=3))
     with pytest.raises(RunDirError) as err:
         make_trainer(log_every=1, checkpoint_every=1).fit(data)
     assert str(err.value) == (f"no space left on device (errno 28 ENOSPC) while writing step 3 to "

@@ -166,6 +166,33 @@ def test_sampler_sharding():
     assert str(err.value) == "the data set is empty (0 samples); check the data path or split"
 
 
+def _position(samples: int, batch: int, world: int = 1, accumulate: int = 1, n: int = 40, drop_last: bool = False):
+    """The batch a resumed run of ``world`` ranks of ``batch`` (``accumulate`` per step) starts at after ``samples``
+    samples of an epoch of ``n``: ``Batches.batch_after`` on rank 0's sampler."""
+    sampler = ResumableSampler(n, shuffle=True, seed=1, world_size=world, batch_size=batch, drop_last=drop_last)
+    return Batches(None, sampler, batch).batch_after(samples, accumulate)
+
+
+@pytest.mark.parametrize("samples, batch, world, accumulate, drop_last, expected", [
+    (36, 12, 1, 1, False, 3),    # three global batches of 12
+    (36, 6, 2, 1, False, 3),     # the same 12 per step over two ranks
+    (36, 9, 1, 2, False, 4),     # four batches of 9: the start of a window of two
+    (36, 12, 1, 2, False, None),  # three batches of 12: inside a window of two
+    (36, 8, 1, 1, False, None),  # inside the fifth batch of 8 (32 … 39): no batch starts there
+    (36, 8, 1, 2, False, None),  # not the epoch's end: samples 36 … 39 are still to train
+    (32, 8, 1, 2, False, 4),
+    (40, 8, 1, 2, False, 5),     # the epoch's end (5 batches) closes a window of one batch
+    (36, 12, 1, 2, True, 3),     # drop_last: the short batch of 4 is not trained, 36 is the epoch's end
+    (0, 12, 1, 2, False, 0),
+], ids=["whole", "two-ranks", "window-start", "mid-window", "mid-batch", "mid-batch-at-window", "window",
+        "epoch-end", "epoch-end-drop-last", "start"])
+def test_a_position_in_samples_is_found_only_at_a_windows_start(samples, batch, world, accumulate, drop_last, expected):
+    """A checkpoint records the samples of the epoch used over all ranks; a run with another global batch goes on
+    there only where one of its optimizer steps starts (or at the epoch's end): never inside a step, never past a
+    sample not trained yet."""
+    assert _position(samples, batch, world, accumulate, drop_last=drop_last) == expected
+
+
 # ----------------------------------------------------------------------------- DataLoaders
 
 

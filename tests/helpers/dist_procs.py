@@ -24,11 +24,34 @@ def _env(extra: Optional[dict] = None) -> dict:
     return env
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a time limit ends a process group
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """At a time limit: SIGTERM to each process group (torchrig's stop handler then says where it was), SIGKILL to
+    each GRACE seconds later: a stop handler that cannot finish (a step or a peer stuck) never keeps a test
+    waiting, and no process of the group is left."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    end = time.monotonic() + GRACE
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        _kill_group(p)
 
 
 class Result:
@@ -48,7 +71,7 @@ def run(cmd: list[str], timeout: float, env: Optional[dict] = None, cwd: Optiona
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        _stop([proc])
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd[:6])} … did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
     finally:
@@ -147,8 +170,7 @@ def _together(cmds: list[list[str]], envs: list[dict], files: list[tuple[Path, P
             try:
                 p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
             except subprocess.TimeoutExpired:
-                for q in procs:
-                    _kill_group(q)
+                _stop(procs)
                 raise AssertionError(f"{what} did not finish within {timeout}s:\n"
                                      + "\n".join(_read(f)[-(tail or 0):] for pair_ in logs for f in pair_))
         return [Result(p.returncode, _read(o), _read(e), time.monotonic() - t0) for p, (o, e) in zip(procs, logs)]

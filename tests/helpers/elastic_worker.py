@@ -11,7 +11,8 @@ here by rank 0 when the fit runs in one process).
 ``token_data`` under FSDP2 (in one process: unwrapped) with micro-batches of 3 and the loss over the valid tokens.
 A fit named ``spike…`` trains on data whose sample 50 is
 scaled by -1000, not shuffled, with ``on_spike: rollback`` (``spike…fsdp``: under FSDP2); one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
-of that sample's step, not shuffled. Each rank writes the samples of each step it trained
+of that sample's step, not shuffled. ``l1spike…`` and ``l1clean…`` do the same for a regression under the L1 loss
+whose sample 58 has a poisoned target (``targets``): a loss spike on one rank alone. Each rank writes the samples of each step it trained
 (``NAME-rows-RANK.json``); rank 0 writes the final parameters (``NAME.pt``).
 """
 
@@ -104,12 +105,50 @@ def poisoned():
     return x, y
 
 
+def targets(poison: bool) -> torch.Tensor:
+    """Regression targets of the 93 samples (4 numbers each); ``poison``: sample 58's first one is off by 1e4. Not
+    shuffled, on 2 ranks of 3 × 2 accumulated, sample 58 is in rank 1's second micro-batch of step 5 only: under
+    the L1 loss that micro-batch's loss spikes, while its gradient (the sign of each error) is that of any sample,
+    so the gradient norm over the ranks does not."""
+    x, _ = W.train_data()
+    y = x @ torch.randn(W.FEATURES, W.CLASSES, generator=torch.Generator().manual_seed(7))
+    if poison:
+        y[58, 0] += 1e4
+    return y
+
+
 def settings(run_dir: Path, **extra) -> dict:
     kw = W.settings(run_dir, global_batch_size=GLOBAL_BATCH, scheduler="onecycle",
                     **{"scheduler.max_lr": 0.1, "checkpoint.every_steps": CUT, "log.every_steps": 4})
     kw.pop("batch_size")
     kw.update(extra)
     return kw
+
+
+def _job(name: str, extra: dict) -> tuple:
+    """The data and model of the fit named ``name`` (see the module's text); settings it needs go into ``extra``."""
+    data, model = W.train_data(), W.make_model()
+    if name.startswith(("spike", "l1spike")):  # a poisoned sample, rolled back (see SPIKE)
+        extra.update(SPIKE)
+    if name.startswith("spike"):
+        data, model = poisoned(), relu_model()
+    if name.startswith("stream"):  # a stream, read here (re-split exactly) or by a worker process (it cannot be)
+        data = Stream()
+        extra.update(scheduler=None, num_workers=1 if name.startswith("streamw") else 0)
+    if name.startswith(("l1spike", "l1clean")):  # a regression under the L1 loss (see targets)
+        data = (data[0], targets(poison=name.startswith("l1spike")))
+        extra.update(loss="l1", metrics=[])
+    if name.startswith(("clean", "l1clean")):  # the data set without the poisoned step's samples
+        keep = [i for i in range(W.N_TRAIN) if i not in POISONED_STEP]
+        data = tuple(t[keep] for t in data)
+        extra.update(shuffle=False, scheduler=None)
+    if name.startswith("clean"):
+        model = relu_model()
+    if name.startswith("fsdp"):
+        data, model = token_data(), token_model()
+        extra.update(loss=token_loss, loss_normalization="tokens", micro_batch_size=3, metrics=[],
+                     **{"dist.fsdp_min_params": 500})
+    return data, model
 
 
 def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, step_fn=None, **kw) -> dict:
@@ -125,24 +164,10 @@ def fit(out: Path, name: str, checkpoint: str | None, micro: int | None = None, 
     micro = micro or int(os.environ.get("MICRO") or 0)
     if micro:
         extra["micro_batch_size"] = micro
-    data = W.train_data()
-    if name.startswith("spike"):  # a poisoned sample, rolled back (see SPIKE)
-        data = poisoned()
-        extra.update(SPIKE)
-    if name.startswith("stream"):  # a stream, read here (re-split exactly) or by a worker process (it cannot be)
-        data = Stream()
-        extra.update(scheduler=None, num_workers=1 if name.startswith("streamw") else 0)
-    if name.startswith("clean"):  # the data set without the poisoned step's samples
-        keep = [i for i in range(W.N_TRAIN) if i not in POISONED_STEP]
-        data = tuple(t[keep] for t in data)
-        extra.update(shuffle=False, scheduler=None)
+    data, model = _job(name, extra)
     rows: list = []
     strategy = "ddp" if kw.get("world_size", 1) > 1 else "none"
-    model = relu_model() if name.startswith(("spike", "clean")) else W.make_model()
     if name.startswith("fsdp"):  # FSDP2 on tokens: accumulation of micro-batches of 3, loss over the valid tokens
-        data, model = token_data(), token_model()
-        extra.update(loss=token_loss, loss_normalization="tokens", micro_batch_size=3, metrics=[],
-                     **{"dist.fsdp_min_params": 500})
         strategy = "fsdp" if kw.get("world_size", 1) > 1 else "none"
     if name.startswith("spike") and name.endswith("fsdp") and kw.get("world_size", 1) > 1:
         strategy = "fsdp"  # the rollback's snapshot and restore of sharded parameters and optimizer state

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from helpers import PYTHON, subprocess_env
+from helpers import PYTHON, dist_procs, subprocess_env
 
 QUIET_SETS = ["log.plot=false", "log.tensorboard=false", "log.progress=none", "threads=1", "data.num_workers=0"]
 
@@ -133,7 +132,7 @@ def ddp_train(tmp_path: Path, args: list[str], timeout: int = 240) -> tuple[dict
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)] + \
           [str(a) for a in args]
     env = subprocess_env(PARAMS_OUT=str(out), TORCHRIG_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    proc = dist_procs.run(cmd, timeout, env=env, cwd=tmp_path)  # its process group: torchrun and its workers
     assert proc.returncode == 0, f"2-rank run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
 

@@ -80,11 +80,11 @@ def runs(tmp_path_factory):
     got = {"one": _one_process(out, "one"), "fsdp_one": _one_process(out, "fsdp_one")}
     said = {3: _group(out, 3, ["three"])[0].output}
     said[2] = _group(out, 2, ["two", f"one_to_two={out / 'one' / 'checkpoints' / CUT}",
-                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw", "fsdp", "spikefsdp",
+                              f"three_to_two={out / 'three' / 'checkpoints' / CUT}", "spike", "stream", "streamw", "fsdp", "spikefsdp", "l1spike",
                               f"fsdp_one_to_two={out / 'fsdp_one' / 'checkpoints' / CUT}"])[0].output
     said["two_to_three"] = _group(out, 3, [f"two_to_three={out / 'two' / 'checkpoints' / CUT}"])[0].output
     got["two_to_one"] = _one_process(out, "two_to_one", out / "two" / "checkpoints" / CUT)
-    got["clean"] = _one_process(out, "clean")
+    got["clean"], got["l1clean"] = _one_process(out, "clean"), _one_process(out, "l1clean")
     got["fsdp_two_to_one"] = _one_process(out, "fsdp_two_to_one", out / "fsdp" / "checkpoints" / CUT)
     said["stream"] = _said(lambda: _one_process(out, "stream_to_one", out / "stream" / "checkpoints" / CUT))
     said["streamw"] = _said(lambda: _one_process(out, "streamw_to_one", out / "streamw" / "checkpoints" / CUT))
@@ -92,6 +92,7 @@ def runs(tmp_path_factory):
     got["stream"] = _read(out, "stream", 2)
     got["spike"] = _read(out, "spike", 2)
     got["spikefsdp"] = _read(out, "spikefsdp", 2)
+    got["l1spike"] = _read(out, "l1spike", 2)
     got.update({"three": _read(out, "three", 3), "two": _read(out, "two", 2),
                 "one_to_two": _read(out, "one_to_two", 2), "three_to_two": _read(out, "three_to_two", 2),
                 "two_to_three": _read(out, "two_to_three", 3), "fsdp": _read(out, "fsdp", 2),
@@ -178,6 +179,22 @@ def test_a_spike_on_two_ranks_is_rolled_back_by_both_alike(runs, name):
     assert got[name]["strategy"] == ({"fsdp"} if name.endswith("fsdp") else {"ddp"})
 
 
+def test_a_loss_spike_on_one_rank_rolls_back_both(runs):
+    """A regression under the L1 loss whose sample 58 has a target off by 1e4: only rank 1's micro-batch holding it
+    spikes (its loss; the L1 gradient of that sample, and the gradient norm over the ranks, stay as any other's).
+    The ranks agree on the largest loss: both return to step 4 and replay step 5 without its samples, one ledger
+    line is written, and they end with the parameters of one process trained on the 81 others (1e-6)."""
+    got, said = runs
+    run = got["l1spike"]
+    ledger = [json.loads(line) for line in (run["run"] / "skipped_samples.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["rolled_back_to"], e["samples"]) for e in ledger] == [(5, 4, E.POISONED_STEP)]
+    assert ledger[0]["reason"].startswith("loss ")
+    for rows in run["rows"]:  # each rank: step 5's 2 micro-batches, then the replayed step 5's 2
+        assert Counter(step for epoch, step, _ in rows if epoch == 0)[5] == 4
+    assert run["steps"] == got["l1clean"]["steps"] == {14}
+    assert _max_diff(run["params"], got["l1clean"]["params"]) < ATOL
+
+
 def test_a_stream_read_in_order_resumes_on_another_number_of_processes_exactly(runs):
     """A stream read by each process itself (data.num_workers=0): sample i goes to rank i mod W, so after 6 batches
     of 3 on 2 ranks the first 36 samples are used. Resumed in one process (batches of 6) it re-reads them and goes
@@ -253,3 +270,20 @@ def test_an_elastic_launch_that_loses_a_node_resumes_mid_epoch_on_the_one_left(r
     assert _max_diff(torch.load(tmp_path / "spike_launch.pt"), got["clean"]["params"]) < ATOL
     ledger = [json.loads(line) for line in (tmp_path / "spike_launch" / "skipped_samples.jsonl").read_text().splitlines()]
     assert [(e["step"], e["samples"]) for e in ledger] == [(5, E.POISONED_STEP)]
+
+
+def test_the_logged_train_values_of_a_resumed_run_count_each_sample_once(runs):
+    """The checkpoint of one process at step 11 (3 steps of epoch 2 done), resumed on 2 ranks: the train loss and
+    accuracy logged in epoch 2 (every 4 steps and at its end) are the uninterrupted run's. The running sums of the
+    36 samples before the checkpoint go to one rank only; loaded on both, they would count twice."""
+    got, _ = runs
+
+    def epoch_2(name: str) -> dict:
+        rows = [json.loads(line) for line in (got[name]["run"] / "metrics.jsonl").read_text().splitlines()]
+        return {(r["kind"], r["step"]): (r["train/loss"], r["train/accuracy"]) for r in rows
+                if r.get("kind") in ("interval", "epoch") and r["step"] > 8}
+
+    resumed, whole = epoch_2("one_to_two"), epoch_2("one")
+    assert sorted(resumed) == sorted(whole) == [("epoch", 16), ("interval", 12), ("interval", 16)]
+    for at, (loss, accuracy) in whole.items():
+        assert resumed[at] == (pytest.approx(loss, rel=1e-5), pytest.approx(accuracy, abs=1e-12)), at

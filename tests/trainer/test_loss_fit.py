@@ -5,8 +5,11 @@ broadcast pairs ((N, 1) against (N,)) stops too."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchrig.data.batches import BatchError
@@ -54,12 +57,33 @@ def test_an_output_that_does_not_fit_the_loss_is_one_line_at_the_first_step(make
     assert trainer.global_step == 0 and "\n" not in str(info.value)
 
 
+def _by_hand(model: nn.Module, x, y, loss) -> nn.Module:
+    """What two SGD steps (lr 0.05, momentum 0.9: the defaults) over the batches 0 … 7 and 8 … 15 give, written
+    out."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for first in (0, 8):
+        opt.zero_grad()
+        loss(model(x[first:first + 8]), y[first:first + 8]).backward()
+        opt.step()
+    return model
+
+
 def test_what_fits_trains(make_trainer):
-    """The fits the messages propose: bce_with_logits on one output, and targets shaped like the output."""
+    """The fits the messages propose, bce_with_logits on one output and targets shaped like the output, train as
+    the hand-written loop does: bce_with_logits over an output (8, 1) and targets (8,) is the loss over the output's
+    one column."""
     torch.manual_seed(0)
     x = torch.randn(16, 8)
-    make_trainer(nn.Linear(8, 1), loss="bce_with_logits", max_steps=2).fit((x, Y2.float()))
-    make_trainer(nn.Linear(8, 1), loss=nn.MSELoss(), max_steps=2, overwrite=True).fit((x, Y3.float().view(16, 1)))
+    fits = [("bce_with_logits", Y2.float(), lambda out, y: F.binary_cross_entropy_with_logits(out[:, 0], y)),
+            (nn.MSELoss(), Y3.float().view(16, 1), nn.MSELoss())]
+    for loss, y, by_hand in fits:
+        start = nn.Linear(8, 1)
+        trainer = make_trainer(copy.deepcopy(start), loss=loss, max_steps=2, shuffle=False, overwrite=True)
+        trainer.fit((x, y))
+        want = _by_hand(copy.deepcopy(start), x, y, by_hand)
+        assert trainer.global_step == 2 and (want.weight - start.weight).abs().max() > 1e-3  # the steps moved it
+        for got, expected in zip(trainer.model.parameters(), want.parameters()):
+            assert torch.allclose(got, expected, atol=1e-6), (loss, got, expected)
 
 
 def test_a_token_models_output_gets_the_fit_for_positions(make_trainer):

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import TinyNet
+from helpers import TinyNet, make_classification
 
 from torchrig.cli import main
 from torchrig.config import ConfigError
@@ -215,3 +215,66 @@ def test_a_section_one_process_has_not_registered_is_not_compared():
     assert changes.changed({"seed": 0}, saved) == ([], [])
     found, _ = changes.changed(saved, {"seed": 0, "myrecipe": {"vocab_size": 100}})
     assert [(k, a, b) for k, a, b, _ in found] == [("myrecipe.vocab_size", 8000, 100)]
+
+
+def _recorded(rows: list):
+    """default_step that appends ``(epoch, optimizer step, [sample indices])`` per micro-batch (feature 0 of
+    make_classification(40) tells the samples apart)."""
+    from torchrig.trainer.step import default_step
+
+    index = {v: i for i, v in enumerate(make_classification(40)[0][:, 0].tolist())}
+
+    def step_fn(step, batch):
+        rows.append((step.epoch, step.global_step + 1, [index[v] for v in batch[0][:, 0].tolist()]))
+        return default_step(step, batch)
+
+    return step_fn
+
+
+@pytest.mark.parametrize("batch, accumulate, mid_epoch", [(9, 2, True), (12, 2, False), (8, 2, False)],
+                         ids=["at-a-step", "inside-a-step", "inside-a-batch"])
+def test_a_changed_global_batch_goes_on_with_the_next_sample_or_starts_the_epoch_over(
+        make_trainer, data, run_dir, capsys, batch, accumulate, mid_epoch):
+    """A checkpoint after 36 of the epoch's 40 samples (3 steps of 12), resumed with resume_changes=allow at another
+    global batch: 9 × 2 has a step starting at sample 37, and the run trains the epoch's last 4 samples; 12 × 2 and
+    8 × 2 have none (36 falls inside a step, inside a batch of 8: resuming at the epoch's end would skip samples
+    36 … 39), and the epoch starts over, said in one line. Either way no sample of the epoch is lost."""
+    before: list = []
+    make_trainer(batch_size=12, max_steps=3, step_fn=_recorded(before)).fit(data)
+    capsys.readouterr()
+    after: list = []
+    make_trainer(batch_size=batch, accumulate=accumulate, epochs=3, resume="latest", resume_changes="allow",
+                 step_fn=_recorded(after)).fit(data)  # 3 epochs of this run's steps: epoch 1 ends before the run
+    out, err = capsys.readouterr()
+    over = [line for line in (out + err).splitlines() if "resuming at the start of epoch" in line]
+    resumed = [i for epoch, _, samples in after if epoch == 0 for i in samples]
+    first = [i for _, _, samples in before for i in samples]
+    assert len(first) == 36 and len(set(first)) == 36
+    if mid_epoch:
+        assert over == [] and sorted(first + resumed) == list(range(40))
+        assert [(step, len(samples)) for epoch, step, samples in after if epoch == 0] == [(4, 4)]
+    else:
+        assert over == ["torchrig: the checkpoint stopped after 36 samples of epoch 1, inside an optimizer step of "
+                        "this run (its global batch differs); resuming at the start of epoch 1: keep "
+                        "data.global_batch_size the same to resume mid-epoch"]
+        assert sorted(resumed) == list(range(40))
+
+
+@pytest.mark.parametrize("saved_on, now_on, placed, expected", [
+    (2, 1, 24, (1, 0)), (2, 2, 24, (1, 0)), (2, 2, -1, (1, 3)), (2, 1, -1, (1, 0))],
+    ids=["another-world", "same-world", "same-world-stream-read-by-workers", "another-world-stream"])
+def test_a_position_this_run_cannot_find_starts_the_epoch_over(saved_on, now_on, placed, expected):
+    """A checkpoint of ``saved_on`` processes stopped 3 batches (24 samples) into epoch 2, where no step of this run
+    starts: the epoch starts over, said in one line. Only data that cannot place samples (``placed`` -1: a stream
+    read by workers) on the same number of processes keeps the checkpoint's own count of batches."""
+    from torchrig.trainer.state import TrainState
+
+    over = ("torchrig: the checkpoint stopped after 24 samples of epoch 2, inside an optimizer step of this run (its "
+            "global batch differs); resuming at the start of epoch 2: keep data.global_batch_size the same to resume "
+            "mid-epoch")
+    state = TrainState(global_step=9, epoch=1, batch_in_epoch=3, world_size=saved_on, samples_in_epoch=24)
+    said = over if expected[1] == 0 else ""
+    assert state.resume_at(now_on, lambda samples: None, lambda batches: placed) == (*expected, said)
+    assert state.world_size == now_on
+    found = TrainState(epoch=1, batch_in_epoch=3, world_size=saved_on, samples_in_epoch=24)
+    assert found.resume_at(now_on, lambda samples: samples // 6, lambda batches: placed) == (1, 4, "")

@@ -59,9 +59,7 @@ def test_a_rolled_back_spike_equals_a_run_without_its_samples(make_trainer, run_
     assert ledger[0]["reason"].startswith("gradient norm ") and "> 10 × its mean" in ledger[0]["reason"]
     assert "torchrig: spike at step 5 (gradient norm " in said and "rolled back to step 4; its 12 samples are left out" in said
 
-    x, y = _data()
-    keep = [i for i in range(N) if i not in WINDOW]
-    clean = _fit(make_trainer, (x[keep], y[keep]), run_dir=str(run_dir.parent / "clean"))
+    clean = _clean(make_trainer, run_dir)
     assert rolled.global_step == clean.global_step == 14  # 81 samples: 7 steps per epoch
     for a, b in zip(rolled.model.parameters(), clean.model.parameters()):
         assert (a - b).abs().max().item() < ATOL
@@ -80,13 +78,38 @@ def test_rollbacks_in_a_row_stop_the_run_in_one_line(make_trainer, run_dir, rest
     assert [e["samples"] for e in ledger] == [WINDOW]
 
 
+def _clean(make_trainer, run_dir):
+    """The run whose data set never held the spiking step's samples."""
+    x, y = _data(poison=())
+    keep = [i for i in range(N) if i not in WINDOW]
+    return _fit(make_trainer, (x[keep], y[keep]), run_dir=str(run_dir.parent / "clean"))
+
+
 def test_a_non_finite_loss_is_rolled_back(make_trainer, run_dir, restore_threads):
     x, y = _data(poison=())
     x[50] = float("inf")
     t = _fit(make_trainer, (x, y), **SPIKE)
     ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
-    assert ledger[0]["samples"] == WINDOW and ledger[0]["reason"].startswith("a non-finite value")
-    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert [(e["step"], e["rolled_back_to"], e["samples"]) for e in ledger] == [(5, 4, WINDOW)]
+    assert ledger[0]["reason"] == "a non-finite value (loss inf, gradient norm inf)"
+    clean = _clean(make_trainer, run_dir)
+    assert t.global_step == clean.global_step == 14
+    for a, b in zip(t.model.parameters(), clean.model.parameters()):
+        assert (a - b).abs().max().item() < ATOL
+
+
+def test_a_spike_right_after_the_warmup_is_rolled_back_and_each_step_is_judged_once(make_trainer, run_dir,
+                                                                                   restore_threads):
+    """spike.warmup_steps=4: step 5 is the first one compared with the mean of the steps before it, and it spikes.
+    With snapshot_every=3 the rollback returns to step 3, past the accepted step 4: the history the next steps are
+    compared with (saved in the checkpoint) drops it, so the replayed step 4 is in it once."""
+    from torchrig.checkpoint import read_checkpoint
+
+    t = _fit(make_trainer, _data(), **dict(SPIKE, **{"spike.warmup_steps": 4, "spike.snapshot_every": 3}))
+    ledger = [json.loads(line) for line in (run_dir / "skipped_samples.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["rolled_back_to"], e["samples"]) for e in ledger] == [(5, 3, WINDOW)]
+    state, _, _ = read_checkpoint(run_dir / "checkpoints" / "step-00000014")
+    assert [h[0] for h in state["spikes"]["history"]] == list(range(1, 15)) and t.global_step == 14
 
 
 def test_a_resume_from_before_a_rollback_writes_its_ledger_line_once(make_trainer, run_dir, restore_threads):

@@ -53,10 +53,17 @@ def test_the_block_names_every_command():
 
 @pytest.mark.slow
 def test_the_tuning_commands_run(tmp_path):
+    import json
+
+    import optuna
+
+    from helpers import dist_procs, read_jsonl
+    from torchrig.recipes.run import build_config
+
     script = tmp_path / "tuning.sh"
     script.write_text(f'set -e\ntorchrig() {{ "{sys.executable}" -m torchrig "$@"; }}\n' + shortened(tuning_block()))
-    r = subprocess.run(["bash", str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
-                       timeout=900)
+    # its own process group, killed whole at the limit: the shell, the studies and their parallel workers
+    r = dist_procs.run(["bash", str(script)], timeout=540, env=subprocess_env(), cwd=tmp_path)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     out = r.stdout
     assert out.startswith("torchrig: model DigitsCNN")  # torchrig summary
@@ -65,6 +72,18 @@ def test_the_tuning_commands_run(tmp_path):
         folder = tmp_path / "runs" / "tune" / study
         assert (folder / "best.yaml").exists() and (folder / "tune.png").exists(), study
         assert sorted(p.name for p in (folder / "trials").iterdir()) == ["0", "1"], study
+        trials = optuna.load_study(study_name="torchrig", storage=f"sqlite:///{folder / 'study.db'}").get_trials()
+        assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], study  # one epoch: nothing to prune
+        assert trials[0].params != trials[1].params, study
+        for t in trials:  # its value: the val/accuracy its one epoch logged, recorded beside it as Optuna holds it
+            run = folder / "trials" / str(t.number)
+            logged = [row["val/accuracy"] for row in read_jsonl(run / "metrics.jsonl") if row.get("kind") == "epoch"]
+            assert logged == [t.value] and t.intermediate_values == {1: t.value} and 0.1 < t.value <= 1, (study, t)
+            record = json.loads((run / "trial.json").read_text())
+            assert (record["state"], record["value"], record["params"]) == ("complete", t.value, t.params), study
+        best = max(trials, key=lambda t: t.value)
+        chosen = build_config(str(folder / "best.yaml"))
+        assert (chosen.optim.lr, chosen.data.batch_size) == (best.params["optim.lr"], best.params["data.batch_size"])
     assert out.count("tune: 2 trials") == 3  # the study, its resume (nothing left to run), parallel
     assert "tune: 2 workers" in out
     assert "test: loss" in out  # torchrig train took best.yaml as it is

@@ -68,3 +68,27 @@ def test_a_space_file_that_is_not_yaml_is_named(cfg, tmp_path):
     bad.write_text("optim.lr: {log_uniform: [1e-5\n")
     with pytest.raises(TuneError, match=r"search space file '.*space.yaml' is not valid YAML at line"):
         load_space(bad, cfg)
+
+
+@pytest.mark.parametrize("spec, points", [
+    ({"data.batch_size": {"int": [1, 2_000_000]}}, "2000000"),
+    ({"optim.weight_decay": {"uniform": [0.0, 1.0], "step": 1e-6}, "data.batch_size": {"choice": [32, 64]}}, "2000002"),
+], ids=["int", "steps"])
+def test_a_grid_is_counted_before_it_is_built(cfg, tmp_path, spec, points):
+    """A grid over the 10,000-point limit is refused from its count alone: no list as long as the range."""
+    import tracemalloc
+
+    space = load_space(spec, cfg)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TuneError) as info:
+            space.grid()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value) == (f"search space: the grid has {points} points (more than 10000); narrow it or use "
+                               f"--sampler tpe / random")
+    assert peak < 1 << 20  # bytes; listing the range first took over 50 MiB
+    with pytest.raises(TuneError, match=f"the grid has {points} points"):
+        torchrig.tune(cfg, spec, 2, sampler="grid", study_dir=tmp_path / "s")
+    assert not (tmp_path / "s" / "study.json").exists()

@@ -42,16 +42,22 @@ def test_a_small_study_of_the_digits_job(tmp_path, monkeypatch, capsys):
     rows = trials_of(study)
     assert [r["number"] for r in rows] == [0, 1, 2, 3, 4]
     assert {r["state"] for r in rows} <= {"COMPLETE", "PRUNED"}
+    assert len({r["params"]["optim.lr"] for r in rows}) == 5  # each trial its own draw
+    schedule = set()  # each trial's first epoch's logged lr over its drawn lr: one schedule, the trial's own lr
     for r in rows:  # each trial is a torchrig run of its own, its value the best val/accuracy of its epochs
         run = study / "trials" / str(r["number"])
         record = json.loads((run / "trial.json").read_text())
         assert record["state"] == r["state"].lower() and record["params"] == r["params"]
         epochs = [row for row in read_jsonl(run / "metrics.jsonl") if "val/accuracy" in row]
         assert {e["epoch"]: e["val/accuracy"] for e in epochs} == r["reported"]
+        # trained with its parameters: the digits job's 1295 training samples make 41 steps of 32, 21 of 64
+        assert epochs[0]["step"] == {32: 41, 64: 21}[r["params"]["data.batch_size"]]
+        schedule.add(round(epochs[0]["lr"] / r["params"]["optim.lr"], 9))
         if r["state"] == "COMPLETE":
             assert r["value"] == max(r["reported"].values()) and len(epochs) == 2
             assert (run / "checkpoints" / "latest" / "config.yaml").exists()
         assert (run / "PRUNED").exists() == (r["state"] == "PRUNED")
+    assert len(schedule) == 1
     best = max((r for r in rows if r["state"] == "COMPLETE"), key=lambda r: r["value"])
     assert (result.best_trial, result.best_value, result.monitor) == (best["number"], best["value"], "val/accuracy")
     out = capsys.readouterr().out

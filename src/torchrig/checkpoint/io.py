@@ -3,11 +3,12 @@
 Weights go to safetensors (no code can run on load); everything else (optimizer, scheduler,
 counters, RNG states) is saved with ``torch.save`` and read back with ``weights_only=True``, which
 refuses any pickled object that is not a tensor or a plain container. Every file is written to a
-temporary name, flushed with fsync and renamed, so a process killed mid-save leaves the previous
-checkpoint whole. A write that fails (a full disk, a file size limit, an I/O error) raises the
-``OSError`` itself, also from inside ``torch.save``, and leaves no temporary file behind. The sha256 of
-the bytes written is returned, for ``meta.json``; reading a file back checks it (``open_checked``), and
-reads only regular files (a FIFO would block, ``/dev/zero`` never ends).
+temporary name (random, created anew: a link planted in the folder is never written through), flushed
+with fsync and renamed, so a process killed mid-save leaves the previous checkpoint whole. A write that
+fails (a full disk, a file size limit, an I/O error) raises the ``OSError`` itself, also from inside
+``torch.save``, and leaves no temporary file behind. The sha256 of the bytes written is returned, for
+``meta.json``; reading a file back checks it (``open_checked``), and reads only regular files (a FIFO
+would block, ``/dev/zero`` never ends).
 
 Testing hook: ``TORCHRIG_TEST_PAUSE_AT=NAME[@K]`` in the environment, read once when this module is
 imported, makes the process stop the K-th time (default: the first) a save reaches the point NAME:
@@ -180,34 +181,30 @@ class _Writer:
         self.fh.flush()
 
 
-def _write_atomic(path: Path, write) -> str:
-    """Write ``path`` through ``write(file)`` under a temporary name, fsync, rename; returns its checksum."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            out = _Writer(fh)
-            try:
-                write(out)
-            except RuntimeError:
-                if out.error is not None:
-                    raise out.error from None
-                raise
-            fh.flush()
-            pause_point(path.name, tmp)
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep the half file
-        raise
+def _write_atomic(path: Path, write, root: Optional[Path] = None) -> str:
+    """Write ``path`` through ``write(file)`` with ``files.atomic_file`` (a new temporary file with a random
+    name, never a link followed, fsync, rename); returns its checksum."""
+    with files.atomic_file(path, root) as fh:
+        out = _Writer(fh)
+        try:
+            write(out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
+        fh.flush()
+        pause_point(path.name, Path(fh.name))
     return f"{CHECKSUM}:{out.hash.hexdigest()}"
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> str:
-    return _write_atomic(Path(path), lambda out: out.write(data))
+def write_bytes_atomic(path: Path, data: bytes, root: Optional[Path] = None) -> str:
+    """``path`` holds ``data`` (its folder, and with ``root`` every folder below ``root``, a real folder, not a
+    link); returns the checksum."""
+    return _write_atomic(Path(path), lambda out: out.write(data), root)
 
 
-def write_json_atomic(path: Path, obj: Any) -> str:
-    return write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+def write_json_atomic(path: Path, obj: Any, root: Optional[Path] = None) -> str:
+    return write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode(), root)
 
 
 # ----------------------------------------------------------------------------- reading, checked

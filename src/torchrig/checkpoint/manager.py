@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config.files import JSON_LIMIT, YAML_LIMIT, parse_yaml, read_regular
+from ..config.files import (JSON_LIMIT, YAML_LIMIT, UnsafePathError, make_dir, make_temp_dir, parse_yaml, read_regular,
+                            replace_link)
 from ..errors import setting
 from .background import BackgroundWriter, host_copy
 from .layout import PREFIX, checkpoint_name, weight_files
@@ -35,21 +36,12 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _link(target_name: str, link: Path) -> None:
-    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    try:
-        os.symlink(target_name, tmp)
-        pause_point(link.name, tmp)
-        os.replace(tmp, link)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_link(target_name, link, before=lambda tmp: pause_point(link.name, tmp))
 
 
 def _is_temporary(name: str) -> bool:
-    """The names saves write under before renaming: ``.tmp-step-*``, ``.tmp-staged-*``, ``.tmp-trash-*``,
-    ``.index.json.tmp-PID``, ``.latest.tmp-PID``, ..."""
+    """The names saves write under before renaming (each ending in random hex digits): ``.tmp-step-*``,
+    ``.tmp-staged-*``, ``.tmp-trash-*``, ``.index.json.tmp-*``, ``.latest.tmp-*``, ..."""
     return name.startswith(".") and ".tmp-" in name
 
 
@@ -188,10 +180,12 @@ class CheckpointManager:
         """Finish or remove what a save cut short left behind: run on rank 0 at every start.
 
         A re-save stopped while ``latest`` named its complete temporary directory is finished; every
-        other temporary directory or file is removed.
+        other temporary directory or file is removed. A link (or a file) in the place of the folder is refused
+        (``UnsafePathError``): nothing is removed or written through it.
         """
-        if not self.dir.is_dir():
+        if not (self.dir.exists() or self.dir.is_symlink()):
             return
+        make_dir(self.dir)
         self._finish_swap()
         latest = self.dir / "latest"
         keep = os.readlink(latest) if latest.is_symlink() else None
@@ -205,13 +199,12 @@ class CheckpointManager:
     def _finish_swap(self) -> None:
         latest = self.dir / "latest"
         target = os.readlink(latest) if latest.is_symlink() else ""
-        found = re.fullmatch(r"\.tmp-(step-\d+)-\d+", target)
+        found = re.fullmatch(r"\.tmp-(step-\d+)-[0-9a-f]+", target)
         if found is None or not (self.dir / target).is_dir():
             return
-        final, trash = self.dir / found.group(1), self.dir / f".tmp-trash-{found.group(1)}-{os.getpid()}"
+        final = self.dir / found.group(1)
         if final.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(final, trash)
+            os.replace(final, make_temp_dir(self.dir, f".tmp-trash-{found.group(1)}-"))
         os.replace(self.dir / target, final)
         fsync_dir(self.dir)
         _link(final.name, latest)
@@ -349,8 +342,8 @@ class CheckpointManager:
         name = checkpoint_name(step)
         previous, published = self.latest_step(), False
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+            make_dir(self.dir)
+            tmp = make_temp_dir(self.dir, f".tmp-{name}-")
             self._write(tmp, weights, state, config, dict(meta, metrics=metrics or {}, saved_at=time.time()),
                         extra_writer, files or {})
             final = self._publish(tmp, name)
@@ -362,15 +355,13 @@ class CheckpointManager:
             except OSError:
                 pass  # the storage is failing: what is left is removed at the next start
             error = _os_error(exc)
-            if error is None:
+            if error is None or isinstance(error, UnsafePathError):
                 raise
             raise CheckpointWriteError(_write_failure(error, step, self.dir, previous, published)) from exc
         return final
 
     def _write(self, tmp: Path, weights: Optional[dict], state: dict, config: Optional[dict], meta: dict,
                extra_writer: Optional[Callable[[Path], None]], files: dict[str, dict]) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         sums = {}  # file -> checksum of the bytes written, kept in meta.json (written last)
         if weights is not None:
             sums["model.safetensors"] = save_weights(weights, tmp / "model.safetensors")
@@ -402,15 +393,15 @@ class CheckpointManager:
     def _publish(self, tmp: Path, name: str) -> Path:
         """Rename the complete ``tmp`` into place and point ``latest`` at it, whole at every instant."""
         final = self.dir / name
-        trash = self.dir / f".tmp-trash-{name}-{os.getpid()}"
+        trash = None
         if final.exists():  # re-saving a step (epoch end, resumed run): `latest` must name a whole
             _link(tmp.name, self.dir / "latest")  # checkpoint at every instant, so it names tmp meanwhile
             fsync_dir(self.dir)
-            staged = self.dir / f".tmp-staged-{name}-{os.getpid()}"
-            shutil.rmtree(staged, ignore_errors=True)
-            shutil.copytree(tmp, staged, copy_function=_hardlink_or_copy)
+            staged = make_temp_dir(self.dir, f".tmp-staged-{name}-")
+            shutil.copytree(tmp, staged, copy_function=_hardlink_or_copy, dirs_exist_ok=True)
             fsync_dir(staged)
-            os.replace(final, trash)
+            trash = make_temp_dir(self.dir, f".tmp-trash-{name}-")
+            os.replace(final, trash)  # over the new empty folder
             pause_point("swap", final)
             os.replace(staged, final)
         else:
@@ -420,7 +411,8 @@ class CheckpointManager:
         _link(name, self.dir / "latest")
         fsync_dir(self.dir)
         for leftover in (tmp, trash):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover is not None:
+                shutil.rmtree(leftover, ignore_errors=True)
         return final
 
     def _record(self, name: str) -> None:

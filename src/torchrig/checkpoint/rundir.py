@@ -16,15 +16,14 @@ import json
 import os
 import shutil
 import socket
-import stat
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from .. import runtime
-from ..config.files import file_kind, open_regular
+from ..config.files import open_own, open_regular, refuse_link, replace_link, write_atomic
 from ..errors import setting
-from .io import CheckpointError, write_bytes_atomic
+from .io import CheckpointError
 from .manager import follow_link
 
 try:
@@ -134,33 +133,12 @@ def check_not_in_use(run_dir: str | Path) -> None:
 def _open_lock(path: Path, create: bool) -> int:
     """A descriptor of the lock file, which must be a regular file of its own in the run directory.
 
-    The lock file is truncated and rewritten, so it must be torchrig's: a symbolic link (to a file of
-    the user's, say) is never followed (``O_NOFOLLOW``), and a hard link, a FIFO, a device or a
-    directory in its place is refused before a byte of it is touched. ``O_CREAT`` without
-    ``O_EXCL`` / ``O_TRUNC`` opens an existing file as it is; ``O_NONBLOCK`` keeps a FIFO from
-    blocking the open. The open's own OSError (no permission ...) is raised as it is.
+    The lock file is truncated and rewritten, so it must be torchrig's (``files.open_own``): a symbolic
+    link (to a file of the user's, say) is never followed, and a hard link, a FIFO, a device or a
+    directory in its place is refused before a byte of it is touched. The open's own OSError (no
+    permission ...) is raised as it is.
     """
-    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError:
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            mode = stat.S_IFREG  # nothing there, or no access: the open's own error says more
-        if stat.S_ISLNK(mode):  # O_NOFOLLOW's ELOOP: a symbolic link stands where the lock file goes
-            raise _not_a_lock(path, f"a symbolic link (to '{os.readlink(path)}')") from None
-        if not stat.S_ISREG(mode):  # a directory (EISDIR), a socket (ENXIO) ...
-            raise _not_a_lock(path, file_kind(mode)) from None
-        raise
-    st = os.fstat(fd)
-    what = None if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
-    if what is None and st.st_nlink != 1:
-        what = f"a file with {st.st_nlink} hard links (another name of it lies elsewhere)"
-    if what is not None:
-        os.close(fd)
-        raise _not_a_lock(path, what)
-    return fd
+    return open_own(path, create, lambda what: _not_a_lock(path, what))
 
 
 def _not_a_lock(path: Path, what: str) -> RunDirError:
@@ -250,9 +228,10 @@ def discard_unused(path: Path) -> None:
     if not last.is_symlink() or os.readlink(last) != path.name:
         return
     numbers = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True)
-    last.unlink()
     if numbers:
-        os.symlink(str(numbers[0]), last)
+        replace_link(str(numbers[0]), last, root=root)
+    else:
+        last.unlink()
 
 
 def _claim(root: Path) -> Path:
@@ -264,12 +243,8 @@ def _claim(root: Path) -> Path:
             break
         except FileExistsError:  # another run took this number a moment ago
             n += 1
-    tmp = root / f".last.tmp-{os.getpid()}"
     try:
-        if tmp.is_symlink():
-            tmp.unlink()
-        os.symlink(str(n), tmp)
-        os.replace(tmp, root / "last")
+        replace_link(str(n), root / "last", root=root)
     except OSError:  # no symbolic links here, or `last` is a real directory: the number is what counts
         pass
     return root / str(n)
@@ -280,16 +255,17 @@ def trim_metrics(path: str | Path, step: int) -> None:
     predecessor wrote after the checkpoint (and a torn last line); a run starting at step 0 drops a
     file left by a run that saved no checkpoint."""
     path = Path(path)
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         return
     if step <= 0:
-        path.unlink()
+        path.unlink()  # (a link itself, never what it names)
         return
+    refuse_link(path, "metrics file", "move it away, or choose another run_dir", RunDirError)
     with open_regular(path, "metrics file", "move it away, or choose another run_dir", RunDirError) as fh:
         lines = fh.read().decode(errors="replace").splitlines()
     keep = [line for line, at in zip(lines, map(_row_step, lines)) if at is not None and at <= step]
     if len(keep) != len(lines):
-        write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())
+        write_atomic(path, "".join(line + "\n" for line in keep).encode(), root=path.parent)
 
 
 def _row_step(line: str) -> Optional[int]:

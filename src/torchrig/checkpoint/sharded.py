@@ -134,10 +134,10 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
     temporary folder; rank 0's writer thread then writes the rest, waits for every shard, moves them
     into the checkpoint and publishes it. Returns the directory the checkpoint will have."""
     import os
-    import shutil
 
     import torch.distributed.checkpoint as dcp
 
+    from ..config.files import make_dir, make_temp_dir
     from .background import host_copy
 
     weights, shards, state, files = parts
@@ -145,9 +145,8 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
     staging = ""
     if manager.writes:
         try:
-            manager.dir.mkdir(parents=True, exist_ok=True)
-            staging = str(manager.dir / f".tmp-shards-{name}-{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
+            make_dir(manager.dir)  # DCP writes into a new folder of a real checkpoints folder, never through a link
+            staging = str(make_temp_dir(manager.dir, f".tmp-shards-{name}-"))
         finally:
             runtime.broadcast(staging)                    # "" if the folder could not be made: every rank stops
     else:

@@ -1,6 +1,6 @@
-"""Reading the files a run is pointed at: regular files only, small kinds of file with a size cap, and
-YAML whose aliases cannot blow it up.
+"""Reading the files a run is pointed at, and writing the files of a run, study or checkpoint folder.
 
+Reading: regular files only, small kinds of file with a size cap, and YAML whose aliases cannot blow it up.
 A path can name a FIFO (a read blocks for ever), a device (``/dev/zero`` never ends), a directory, or
 a file far bigger than its kind ever is; a tiny YAML file can repeat one list through nested aliases
 ("billion laughs") until it fills the memory. Each is refused with one line that names the file,
@@ -8,16 +8,42 @@ before a byte of it is read or expanded. The kind of file is checked on the open
 (``fstat``); the open itself uses ``O_NONBLOCK``, so that opening a FIFO does not block either. A
 symbolic link is followed (a config file may well be one) and what it leads to is checked.
 
-The checkpoint layer reads its files through these functions as well; standard library and PyYAML only.
+Writing: a folder torchrig writes into may come from someone else (a run copied from a colleague, a
+study unpacked from an archive), and a symbolic link planted in it must never carry a write outside it.
+So every file torchrig writes goes through the few functions of this module, which never follow a
+link where the file itself goes and never write into a folder that is a link:
+
+- ``write_atomic`` / ``atomic_file``: the bytes go to a new temporary file with a random name in the
+  target's own folder, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (nothing that stands there can
+  be opened instead), flushed with ``fsync`` and renamed over the target with ``os.replace`` (which
+  replaces a link standing there, never what it points to). A reader sees the old file or the new one.
+- ``open_append``: an append (``metrics.jsonl``) opens with ``O_NOFOLLOW | O_NONBLOCK`` and refuses
+  anything but a regular file: a link, a FIFO, a device.
+- ``replace_link``: a symbolic link (``latest``, ``best``) made under a random name, then renamed over.
+- ``make_dir`` / ``make_temp_dir`` / ``staged``: folders, checked not to be links; a library that
+  writes to a path of its own choosing writes into a fresh temporary folder that is renamed into place.
+
+The folder is opened once (``O_DIRECTORY | O_NOFOLLOW``) and the file is made relative to that
+descriptor (``openat``), so the folder cannot be swapped for a link between the check and the write.
+``root`` names the folder the caller was given (a run folder, a study folder, which the user may well
+have made a link); every folder below it, down to the file's own, must be a real folder. Without
+``root`` the file's own folder must be one.
+
+The checkpoint layer reads and writes its files through these functions as well; standard library and
+PyYAML only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
+import shutil
 import stat
 import typing
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator, Optional, TextIO
 
 from ..errors import TorchrigError
 
@@ -71,6 +97,249 @@ def read_regular(path: str | Path, limit: int, what: str, todo: str, error: Erro
         raise error(f"{what} '{path}' is {size_text(max(size, len(data)))}, more than the {size_text(limit)} "
                     f"such a file may hold; {todo}")
     return data
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class UnsafePathError(TorchrigError, OSError):
+    """A write refused before a byte of it was written: it would go through a symbolic link, or into something
+    that is not a folder (or not a regular file). An OSError too, so that a write allowed to fail without
+    failing the run (a plot) says why in its one line, as it does for a full disk."""
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NAME_ROOM = 200  # of a target's name kept in its temporary name (a name may have 255 bytes)
+
+
+def what_is(path: str | Path, dir_fd: Optional[int] = None) -> str:
+    """What stands at ``path`` (not following a link): ``a symbolic link (to 'x')``, ``a regular file``,
+    ``a FIFO`` ..., or ``missing``."""
+    try:
+        mode = os.lstat(path, dir_fd=dir_fd).st_mode
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to '{os.readlink(path, dir_fd=dir_fd)}')"
+        except OSError:
+            return "a symbolic link"
+    return "a regular file" if stat.S_ISREG(mode) else file_kind(mode)
+
+
+def _not_a_folder(path: Path, kind: str) -> UnsafePathError:
+    return UnsafePathError(f"'{path}' is {kind}, not a folder; torchrig writes into a run or study folder only "
+                           f"through folders of its own, never through a link: remove it, or choose another folder")
+
+
+def open_dir(folder: str | Path, root: str | Path | None = None, create: bool = False) -> int:
+    """A descriptor of ``folder``, to make files in relative to it; ``folder``, and with ``root`` every folder
+    from below ``root`` down to it, must be a real folder (else ``UnsafePathError``). ``root`` itself is
+    followed when it is a link (the user named it). ``create``: missing folders are made."""
+    folder = Path(folder)
+    if root is not None:
+        base, parts = Path(root), list(folder.relative_to(root).parts)
+    elif folder.name in ("", ".", ".."):
+        base, parts = folder, []
+    else:
+        base, parts = folder.parent, [folder.name]
+    if ".." in parts:
+        raise ValueError(f"'{folder}': a folder to write into is named without '..'")
+    if create:
+        base.mkdir(parents=True, exist_ok=True)
+    fd, here = os.open(base, _DIR), base
+    try:
+        for part in parts:
+            here = here / part
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            try:
+                inner = os.open(part, _DIR | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                kind = what_is(part, fd)
+                if kind == "missing" or exc.errno == errno.EACCES:
+                    raise
+                raise _not_a_folder(here, kind) from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dir(folder: str | Path, root: str | Path | None = None) -> Path:
+    """``folder``, made with its missing parents; refused when it (or, with ``root``, a folder between ``root``
+    and it) is a link or not a folder."""
+    os.close(open_dir(folder, root, create=True))
+    return Path(folder)
+
+
+def _fresh(stem: str, make: Callable[[str], Any]) -> str:
+    """A new name, ``stem`` and 12 random hex digits, made by ``make(name)``, which fails on a name in use."""
+    for _ in range(100):
+        name = f"{stem}{secrets.token_hex(6)}"
+        try:
+            make(name)
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name '{stem}*' after 100 tries")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, root: str | Path | None = None) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new bytes into: a new temporary file ``.NAME.tmp-RANDOM`` in
+    ``path``'s own folder (``O_CREAT | O_EXCL | O_NOFOLLOW``); leaving the block without an error flushes it,
+    ``fsync``s it and renames it over ``path`` (a link there is replaced, never followed); an error removes
+    it. The file's ``name`` is its temporary path."""
+    path = Path(path)
+    dfd = open_dir(path.parent, root)
+    try:
+        made: list[int] = []
+        name = _fresh(f".{path.name[:_NAME_ROOM]}.tmp-", lambda n: made.append(os.open(n, _NEW, 0o666, dir_fd=dfd)))
+        try:
+            with open(str(path.with_name(name)), "wb", opener=lambda *_: made[0]) as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(name, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)  # a full disk must not keep the half file
+            raise
+    finally:
+        os.close(dfd)
+
+
+def write_atomic(path: str | Path, data: bytes, root: str | Path | None = None) -> None:
+    """``path`` holds ``data``, whole or not at all, written through ``atomic_file``."""
+    with atomic_file(path, root) as fh:
+        fh.write(data)
+
+
+def open_append(path: str | Path, what: str, todo: str, error: ErrorType = UnsafePathError,
+                root: str | Path | None = None) -> TextIO:
+    """``path`` opened to append text lines (made when missing; line-buffered). A link (never followed:
+    ``O_NOFOLLOW``), a FIFO (``O_NONBLOCK``: the open does not wait for a reader), a device or a folder in its
+    place is refused with ``error``: ``{what} '{path}' is a FIFO, not a regular file; {todo}``."""
+    path = Path(path)
+    dfd = open_dir(path.parent, root)
+    try:
+        fd = os.open(path.name, _APPEND, 0o666, dir_fd=dfd)
+    except OSError:
+        kind = what_is(path.name, dfd)
+        if kind in ("missing", "a regular file"):
+            raise
+        raise error(f"{what} '{path}' is {kind}, not a regular file; {todo}") from None
+    finally:
+        os.close(dfd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"{what} '{path}' is {file_kind(mode)}, not a regular file; {todo}")
+    return open(fd, "a", buffering=1, encoding="utf-8", newline="")
+
+
+def refuse_link(path: str | Path, what: str, todo: str, error: ErrorType = UnsafePathError) -> None:
+    """``error`` when ``path`` is a symbolic link: a file torchrig rewrites in place of its own (a resumed
+    run's ``metrics.jsonl``) is never one."""
+    kind = what_is(path)
+    if kind.startswith("a symbolic link"):
+        raise error(f"{what} '{path}' is {kind}, not a regular file; {todo}")
+
+
+def open_own(path: str | Path, create: bool, refuse: Callable[[str], Exception]) -> int:
+    """A read-write descriptor of ``path`` for a file rewritten in place (a lock file), which must be a regular
+    file with no other name: a symbolic link is never followed (``O_NOFOLLOW``), and a hard link, a FIFO, a
+    device or a directory is refused with ``refuse(what it is)`` before a byte of it is touched. ``O_CREAT``
+    (``create``) without ``O_EXCL`` / ``O_TRUNC`` opens an existing file as it is; ``O_NONBLOCK`` keeps a FIFO
+    from blocking the open. The open's own OSError (no permission ...) is raised as it is."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        kind = what_is(path)
+        if kind in ("missing", "a regular file"):  # nothing there, or no access: the open's own error says more
+            raise
+        raise refuse(kind) from None
+    st = os.fstat(fd)
+    what = None if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
+    if what is None and st.st_nlink != 1:
+        what = f"a file with {st.st_nlink} hard links (another name of it lies elsewhere)"
+    if what is not None:
+        os.close(fd)
+        raise refuse(what)
+    return fd
+
+
+def replace_link(target: str, link: str | Path, root: str | Path | None = None,
+                 before: Optional[Callable[[Path], None]] = None) -> None:
+    """Point the symbolic link ``link`` at ``target``, atomically: a new link ``.NAME.tmp-RANDOM`` beside it,
+    renamed over it. ``before(temporary path)`` runs just before the rename."""
+    link = Path(link)
+    dfd = open_dir(link.parent, root)
+    try:
+        name = _fresh(f".{link.name[:_NAME_ROOM]}.tmp-", lambda n: os.symlink(target, n, dir_fd=dfd))
+        try:
+            if before is not None:
+                before(link.with_name(name))
+            os.replace(name, link.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
+
+
+def make_temp_dir(parent: str | Path, stem: str, root: str | Path | None = None) -> Path:
+    """A new empty folder ``parent/STEM RANDOM`` (``parent`` checked as ``open_dir`` does)."""
+    dfd = open_dir(parent, root)
+    try:
+        return Path(parent) / _fresh(stem, lambda n: os.mkdir(n, dir_fd=dfd))
+    finally:
+        os.close(dfd)
+
+
+@contextlib.contextmanager
+def staged(path: str | Path, root: str | Path | None = None) -> Iterator[Path]:
+    """Where a library that writes to a path of its own (``torch.export.save``, ``save_pretrained``, the
+    profiler's trace) writes ``path``: the same name in a new temporary folder beside it. Leaving the block
+    without an error renames what was written there into place (a link at ``path`` is replaced, never
+    followed; a folder at ``path`` is replaced whole); the temporary folder is then removed either way."""
+    path = Path(path)
+    folder = make_temp_dir(path.parent, f".{path.name[:_NAME_ROOM]}.tmp-", root)
+    try:
+        yield folder / path.name
+        _publish(folder, path, root)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _publish(folder: Path, path: Path, root: str | Path | None) -> None:
+    new = folder / path.name
+    for f in ([new] if not new.is_dir() else sorted(new.rglob("*"))):
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    dfd = open_dir(path.parent, root)
+    try:
+        if new.is_dir():  # a folder is not renamed over anything but an empty folder: clear the way
+            kind = what_is(path.name, dfd)
+            if kind == "a directory":
+                os.rename(path.name, f"{folder.name}/.old", src_dir_fd=dfd, dst_dir_fd=dfd)
+            elif kind != "missing":
+                os.unlink(path.name, dir_fd=dfd)
+        os.replace(f"{folder.name}/{path.name}", path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 # ----------------------------------------------------------------------------- YAML

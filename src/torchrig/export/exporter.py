@@ -16,7 +16,10 @@ The checkpoint is read as ``evaluate`` and ``predict`` read it (safetensors weig
 no code from the checkpoint). The example inputs are the first samples of the recipe's data (``test``,
 else ``val``, else ``train``), or the files of ``--input`` read as ``predict`` reads them. Every export
 is loaded back and run on those inputs; its outputs must match the model's within ``atol`` (1e-5), or
-the file is removed and the command fails, naming the largest difference.
+the command fails, naming the largest difference, and nothing is written. The export is written and
+checked in a new temporary folder beside the output and renamed into place once checked: a link at
+the output (``--overwrite``) is replaced, never written through, and ``RUN_DIR/export`` must be a
+folder of the run's own, not a link to one elsewhere.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import shutil
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..config.files import make_dir, staged
 from ..errors import TorchrigError, suggest
 
 FORMATS = {"torch-export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "hf": ""}
@@ -76,26 +79,36 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
     default = f"{path.name}{FORMATS[format]}" if FORMATS[format] else f"{path.name}-{format}"
     out = Path(output).expanduser() if output else Path(cfg.run_dir) / "export" / default
     _check_output(out, format, overwrite)
+    root = _given_folder(out, Path(cfg.run_dir))
+    make_dir(out.parent, root)  # RUN_DIR/export a link (to a folder elsewhere) is refused here
     args, kwargs = example_inputs(recipe, cfg, model, inputs)
     with torch.inference_mode():
         expected = model(*args, **kwargs)
     write, check = _FORMATS[format]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        program = write(model, args, kwargs, out, cfg)
-        diff = check(model, args, kwargs, out, expected)
+    # written and checked in a new temporary folder beside the output; renamed into place (over a link there,
+    # never through it) only when it reproduces the model
+    with staged(out, root) as new:
+        program = write(model, args, kwargs, new, cfg)
+        diff = check(model, args, kwargs, new, expected)
         note = ""
         if program is not None and diff <= atol:
-            other, note = _check_other_sizes(model, args, kwargs, out, cfg, program, format, atol)
+            other, note = _check_other_sizes(model, args, kwargs, new, cfg, program, format, atol)
             diff = max(diff, other)
-    except BaseException:
-        _remove(out)
-        raise
-    if not diff <= atol:  # NaN too
-        _remove(out)
-        raise ExportError(f"the {format} export of '{path}' does not reproduce the model: max |difference| "
-                          f"{diff:.3g} > {atol:g} on {_count(args, kwargs)} samples; removed {out}")
+        if not diff <= atol:  # NaN too
+            raise ExportError(f"the {format} export of '{path}' does not reproduce the model: max |difference| "
+                              f"{diff:.3g} > {atol:g} on {_count(args, kwargs)} samples; nothing was written to "
+                              f"{out}")
     return Exported(out, format, diff, _count(args, kwargs), note)
+
+
+def _given_folder(out: Path, run_dir: Path) -> Path:
+    """The folder the user named for ``out``: the run directory when ``out`` lies in it (then no folder below it
+    may be a link), else ``out``'s own folder."""
+    try:
+        out.absolute().relative_to(run_dir.absolute())
+        return run_dir
+    except ValueError:
+        return out.parent
 
 
 def _check_other_sizes(model, args, kwargs, out: Path, cfg, program, format: str,
@@ -176,13 +189,6 @@ def _check_output(out: Path, format: str, overwrite: bool) -> None:
             raise ExportError(f"--output {out} already exists; choose another path or add --overwrite")
         if out.is_dir() and not out.is_symlink() and format != "hf":
             raise ExportError(f"--output {out} is a folder; a {format} export is a file")
-
-
-def _remove(out: Path) -> None:
-    if out.is_dir() and not out.is_symlink():
-        shutil.rmtree(out, ignore_errors=True)
-    else:
-        out.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- example inputs
@@ -480,8 +486,6 @@ def _no_hf_bars():
 
 
 def _write_hf(model, args, kwargs, out: Path, cfg) -> None:
-    if out.exists():
-        _remove(out)
     with _no_hf_bars():
         hf_model(model).save_pretrained(str(out), safe_serialization=True)
     tokenizer = Path(cfg.run_dir) / "tokenizer.json"

@@ -10,13 +10,14 @@ directories are overlaid, one colour per run, to compare them.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config.files import open_regular
+from ..config.files import make_dir, open_regular, write_atomic
 from ..errors import TorchrigError
 
 PLOT_FILE = "curves.png"
@@ -170,11 +171,19 @@ def plot_runs(run_dirs: list, out: Optional[str | Path] = None) -> Path:
     else:
         default_dir = dirs[0] / "plots" if len(dirs) == 1 else Path(".")
         path = (Path(out) if out else default_dir) / (PLOT_FILE if len(dirs) == 1 else "compare.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = build_figure(runs)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)  # a reader never sees half a PNG
+    # the folder named is the user's; RUN_DIR/plots is the run's own, and never a link followed
+    root = path.parent if out is not None or len(dirs) > 1 else dirs[0]
+    return save_figure(build_figure(runs), path, root, dpi=100)
+
+
+def save_figure(fig: Any, path: Path, root: Optional[Path] = None, **options: Any) -> Path:
+    """``fig`` as a PNG at ``path`` (its folder made): rendered in memory, then written whole through
+    ``files.write_atomic`` (a reader never sees half a PNG; no link at ``path`` or its folder is followed).
+    ``root``: the folder the user named, as for ``write_atomic``; ``options``: ``savefig``'s."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **options)
+    make_dir(path.parent, root)
+    write_atomic(path, buffer.getvalue(), root)
     return path
 
 

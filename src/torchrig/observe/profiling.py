@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.files import make_dir, staged, write_atomic
+
 TOP_OPS = 20
 
 
@@ -78,14 +80,17 @@ class Profiler:
     def _stop(self, trainer: Any) -> None:
         prof, self.prof, self.done = self.prof, None, True
         prof.stop()
-        out = Path(trainer.run_dir) / "profile"
-        out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out / "trace.json"))
+        run_dir = Path(trainer.run_dir)
+        out = make_dir(run_dir / "profile", root=run_dir)  # never a link: the files below are written where it leads
+        with staged(out / "trace.json", root=run_dir) as trace:  # torch writes the trace to a path: a new one
+            prof.export_chrome_trace(str(trace))
         sort = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
-        (out / "ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS) + "\n")
+        write_atomic(out / "ops.txt", (prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS) + "\n").encode(),
+                     root=run_dir)
         self.files = [out / "trace.json", out / "ops.txt"]
         if self.snapshot:
-            torch.cuda.memory._dump_snapshot(str(out / "memory_snapshot.pickle"))
+            with staged(out / "memory_snapshot.pickle", root=run_dir) as snapshot:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot = False
             self.files.append(out / "memory_snapshot.pickle")

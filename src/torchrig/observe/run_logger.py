@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Optional
 
 from ..checkpoint.rundir import RunDirError, describe_os_error, trim_metrics
 from ..config import to_dict
-from ..config.files import file_kind
+from ..config.files import open_append
 from ..errors import setting
 from ..runtime.notebook import in_jupyter_kernel
 from . import terminal
@@ -98,15 +97,10 @@ class RunLogger:
         self.trackers.log(values, step)
 
     def _open_jsonl(self) -> Any:
-        """``metrics.jsonl`` opened for appending, one row a line; a FIFO or a device in its place is refused
-        (``O_NONBLOCK``: the open does not wait for a FIFO's reader)."""
-        fd = os.open(self._jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise RunDirError(f"'{self._jsonl_path}' is {file_kind(mode)}, not a regular file; move it away, or "
-                              f"choose another run_dir")
-        return open(fd, "a", buffering=1)
+        """``metrics.jsonl`` opened for appending, one row a line; a symbolic link (never followed), a FIFO or a
+        device in its place is refused."""
+        return open_append(self._jsonl_path, "metrics file", "move it away, or choose another run_dir", RunDirError,
+                           root=self.run_dir)
 
     def _follow_jsonl(self, step: int) -> None:
         """Reopen ``metrics.jsonl`` (appending) when the file at its path is no longer the one open here:

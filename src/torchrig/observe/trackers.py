@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.files import UnsafePathError, make_dir, open_append, write_atomic
 from ..config.loading import flat_keys
 from ..checkpoint.rundir import describe_os_error
 from ..errors import TorchrigError
@@ -80,14 +82,14 @@ class CSVTracker(Tracker):
     name = "csv"
 
     def start(self, config: dict, run_dir: Path, resume_id: Optional[str]) -> Optional[str]:
-        self.dir = run_dir / "csv"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = make_dir(run_dir / "csv", root=run_dir)
         _write_pairs(self.dir / "params.csv", {**flat_keys(config), "run_dir": str(run_dir)})
         path = self.dir / "metrics.csv"
         kept = _csv_rows_up_to(path, self.start_step) if path.exists() else []
-        self._fh = open(path, "w", newline="", buffering=1)
+        write_atomic(path, _csv_text([["step", "name", "value"], *kept]), root=run_dir)  # then appended to
+        self._fh = open_append(path, "CSV tracker file", "move it away, or choose another run_dir", TrackerError,
+                               root=run_dir)
         self._csv = csv.writer(self._fh)
-        self._csv.writerows([["step", "name", "value"], *kept])
         self.where = f"csv {self.dir}"
         return None
 
@@ -104,11 +106,15 @@ class CSVTracker(Tracker):
         _write_pairs(self.dir / "final.csv", {**_numbers(final_metrics), "run_dir": str(self.dir.parent)})
 
 
+def _csv_text(rows: list) -> bytes:
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue().encode()
+
+
 def _write_pairs(path: Path, pairs: dict) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["name", "value"])
-        w.writerows([k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in pairs.items())
+    rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in pairs.items()]
+    write_atomic(path, _csv_text([["name", "value"], *rows]), root=path.parent.parent)
 
 
 def _csv_rows_up_to(path: Path, step: int) -> list[list[str]]:
@@ -134,6 +140,9 @@ class TensorBoardTracker(Tracker):
         folder = run_dir / "tensorboard"
         try:
             folder.mkdir(parents=True, exist_ok=True)  # now: a folder that cannot be made stops the run at once
+            make_dir(folder, root=run_dir)  # and not a link: TensorBoard writes its event files where it leads
+        except UnsafePathError:
+            raise
         except OSError as exc:
             listed = "tensorboard" in (self._option("trackers") or [])
             undo = "remove tensorboard from log.trackers" if listed else "set log.tensorboard=false"
@@ -276,7 +285,7 @@ class MLflowTracker(Tracker):
         store = run_dir.resolve().parent / "mlruns"
         uri, self.uri_from = _setting(self._option("mlflow_uri"), "log.mlflow_uri", "MLFLOW_TRACKING_URI")
         if uri is None:
-            store.mkdir(parents=True, exist_ok=True)
+            make_dir(store)  # not a link: MLflow writes its database and artifacts where it leads
             uri, self.uri_from = f"sqlite:///{store / 'mlflow.db'}", ""
         self.uri, self.store = uri, store
         self.replayed: Counter = Counter()  # (metric, step) -> points the stopped run logged after the checkpoint
@@ -392,6 +401,8 @@ class WandbTracker(Tracker):
         # WANDB_RUN_GROUP, WANDB_JOB_TYPE, WANDB_TAGS, WANDB_NOTES, which torchrig never sets), read by wandb
         project = self._option("project") or (None if env("WANDB_PROJECT") else "torchrig")
         name = self._option("run_name") or (None if env("WANDB_NAME") else run_dir.name)
+        if not env("WANDB_DIR"):
+            make_dir(run_dir / "wandb", root=run_dir)  # not a link: W&B writes its run files where it leads
         self.run = wandb.init(project=project, name=name, dir=None if env("WANDB_DIR") else str(run_dir),
                               config={**config, "run_dir": str(run_dir)}, id=resume_id,
                               resume="allow" if resume_id else None, mode=mode, settings=settings)
@@ -568,6 +579,4 @@ def _read_ids(path: Path) -> dict[str, str]:
 
 
 def _write_ids(path: Path, ids: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(ids, indent=1, sort_keys=True) + "\n").encode(), root=path.parent)

@@ -7,14 +7,16 @@ line has one code path and a recipe is only the parts that differ.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from .. import config as C
+from ..config.files import write_atomic
 from ..errors import TorchrigError
 
 
@@ -65,17 +67,30 @@ def write_class_predictions(probs: torch.Tensor, names: list[str], out: Path, to
     for name, p, ix in zip(names, top.values.tolist(), top.indices.tolist()):
         rows.append({"input": name, "prediction": label(ix[0]), "probability": round(p[0], 6),
                      "top": [{"class": label(i), "probability": round(q, 6)} for i, q in zip(ix, p)]})
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".json":
-        out.write_text(json.dumps(rows, indent=2) + "\n")
-        return
-    with open(out, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["input", "prediction", "probability"] + [f"top{j + 1}" for j in range(k)]
-                   + [f"top{j + 1}_probability" for j in range(k)])
-        for r in rows:
-            w.writerow([r["input"], r["prediction"], r["probability"]] + [t["class"] for t in r["top"]]
-                       + [t["probability"] for t in r["top"]])
+        return write_output(out, (json.dumps(rows, indent=2) + "\n").encode())
+    text = io.StringIO()
+    w = csv.writer(text)
+    w.writerow(["input", "prediction", "probability"] + [f"top{j + 1}" for j in range(k)]
+               + [f"top{j + 1}_probability" for j in range(k)])
+    for r in rows:
+        w.writerow([r["input"], r["prediction"], r["probability"]] + [t["class"] for t in r["top"]]
+                   + [t["probability"] for t in r["top"]])
+    write_output(out, text.getvalue().encode())
+
+
+def write_output(out: Path, data: bytes) -> None:
+    """A file of ``predict --output`` (or beside it), written whole through ``files.write_atomic`` into the
+    folder the user named (made if missing)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, data, root=out.parent)
+
+
+def saved_bytes(save: Callable[..., Any], *args: Any, **kwargs: Any) -> bytes:
+    """What ``save(file, *args, **kwargs)`` writes (``np.save``, ``np.savez``), made in memory."""
+    buffer = io.BytesIO()
+    save(buffer, *args, **kwargs)
+    return buffer.getvalue()
 
 
 def check_output_kind(out: Path, kinds: tuple) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import config as C
-from .base import Recipe, RecipeError, write_class_predictions
+from .base import Recipe, RecipeError, saved_bytes, write_class_predictions, write_output
 
 ARRAY_SUFFIXES = (".npy", ".pt", ".csv")
 
@@ -55,8 +55,7 @@ class CustomRecipe(Recipe):
 
     def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
         if out.suffix.lower() == ".npy":
-            out.parent.mkdir(parents=True, exist_ok=True)
-            np.save(out, outputs.float().numpy())
+            write_output(out, saved_bytes(np.save, outputs.float().numpy()))
             return
         if not (isinstance(outputs, torch.Tensor) and outputs.ndim == 2):
             shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__

@@ -30,6 +30,7 @@ from torch.utils.data import TensorDataset
 
 from .. import config as C
 from ..config import rules as R
+from ..config.files import write_atomic
 from ..data.datasets import images as I
 from .base import Recipe, RecipeError
 from .common import display_name, input_files, say, stratified_split
@@ -360,7 +361,7 @@ class ImageClassificationRecipe(Recipe):
         ic = cfg.image
         info = {"classes": list(ic.classes), "channels": ic.channels, "mean": ic.mean, "std": ic.std,
                 "size": ic.size}
-        (run_dir / "classes.json").write_text(json.dumps(info, indent=2) + "\n")
+        write_atomic(run_dir / "classes.json", (json.dumps(info, indent=2) + "\n").encode(), root=run_dir)
         prep = self._cache.get(id(cfg), (None, None))[1]
         bad_file = run_dir / "bad_samples.txt"
         if prep is not None and prep.bad:

@@ -263,7 +263,7 @@ class Pix2PixRecipe(Recipe):
                 n = min(p.samples, len(a))
                 rows = [[x[i].float().add(1).div(2) for x in (a, fake, b)] for i in range(n)]
                 img = P.grid(rows, pad=2, scale=max(1, 96 // a.shape[-1]))
-                P.save_png(img.mul(2).sub(1), samples_dir / f"epoch-{epoch + 1:03d}.png")
+                P.save_png(img.mul(2).sub(1), samples_dir / f"epoch-{epoch + 1:03d}.png", root=Path(cfg.run_dir))
             return {"l1": F.l1_loss(fake, b.float(), reduction="none").flatten(1).mean(1).mean()}
 
         def predict_fn(step, batch) -> torch.Tensor:
@@ -307,9 +307,9 @@ class Pix2PixRecipe(Recipe):
     def write_predictions(self, cfg: C.Config, outputs: Any, names: list[str], out: Path, topk: int = 5) -> None:
         """One PNG per input in the folder ``out`` (same relative name, ``.png``)."""
         if out.suffix.lower() in (".png", ".jpg") and len(names) == 1:
-            P.save_png(outputs[0], out)
+            P.save_png(outputs[0], out, root=out.parent)
             return
         if out.exists() and not out.is_dir():
             raise RecipeError(f"--output '{out}' is a file; pix2pix writes one image per input into a folder")
         for t, name in zip(outputs, names):
-            P.save_png(t, out / Path(name).with_suffix(".png"))
+            P.save_png(t, out / Path(name).with_suffix(".png"), root=out)

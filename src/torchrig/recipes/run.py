@@ -9,7 +9,7 @@ from typing import Any, Optional
 from .. import config as C
 from ..errors import suggest
 from . import factory, get_recipe
-from .base import RecipeError, check_output_kind
+from .base import RecipeError, check_output_kind, saved_bytes, write_output
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -30,8 +30,13 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
     # your own data (--data) without a recipe named: the recipe with no data of its own
     own_data = probe.data.factory or any(o.startswith("data.factory=") for o in resumed)
     name = recipe or (probe.recipe if named else resumed_recipe or ("custom" if own_data else probe.recipe))
+    return recipe_config(name, file_map, overrides)
+
+
+def recipe_config(name: str, mapping: dict, overrides: Optional[list[str]] = None) -> C.Config:
+    """Defaults < recipe ``name``'s defaults < ``mapping`` (a config file's keys) < ``overrides`` (``KEY=VALUE``)."""
     base = _merge(get_recipe(name).defaults, {"recipe": name})
-    cfg = C.load_config(None, overrides, base=_merge(base, file_map))
+    cfg = C.load_config(None, overrides, base=_merge(base, mapping))
     cfg.recipe = name
     return cfg
 
@@ -166,24 +171,38 @@ THIS_RUN = ("dist", "parallel", "device", "threads", "interop_threads", "data.nu
 _JOINING = ("init_method", "rank", "world_size", "backend")  # the dist keys a note names when they were set
 
 
+def without_keys(saved: dict, keys: tuple[str, ...] = THIS_RUN) -> dict:
+    """``saved`` (a config read back from a file) without ``keys`` (sections or dotted keys): each of them then
+    takes this process's value, the default or ``--set``. ``saved`` itself is left as it was."""
+    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        owner = kept.get(section) if section else kept
+        if isinstance(owner, dict):
+            owner.pop(name, None)
+    return kept
+
+
+def joining_note(saved: dict, source: str) -> Optional[str]:
+    """The line saying that the dist keys ``saved`` sets (``dist.init_method`` ...) are ignored, or None."""
+    dist = saved.get("dist") if isinstance(saved.get("dist"), dict) else {}
+    joined = {k: dist[k] for k in _JOINING if dist.get(k) is not None}
+    if not joined:
+        return None
+    shown = ", ".join(f"dist.{k}={v}" for k, v in joined.items())
+    return (f"torchrig: {source} names {shown}; ignored: how this process joins a process group comes from this "
+            f"command line and its environment only (torchrun's RANK, WORLD_SIZE, MASTER_ADDR)")
+
+
 def inference_config(saved: dict, path: Path, overrides: Optional[list[str]] = None, say=None) -> C.Config:
     """The config to evaluate or predict with: the checkpoint's ``saved`` config.yaml without the keys of
     ``THIS_RUN``, then ``overrides`` (``KEY=VALUE``); ``say`` (stderr by default) notes dropped dist keys."""
     import sys
 
-    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
-    for key in THIS_RUN:
-        section, _, name = key.rpartition(".")
-        owner = kept.get(section) if section else kept
-        if isinstance(owner, dict):
-            owner.pop(name, None)
-    dist = saved.get("dist") if isinstance(saved.get("dist"), dict) else {}
-    joined = {k: dist[k] for k in _JOINING if dist.get(k) is not None}
-    if joined:
-        shown = ", ".join(f"dist.{k}={v}" for k, v in joined.items())
-        (say or (lambda text: print(text, file=sys.stderr)))(
-            f"torchrig: checkpoint '{path}' names {shown}; ignored: how this process joins a process group comes "
-            f"from this command line and its environment only (torchrun's RANK, WORLD_SIZE, MASTER_ADDR)")
+    kept = without_keys(saved)
+    note = joining_note(saved, f"checkpoint '{path}'")
+    if note:
+        (say or (lambda text: print(text, file=sys.stderr)))(note)
     cfg = C.from_dict(kept)
     # artifacts (tokenizer, class map) are read from the run directory the checkpoint lies in, or from itself
     cfg.run_dir = str(path.parent.parent if path.parent.name == "checkpoints" else path)
@@ -196,6 +215,14 @@ def inference_config(saved: dict, path: Path, overrides: Optional[list[str]] = N
         key, _, raw = item.partition("=")
         C.set_key(cfg, key.strip(), raw)
     return C.validate(cfg)
+
+
+def factories_read_back(cfg: C.Config, overrides: Optional[list[str]] = None) -> list[tuple[str, str]]:
+    """``(key, spec)`` of each factory (``model.factory``, ``data.factory``) that ``cfg`` names and ``overrides``
+    (this command line's ``KEY=VALUE``) do not: code that a file read back names, not the user."""
+    given = {item.partition("=")[0].strip() for item in overrides or []}
+    return [(key, C.get_key(cfg, key)) for key in ("model.factory", "data.factory")
+            if C.get_key(cfg, key) and key not in given]
 
 
 def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
@@ -212,11 +239,8 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         raise CheckpointError(f"'{path / 'config.yaml'}' holds a {type(saved).__name__}, not a mapping of config "
                               f"keys; use a checkpoint written by torchrig train")
     cfg = inference_config(saved, path, overrides)
-    given = {item.partition("=")[0].strip() for item in overrides or []}
-    for key in ("model.factory", "data.factory"):  # code named by the checkpoint: only what the run was trained with
-        spec = C.get_key(cfg, key)
-        if spec and key not in given:
-            factory.check_saved_spec(spec, key, path, meta)
+    for key, spec in factories_read_back(cfg, overrides):  # code the checkpoint names: only the run's own file
+        factory.check_saved_spec(spec, key, path, meta)
     if cfg.model.python_class and not cfg.model.factory:
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
@@ -286,15 +310,15 @@ def write_fields(outputs: Any, out: Path) -> None:
     else:
         raise RecipeError(f"predict --all-outputs: the predictions are a {type(outputs).__name__}, not tensors; "
                           f"write them without --all-outputs")
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        save_file({k: v.contiguous() for k, v in fields.items()}, str(out))
+        write_output(out, save({k: v.contiguous() for k, v in fields.items()}))
     else:
         import numpy as np
 
-        np.savez(out, **{k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in fields.items()})
+        arrays = {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in fields.items()}
+        write_output(out, saved_bytes(np.savez, **arrays))
 
 
 class FeatureHooks:
@@ -336,9 +360,8 @@ class FeatureHooks:
                 padded.append(torch.nn.functional.pad(c, pad) if any(pad) else c)
             base = out if (out.is_dir() or not out.suffix) else out.parent
             stem = "features" if base is out else out.stem + ".features"
-            base.mkdir(parents=True, exist_ok=True)
             file = base / f"{stem}.{name}.npy"
-            np.save(file, torch.cat(padded).numpy())
+            write_output(file, saved_bytes(np.save, torch.cat(padded).numpy()))
             self.files.append(file)
             print(f"features of '{name}' {tuple(torch.cat(padded).shape)} written to {file}")
         return self.files

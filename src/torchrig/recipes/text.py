@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 
 from .. import config as C
 from ..config import rules as R
-from ..config.files import MiB, read_regular
+from ..config.files import MiB, read_regular, write_atomic
 from ..data import DataError
 from ..data.datasets.text import TextTokenizer, docstring_splits, read_records, train_wordpiece
 from .base import Recipe, RecipeError
@@ -231,7 +231,8 @@ class TextClassificationRecipe(Recipe):
         prep = self._prepare(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         prep.tokenizer.save(run_dir / TOKENIZER_FILE)
-        (run_dir / "data_summary.json").write_text(json.dumps(prep.summary, indent=2) + "\n")
+        write_atomic(run_dir / "data_summary.json", (json.dumps(prep.summary, indent=2) + "\n").encode(),
+                     root=run_dir)
 
     # -------------------------------------------------------------------------------- predict
     def load_inputs(self, cfg: C.Config, path: Path) -> tuple[Any, list[str]]:

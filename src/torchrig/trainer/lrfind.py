@@ -182,9 +182,12 @@ def _forever(batches: Any):
         epoch += 1
 
 
-def plot(result: LRFinderResult, path: Path) -> Path:
-    """Loss against learning rate (log scale): the raw losses, the smoothed curve and the suggestion."""
+def plot(result: LRFinderResult, path: Path, root: Optional[Path] = None) -> Path:
+    """Loss against learning rate (log scale): the raw losses, the smoothed curve and the suggestion. ``root``:
+    the run directory when ``path`` lies in it (its ``plots`` folder is then never a link followed)."""
     import matplotlib
+
+    from ..observe.plot import save_figure
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
@@ -202,8 +205,4 @@ def plot(result: LRFinderResult, path: Path) -> Path:
     ax.set(xscale="log", xlabel="learning rate", ylabel="training loss", title="learning-rate finder")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, root)

@@ -92,7 +92,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
-                                           getattr(c.data, "why_not_elsewhere", ""))
+                                           c.data.samples_before, getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
         if line:
             c.say(line)

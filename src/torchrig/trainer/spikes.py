@@ -25,7 +25,7 @@ import torch
 
 from .. import runtime
 from ..checkpoint import find_checkpoint
-from ..checkpoint.io import write_bytes_atomic
+from ..config.files import open_append, write_atomic
 from ..errors import TorchrigError
 from .plan import FitPlan
 from .state import TrainState
@@ -167,7 +167,8 @@ class SpikeGuard:
         back = self.state.global_step
         self.history = [h for h in self.history if h[0] <= back]
         if self.rank == 0 and self.run_dir is not None:
-            with open(self.run_dir / LEDGER, "a") as f:
+            with open_append(self.run_dir / LEDGER, "rollback ledger", "move it away, or choose another run_dir",
+                             SpikeError, root=self.run_dir) as f:
                 f.write(json.dumps({"step": step, "epoch": epoch + 1, "reason": why, "rolled_back_to": back,
                                     "samples": sorted(samples)}) + "\n")
         self.say(f"torchrig: spike at step {step} ({why}): rolled back to step {back}; its {len(samples)} samples "
@@ -186,7 +187,7 @@ def keep_ledger(run_dir: Any, excluded: list) -> None:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     keep = [line for line in lines if set(json.loads(line).get("samples", [])) <= set(excluded)]
     if keep != lines:
-        write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())
+        write_atomic(path, "".join(line + "\n" for line in keep).encode(), root=path.parent)
 
 
 def _state_of(obj: Any) -> Any:

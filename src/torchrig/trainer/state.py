@@ -36,15 +36,16 @@ class TrainState:
             if f.name in state:
                 setattr(self, f.name, int(state[f.name]))
 
-    def resume_at(self, world_size: int, locate: Callable[[int], Optional[int]],
+    def resume_at(self, world_size: int, locate: Callable[[int], Optional[int]], samples_before: Callable[[int], int],
                   why_not: str = "") -> tuple[int, int, str]:
         """Where a resumed run goes on: (epoch, micro-batch, a note when that moved to the epoch's start).
 
         The position is the number of samples of the epoch's order consumed over all ranks; ``locate`` turns it
         into this run's micro-batch (None when it falls inside one of this run's optimizer steps), so a run on
-        another number of processes goes on with the next sample. A checkpoint without it (a stream's) keeps
-        its micro-batch on the same number of processes, else starts the epoch over (``why_not``: why the data
-        cannot say where)."""
+        another number of processes goes on with the next sample. ``samples_before`` turns this run's micro-batches
+        back into samples (-1 when its data cannot say: a stream read by workers); such a run keeps the checkpoint's
+        micro-batch on the same number of processes, as does a checkpoint without a position (a stream's); else the
+        epoch starts over (``why_not``: why the data cannot say where)."""
         saved, self.world_size = self.world_size, world_size
         if not self.batch_in_epoch:
             return self.epoch, 0, ""
@@ -52,8 +53,8 @@ class TrainState:
             batch = locate(self.samples_in_epoch)
             if batch is not None:
                 return self.epoch, batch, ""
-            if saved == world_size:  # the same split as when saved (another one is refused): its own count
-                return self.epoch, self.batch_in_epoch, ""
+            if saved == world_size and samples_before(self.batch_in_epoch) < 0:  # the same split, and this run's
+                return self.epoch, self.batch_in_epoch, ""  # data cannot place samples (a stream read by workers)
             return self.epoch, 0, (f"torchrig: the checkpoint stopped after {self.samples_in_epoch} samples of epoch "
                                    f"{self.epoch + 1}, inside an optimizer step of this run (its global batch "
                                    f"differs); resuming at the start of epoch {self.epoch + 1}: keep "

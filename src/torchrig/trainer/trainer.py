@@ -237,7 +237,7 @@ class Trainer:
         result = lrfind.sweep(self, data, self._loader_kwargs(), start_lr, end_lr, steps, smooth, diverge)
         if plot is not False and self.is_main:
             where = Path(plot) if plot else (self.run_dir / "plots" if self.run_dir else Path(".")) / "lr_find.png"
-            result.plot = lrfind.plot(result, where)
+            result.plot = lrfind.plot(result, where, root=self.run_dir if self.run_dir and not plot else where.parent)
         self.print(result.describe())
         return result
 

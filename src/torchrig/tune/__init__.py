@@ -4,7 +4,7 @@
 ``torchrig tune CONFIG --space space.yaml --trials N``. Modules: ``space`` (the search space, checked by the
 config keys' own rules), ``trial`` (one trial: a torchrig run that reports to the study and stops when
 pruned, on every rank at once), ``study`` (the study directory, its manifest and Optuna study, exact
-resume), ``run`` (the loop, ``--parallel`` workers, the end), ``report`` (table, best.yaml, tune.png).
+resume), ``manifest`` (what a resume takes from a study folder, a stranger's file, and by which rule), ``run`` (the loop, ``--parallel`` workers, the end), ``report`` (table, best.yaml, tune.png).
 This layer sits above the trainer, beside the recipes, whose runs its trials are.
 """
 

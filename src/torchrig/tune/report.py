@@ -16,10 +16,14 @@ from typing import Any, Optional
 
 from .. import config as C
 from ..checkpoint.io import write_bytes_atomic
+from ..observe.plot import save_figure
 from .space import value_of
+from .trial import seconds_of
 
 # Keys of a trial's config that belong to its own run, not to the configuration found.
 RUN_KEYS = ("run_dir", "resume", "resume_weights_only", "overwrite")
+# A trial's state as the table, trials.csv, trial.json and the summary line all name it (Optuna's FAIL: failed).
+STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
 
 
 def rows(study: Any) -> list[dict]:
@@ -29,9 +33,10 @@ def rows(study: Any) -> list[dict]:
         steps = t.intermediate_values
         value = t.value if t.state.name == "COMPLETE" else (steps[max(steps)] if steps and t.state.name == "PRUNED"
                                                             else None)
-        out.append({"trial": t.number, "state": t.state.name.lower(), "value": value,
+        seconds = t.user_attrs.get("seconds")
+        out.append({"trial": t.number, "state": STATES.get(t.state.name, t.state.name.lower()), "value": value,
                     "params": {k: value_of(v) for k, v in t.params.items()}, "epochs": max(steps, default=0),
-                    "seconds": t.user_attrs.get("seconds")})
+                    "seconds": seconds_of(t.user_attrs) if seconds is not None else None})
     return out
 
 
@@ -172,8 +177,4 @@ def plot(path: Path, trial_rows: list[dict], weights: dict[str, float], monitor:
         bars.set_axis_off()
         bars.text(0.5, 0.5, "importances need two finished trials\nwith different parameters", ha="center",
                   va="center")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

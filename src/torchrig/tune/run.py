@@ -7,6 +7,8 @@ processes (``python -m torchrig.tune.worker``), each running one-process trials 
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +20,7 @@ from typing import Any, Callable, Optional, Union
 
 from .. import config as C
 from .. import runtime
+from ..errors import TorchrigError
 from .space import TuneError
 from .study import Session, open_study, require_optuna
 from .trial import PruningCallback, run_trial
@@ -62,8 +65,10 @@ def tune(config: Union[None, str, Path, C.Config] = None, space: Union[None, str
             raise TuneError(f"--parallel {parallel}: under torchrun each trial uses every process, one trial at a time; "
                             f"run parallel trials without torchrun (each trial then uses one process)")
         folder = _study_dir(study_dir, resume, out)
+        # a resume without a config file takes the study's config, with the --set overrides on top
+        whole = base if not resume or config is not None or recipe is not None else None
         try:
-            session = _open(folder, base, space, trials, sampler, pruner, storage, resume, out, parallel)
+            session = _open(folder, whole, space, trials, sampler, pruner, storage, resume, out, parallel, overrides)
         except BaseException:
             if study_dir is None and runtime.get_rank() == 0 and not (folder / "study.json").exists():
                 from ..checkpoint.rundir import discard_unused
@@ -114,13 +119,13 @@ def _study_dir(study_dir: Union[None, str, Path], resume: bool, out: Callable[[s
 
 def _open(folder: Path, base: Optional[C.Config], space: Any, trials: Optional[int], sampler: Optional[str],
           pruner: Optional[str], storage: Optional[str], resume: bool, out: Callable[[str], None],
-          parallel: int) -> Optional[Session]:
+          parallel: int, overrides: Optional[list[str]]) -> Optional[Session]:
     """Rank 0 opens the study; an error there reaches every rank (none waits for a trial that never comes)."""
     session, error = None, None
     if runtime.get_rank() == 0:
         try:
             session = open_study(folder, base=base, space=space, trials=trials, sampler=sampler, pruner=pruner,
-                                 storage=storage, resume=resume, out=out, parallel=parallel)
+                                 storage=storage, resume=resume, out=out, parallel=parallel, overrides=overrides)
         except Exception as exc:
             error = exc
     message = runtime.broadcast(str(error) if error is not None else None)
@@ -165,7 +170,10 @@ def run_planned(session: Optional[Session], plan: dict) -> Optional[BaseExceptio
     callback = PruningCallback(trial, cfg.checkpoint.monitor, plan["reported"], clock)
     try:
         outcome = run_trial(cfg, callback)
-    except Exception:
+    except Exception as exc:
+        storage_error = environment_error(exc)
+        if session is not None and storage_error is not None:  # not the trial's fault: it stays running, and
+            raise TuneError(stopped_message(exc, storage_error, number, session.dir)) from exc  # --resume goes on
         if session is not None:
             session.fail(number)  # an error that ends the study: this trial is not resumed later
         raise
@@ -182,6 +190,32 @@ def run_planned(session: Optional[Session], plan: dict) -> Optional[BaseExceptio
     return None
 
 
+# Errors of the storage under a trial (a full disk, a quota, a failing device): the trial is continued later.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
+
+
+def environment_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError of the storage behind ``exc`` (itself, or what it was raised from or during), or None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def stopped_message(exc: BaseException, error: OSError, number: int, folder: Path) -> str:
+    """Trial ``number`` stopped by the storage: what happened (the first clause of torchrig's own line), that
+    the trial is kept, and tune's way on."""
+    from ..checkpoint.rundir import describe_os_error
+
+    text = str(exc).strip().splitlines()[0].split("; ")[0] if isinstance(exc, TorchrigError) and str(exc).strip() \
+        else describe_os_error(error) + (f" ('{error.filename}')" if error.filename else "")
+    todo = "free some space" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "fix the storage"
+    return (f"trial {number} stopped: {text}; it is kept as running and continues from its latest checkpoint: "
+            f"{todo}, then continue the study with torchrig tune --study-dir {folder} --resume")
+
+
 # ----------------------------------------------------------------------------- --parallel K
 
 
@@ -192,11 +226,13 @@ def run_workers(session: Session, parallel: int) -> None:
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent.parent)  # this torchrig, in every worker
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    procs = []
+    procs, plan = [], json.dumps(session.plan()).encode()
     for i in range(parallel):
         mine = ",".join(str(n) for n in pending[i::parallel])
         cmd = [sys.executable, "-m", "torchrig.tune.worker", str(session.dir.resolve()), str(parallel), mine]
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.PIPE))
+        procs[-1].stdin.write(plan)  # the study as this process opened and checked it: nothing is read again
+        procs[-1].stdin.close()
     session.out(f"tune: {parallel} workers, one trial each at a time (PIDs {', '.join(str(p.pid) for p in procs)})")
     try:
         while any(p.poll() is None for p in procs):
@@ -216,19 +252,15 @@ def run_workers(session: Session, parallel: int) -> None:
                         f"--study-dir {session.dir} --resume")
 
 
-def worker_main(argv: list[str]) -> int:
+def worker_main(argv: list[str], plan: dict) -> int:
     """A ``--parallel`` worker: ``python -m torchrig.tune.worker STUDY_DIR K RUNNING`` (RUNNING: trial numbers to
-    continue first, comma-separated)."""
-    from .study import Session, read_manifest
-
+    continue first, comma-separated), ``plan`` (``Session.plan``, on its stdin) the study as its parent opened it."""
     folder, parallel, mine = Path(argv[0]), int(argv[1]), argv[2] if len(argv) > 2 else ""
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise TuneError(f"no study in '{folder}'")
     stop = runtime.StopSignal(where=f"during a trial's start-up; continue with torchrig tune --study-dir {folder} "
                                     f"--resume").install()
     try:
-        session = Session(folder, manifest, manifest["storage"], lambda s: print(s, flush=True), parallel)
+        session = Session(folder, plan["manifest"], C.from_dict(plan["config"]), plan["storage"],
+                          lambda s: print(s, flush=True), parallel)
         session.pending = [int(n) for n in mine.split(",") if n]
         drive(session)
     finally:
@@ -259,7 +291,7 @@ def finish(session: Session) -> TuneResult:
                 f"{counts['failed']} failed")
     best_cfg = None
     if best is not None:
-        best_cfg = session.found_config(best.params)
+        best_cfg = session.found_config(best.number, best.params)
         files["best"] = folder / "best.yaml"
         from ..checkpoint.io import write_bytes_atomic
 

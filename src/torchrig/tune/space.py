@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -58,18 +59,34 @@ class Param:
             return IntDistribution(self.low, self.high, log=self.kind == "log_int", step=self.step or 1)
         return CategoricalDistribution([_encode(c) for c in self.choices])
 
+    def count(self) -> int:
+        """How many values this key takes on a grid, counted without listing them; a continuous range without a
+        step has none."""
+        if self.kind == "choice":
+            return len(self.choices)
+        if self.kind in ("int", "log_int"):
+            return (self.high - self.low) // (self.step or 1) + 1
+        if self.step is not None:
+            return int(round((self.high - self.low) / self.step)) + 1
+        raise TuneError(f"search space key '{self.key}': the grid sampler needs a finite set of values, and "
+                        f"{self.kind} [{self.low}, {self.high}] has none; use {{choice: [...]}}, a step "
+                        f"({{uniform: [lo, hi], step: S}}) or --sampler tpe / random")
+
     def grid(self) -> list:
-        """Every value this key takes on a grid; a continuous range without a step has none."""
+        """Every value this key takes on a grid (``count`` of them)."""
         if self.kind == "choice":
             return [_encode(c) for c in self.choices]
         if self.kind in ("int", "log_int"):
             return list(range(self.low, self.high + 1, self.step or 1))
-        if self.step is not None:
-            n = int(round((self.high - self.low) / self.step))
-            return [self.low + i * self.step for i in range(n + 1)]
-        raise TuneError(f"search space key '{self.key}': the grid sampler needs a finite set of values, and "
-                        f"{self.kind} [{self.low}, {self.high}] has none; use {{choice: [...]}}, a step "
-                        f"({{uniform: [lo, hi], step: S}}) or --sampler tpe / random")
+        return [self.low + i * self.step for i in range(self.count())]
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` (as Optuna stores it) is one this key can take: a choice, or a number in range."""
+        if self.kind == "choice":
+            return any(type(value) is type(c) and value == c for c in map(_encode, self.choices))
+        number = int if self.kind in ("int", "log_int") else (int, float)
+        return (isinstance(value, number) and not isinstance(value, bool) and math.isfinite(value)
+                and self.low <= value <= self.high)
 
     def describe(self) -> str:
         if self.kind == "choice":
@@ -106,15 +123,37 @@ class Space:
     def distributions(self) -> dict[str, Any]:
         return {p.key: p.distribution() for p in self.params}
 
-    def grid(self) -> dict[str, list]:
-        points = {p.key: p.grid() for p in self.params}
+    def grid_size(self) -> int:
+        """The points of the grid, counted before any is listed: more than ``GRID_LIMIT`` is refused."""
         total = 1
-        for values in points.values():
-            total *= len(values)
+        for p in self.params:
+            total *= p.count()
         if total > GRID_LIMIT:
             raise TuneError(f"{self.source}: the grid has {total} points (more than {GRID_LIMIT}); narrow it or use "
                             f"--sampler tpe / random")
-        return points
+        return total
+
+    def grid(self) -> dict[str, list]:
+        self.grid_size()
+        return {p.key: p.grid() for p in self.params}
+
+    def check_values(self, values: dict[str, Any], where: str) -> None:
+        """Refuse a trial's ``values`` (read back from a study's storage; ``where`` names the trial) unless they
+        set exactly this space's keys, each to a value the space can give it."""
+        params = {p.key: p for p in self.params}
+        for key, value in values.items():
+            if key not in params:
+                why = ("a key torchrig tune sets itself, never searched" if key in NOT_SEARCHED
+                       else "a key the study's search space does not hold")
+                raise TuneError(f"{where} sets '{key}' to {value!r}, {why}; torchrig runs only the values of the "
+                                f"study's search space: start a new study with another --study-dir")
+            if not params[key].holds(value):
+                raise TuneError(f"{where} sets '{key}' to {value!r}, outside the study's search space "
+                                f"({params[key].describe()}); start a new study with another --study-dir")
+        missing = [k for k in params if k not in values]
+        if missing:
+            raise TuneError(f"{where} has no value for '{missing[0]}' of the study's search space; start a new study "
+                            f"with another --study-dir")
 
     def apply(self, cfg: C.Config, values: dict[str, Any]) -> C.Config:
         """A copy of ``cfg`` with ``values`` (key -> sampled value) set as ``--set`` sets them, then validated."""
@@ -170,7 +209,7 @@ def _flatten(mapping: dict, source: str, prefix: str = "") -> dict[str, Any]:
 def _number(value: Any, key: str, source: str, integer: bool) -> Any:
     if isinstance(value, str):
         value = parse_scalar(value)  # YAML reads 1e-5 (no dot) as text
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
     if isinstance(value, bool) or not ok:
         raise TuneError(f"{source}: key '{key}': expected {'an integer' if integer else 'a number'}, got {value!r}")
     return value if integer else float(value)

@@ -28,14 +28,13 @@ from .. import config as C
 from .. import recipes as _recipes  # noqa: F401  (their config sections: a study's config may hold them)
 from ..checkpoint.io import write_bytes_atomic
 from ..checkpoint.rundir import RunLock, reached_step
+from ..config.files import open_own, refuse_link
+from .manifest import (DATABASE, MANIFEST, PRUNERS, SAMPLERS, check_same, check_searched, check_trial_folder, checked,
+                       database, read_manifest, resumed_config, trial_dir)
 from .space import Space, TuneError, load_space, value_of
-from .trial import Clock, Outcome, best_of
+from .trial import Clock, Outcome, best_of, seconds_of
 
-MANIFEST = "study.json"
-DATABASE = "study.db"
 STUDY_NAME = "torchrig"
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("median", "hyperband", "sha", "none")
 
 
 def require_optuna() -> Any:
@@ -127,26 +126,25 @@ def resolve_monitor(cfg: C.Config) -> tuple[str, str]:
 
 
 class Session:
-    """Rank 0's handle on a study: its directory, manifest, space, base config and the Optuna study."""
+    """Rank 0's handle on a study: its directory, manifest (the fields ``manifest.checked`` takes), space, base
+    config (the config of this command, see ``manifest.resumed_config``) and the Optuna study."""
 
-    def __init__(self, folder: Path, manifest: dict, storage: Optional[str], out: Callable[[str], None],
-                 parallel: int = 1):
-        import optuna
-
+    def __init__(self, folder: Path, manifest: dict, base: C.Config, storage: Optional[str],
+                 out: Callable[[str], None], parallel: int = 1):
         self.dir, self.manifest, self.out, self.parallel = folder, manifest, out, parallel
-        self.base = C.from_dict(manifest["config"])
-        self.space = load_space(manifest["space"], self.base, source="the study's search space")
+        self.base, self.storage = base, storage
+        self.space = load_space(manifest["space"], self.base, source=f"the search space of '{folder / MANIFEST}'")
         self.monitor, self.mode = manifest["monitor"], manifest["mode"]
         self.direction = "maximize" if self.mode == "max" else "minimize"
         self.target = int(manifest["trials"])
         if manifest["sampler"] == "grid":
-            self.target = min(self.target, len(_grid_points(self.space)))
+            self.target = min(self.target, self.space.grid_size())
         seed, name = int(manifest["seed"]), manifest["sampler"]
         sampler = _per_trial_seed_class()(
             lambda s: make_sampler(name, s, self.space, self.target, parallel > 1), seed)
-        self.study = optuna.load_study(study_name=manifest["study_name"], storage=open_storage(storage, folder),
-                                       sampler=sampler, pruner=make_pruner(manifest["pruner"], self.target,
-                                                                           self.base.epochs))
+        self.where = f"--storage '{storage}'" if storage else f"'{folder / DATABASE}'"
+        self.study = load_study(manifest["study_name"], open_storage(storage, folder), sampler,
+                                make_pruner(manifest["pruner"], self.target, self.base.epochs), self.where)
         self.live: dict[int, Any] = {}  # trial number -> optuna Trial, for the trials this process runs
         self.pending: list[int] = []  # running trials to continue first (a resumed study)
         self.clocks: dict[int, Clock] = {}
@@ -158,6 +156,7 @@ class Session:
         import optuna
 
         while True:
+            new = not self.pending
             if self.pending:
                 number = self.pending.pop(0)
                 frozen = self.study.get_trials(deepcopy=False)[number]
@@ -170,29 +169,35 @@ class Session:
                 number, frozen = trial.number, None
             frozen = frozen or self.study.get_trials(deepcopy=False)[number]
             try:
-                cfg = self.trial_config(number, trial.params)
+                cfg = self.trial_config(number, trial.params, new)
             except C.ConfigError as exc:  # a combination of values that the config refuses: this trial only
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 self.out(f"tune: trial {number} failed: {exc}")
                 continue
+            except TuneError:  # its folder is not the study's: never resumed into later
+                if new:
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
             self.live[number] = trial
-            seconds = float(frozen.user_attrs.get("seconds", 0.0))
-            self.clocks[number] = Clock(seconds)
+            self.clocks[number] = Clock(seconds_of(frozen.user_attrs))
             resumed = cfg.resume is not None
             line = (f"tune: trial {number} ({number + 1} of {self.target})" + (" resumed" if resumed else "") + " · "
                     + " · ".join(f"{k}={_short(value_of(trial.params[k]))}" for k in self.space.keys))
             self.out("\n".join(textwrap.wrap(line, 80, subsequent_indent="  ", break_on_hyphens=False)))
             return {"number": number, "config": C.to_dict(cfg), "reported": dict(frozen.intermediate_values)}
 
-    def found_config(self, params: dict) -> C.Config:
-        """The base config with ``params`` set, monitoring what the study optimises."""
+    def found_config(self, number: int, params: dict) -> C.Config:
+        """The base config with trial ``number``'s ``params`` set (exactly the space's keys, each to a value in
+        it), monitoring what the study optimises."""
+        self.space.check_values(params, f"trial {number} in {self.where}")
         cfg = self.space.apply(self.base, params)
         cfg.checkpoint.monitor, cfg.checkpoint.mode = self.monitor, self.mode
         return C.validate(cfg)
 
-    def trial_config(self, number: int, params: dict) -> C.Config:
-        cfg = self.found_config(params)
-        cfg.run_dir = str(trial_dir(self.dir, number))
+    def trial_config(self, number: int, params: dict, new: bool = True) -> C.Config:
+        """Trial ``number``'s run: in ``trials/N``, a folder of the study's own (``new``: one it has not made yet)."""
+        cfg = self.found_config(number, params)
+        cfg.run_dir = str(check_trial_folder(self.dir, number, new))
         cfg.overwrite = False
         cfg.resume = "latest" if reached_step(cfg.run_dir) is not None else None
         if self.parallel > 1:
@@ -238,6 +243,19 @@ class Session:
         if outcome.state == "failed" and "checkpoint.monitor" in outcome.error:
             raise TuneError(f"trial {number}: {outcome.error}")
 
+    def check_trials(self) -> None:
+        """Before anything is built: every trial the storage holds sets values of the space, and the folder of
+        each running one (continued first) is the study's own."""
+        for t in self.study.get_trials(deepcopy=False):
+            self.space.check_values(t.params, f"trial {t.number} in {self.where}")
+            if t.state.name == "RUNNING":
+                check_trial_folder(self.dir, t.number, new=False)
+                self.pending.append(t.number)
+
+    def plan(self) -> dict:
+        """What a ``--parallel`` worker needs to open this study as this process did (nothing read again)."""
+        return {"manifest": self.manifest, "config": C.to_dict(self.base), "storage": self.storage}
+
     def fail(self, number: int) -> None:
         """Trial ``number`` ended by an error that ends the study: it is failed, not resumed later."""
         import optuna
@@ -245,16 +263,6 @@ class Session:
         trial = self.live.pop(number, None)
         if trial is not None:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-
-
-def trial_dir(study_dir: Path, number: int) -> Path:
-    return Path(study_dir) / "trials" / str(number)
-
-
-def _grid_points(space: Space) -> list:
-    import itertools
-
-    return list(itertools.product(*space.grid().values()))
 
 
 def _short(value: Any) -> str:
@@ -268,13 +276,28 @@ def open_storage(url: Optional[str], folder: Path) -> Any:
     (trials of ``--parallel`` workers write to it at once)."""
     import optuna
 
-    url = url or f"sqlite:///{(Path(folder) / DATABASE).resolve()}"
+    if url is None:  # SQLite follows links: a link planted as the database or its journal is refused
+        db = database(folder)
+        for tail in ("-journal", "-wal", "-shm"):
+            refuse_link(db.with_name(DATABASE + tail), "study file",
+                        "remove it, or start a new study in another --study-dir", TuneError)
+        url = f"sqlite:///{db}"
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:  # a bad URL, a driver missing, a server not reachable
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TuneError(f"--storage '{url}': cannot open it as an Optuna storage ({text})") from None
+
+
+def load_study(name: str, storage: Any, sampler: Any, pruner: Any, where: str) -> Any:
+    import optuna
+
+    try:
+        return optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    except KeyError:  # Optuna's 'Record does not exist.'
+        raise TuneError(f"{where} holds no study named '{name}'; resume a study with the storage it was started "
+                        f"with, or start a new study in another --study-dir") from None
 
 
 @contextlib.contextmanager
@@ -286,7 +309,10 @@ def ask_lock(folder: Path):
     except ImportError:  # not POSIX: one process per study
         yield
         return
-    fd = os.open(Path(folder) / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(folder) / ".ask.lock"
+    fd = open_own(path, True, lambda what: TuneError(
+        f"'{path}' is {what}; torchrig never follows a link in a study folder: remove it and continue with "
+        f"torchrig tune --study-dir {folder} --resume"))
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
@@ -295,17 +321,6 @@ def ask_lock(folder: Path):
 
 
 # ----------------------------------------------------------------------------- creating or resuming a study
-
-
-def read_manifest(folder: Path) -> Optional[dict]:
-    path = Path(folder) / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise TuneError(f"'{path}' is not a torchrig study manifest ({exc}); start a new study in another "
-                        f"--study-dir") from None
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -320,52 +335,11 @@ def new_manifest(base: C.Config, space: Space, trials: int, sampler: str, pruner
             "config": C.to_dict(base)}
 
 
-def check_resume(manifest: dict, folder: Path, base: Optional[C.Config], space: Optional[Space],
-                 sampler: Optional[str], pruner: Optional[str], storage: Optional[str]) -> None:
-    """A resumed study must ask what it asked before: a different config, space, sampler or pruner is refused."""
-    from ..recipes.run import THIS_RUN
-
-    def differ(what: str, given: Any, saved: Any) -> None:
-        raise TuneError(f"--resume: the study in '{folder}' was started with {what} {saved}, not {given}; resume it "
-                        f"with the same (or leave it out), or start a new study with another --study-dir")
-
-    for what, given, saved in (("--sampler", sampler, manifest["sampler"]), ("--pruner", pruner, manifest["pruner"]),
-                               ("--storage", storage, manifest["storage"])):
-        if given is not None and given != saved:
-            differ(what, given, saved)
-    if space is not None and space.to_dict() != manifest["space"]:
-        differ("the search space", json.dumps(space.to_dict()), json.dumps(manifest["space"]))
-    if base is not None:
-        changed = [k for k in _changed_keys(C.to_dict(base), manifest["config"])
-                   if not any(k == t or k.startswith(t + ".") for t in THIS_RUN)]
-        if changed:
-            shown = ", ".join(f"{k}={_get(C.to_dict(base), k)!r} (was {_get(manifest['config'], k)!r})"
-                              for k in changed[:3])
-            raise TuneError(f"--resume: the config differs from the one the study in '{folder}' started with: "
-                            f"{shown}; resume with the same config (or none), or start a new study")
-
-
-def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict) and k not in ("options",) and x and y:
-            out += _changed_keys(x, y, f"{prefix}{k}.")
-        elif x != y:
-            out.append(f"{prefix}{k}")
-    return out
-
-
-def _get(mapping: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        mapping = mapping.get(part) if isinstance(mapping, dict) else None
-    return mapping
-
-
 def open_study(folder: Path, *, base: Optional[C.Config], space: Union[None, str, Path, dict], trials: Optional[int],
                sampler: Optional[str], pruner: Optional[str], storage: Optional[str], resume: bool,
-               out: Callable[[str], None], parallel: int = 1) -> Session:
-    """Rank 0: lock ``folder``, create the study or check the one to resume, and open it."""
+               out: Callable[[str], None], parallel: int = 1, overrides: Optional[list[str]] = None) -> Session:
+    """Rank 0: lock ``folder``, create the study or check the one to resume, and open it. On resume, ``base`` is
+    the whole config given on the command line (None: the study's, with ``overrides`` on top)."""
     optuna = require_optuna()
     lock = RunLock(folder)
     lock.acquire()  # one tune process per study (its --parallel workers are its own children)
@@ -383,20 +357,33 @@ def open_study(folder: Path, *, base: Optional[C.Config], space: Union[None, str
             raise TuneError(f"--trials {trials!r}: expected an integer >= 1")
         if manifest is None:
             manifest = _create(folder, base, space, trials, sampler, pruner, storage, optuna)
+            config = C.from_dict(manifest["config"])
         else:
-            parsed = load_space(space, base or C.from_dict(manifest["config"])) if space is not None else None
-            check_resume(manifest, folder, base, parsed, sampler, pruner, storage)
-            if trials is not None and trials != manifest["trials"]:
-                manifest["trials"] = trials
-                write_manifest(folder, manifest)
-        session = Session(folder, manifest, manifest["storage"], out, parallel)
+            manifest, config = _resume(folder, manifest, base, space, trials, sampler, pruner, storage, overrides)
+        session = Session(folder, manifest, config, storage, out, parallel)
+        session.check_trials()
     except BaseException:
         lock.release()
         raise
     session.lock = lock
-    running = [t.number for t in session.study.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
-    session.pending = sorted(running)
     return session
+
+
+def _resume(folder: Path, raw: dict, base: Optional[C.Config], space: Any, trials: Optional[int],
+            sampler: Optional[str], pruner: Optional[str], storage: Optional[str],
+            overrides: Optional[list[str]]) -> tuple[dict, C.Config]:
+    """The study's fields as ``manifest.checked`` takes them and this command's config, checked to ask what the
+    study asked before; ``--trials`` changes the study's total."""
+    path = Path(folder) / MANIFEST
+    manifest = checked(raw, path)
+    config = resumed_config(manifest, path, base, overrides)
+    check_searched(load_space(manifest["space"], config, source=f"the search space of '{path}'"), path,
+                   given=space is not None)
+    check_same(manifest, folder, load_space(space, config) if space is not None else None, sampler, pruner, storage)
+    if trials is not None and trials != manifest["trials"]:
+        manifest["trials"] = trials
+        write_manifest(folder, dict(raw, trials=trials))
+    return manifest, config
 
 
 def _create(folder: Path, base: Optional[C.Config], space: Any, trials: Optional[int], sampler: Optional[str],
@@ -413,7 +400,7 @@ def _create(folder: Path, base: Optional[C.Config], space: Any, trials: Optional
     name = STUDY_NAME if storage is None else f"torchrig:{folder.resolve()}"
     manifest = new_manifest(base, parsed, trials, sampler or "tpe", pruner or "median", storage, name)
     if manifest["sampler"] == "grid":
-        parsed.grid()  # a space without a grid is refused now, not at the first trial
+        parsed.grid_size()  # a space without a grid, or too large a one, is refused now, not at the first trial
     folder.mkdir(parents=True, exist_ok=True)
     direction = "maximize" if manifest["mode"] == "max" else "minimize"
     try:

@@ -66,6 +66,13 @@ class Clock:
         return self.before + time.monotonic() - self.start
 
 
+def seconds_of(attrs: dict) -> float:
+    """A trial's recorded training seconds (its ``user_attrs``, read back): a finite number >= 0, else 0."""
+    value = attrs.get("seconds")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return float(value) if ok else 0.0
+
+
 @dataclass
 class Outcome:
     """How a trial's run ended on this rank: ``state`` complete, pruned or failed; ``values`` epoch -> value."""

@@ -6,11 +6,13 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    import json
+
     from ..errors import TorchrigError
     from .run import worker_main
 
     try:
-        return worker_main(argv)
+        return worker_main(argv, json.loads(sys.stdin.buffer.read()))
     except TorchrigError as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"torchrig tune: worker error: {text}", file=sys.stderr, flush=True)

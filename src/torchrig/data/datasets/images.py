@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ...config.files import make_temp_dir, write_atomic
 from ..common import DataError
 
 GRAY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
@@ -222,11 +222,9 @@ class ImageSamples(Dataset):
 
 
 def write_bad_list(path: Path, bad: list[tuple[Path, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(f"# {len(bad)} unreadable image(s) skipped (data.skip_bad_samples=true)\n")
-        for p, reason in bad:
-            fh.write(f"{p}\t{reason}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)  # (the run directory)
+    lines = [f"# {len(bad)} unreadable image(s) skipped (data.skip_bad_samples=true)"] + [f"{p}\t{r}" for p, r in bad]
+    write_atomic(path, "".join(line + "\n" for line in lines).encode(), root=path.parent)
 
 
 # ----------------------------------------------------------------------------- the digits as PNGs
@@ -242,7 +240,7 @@ def export_digits(out_dir: Union[str, Path], overwrite: bool = False) -> dict[st
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"'{out}' exists and is not empty; choose a new folder (or pass --overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_temp_dir(out.parent, f".{out.name}.tmp-", root=out.parent)
     counts = {}
     try:
         for split, ds in digits_split(0.0).items():
@@ -253,9 +251,9 @@ def export_digits(out_dir: Union[str, Path], overwrite: bool = False) -> dict[st
                 a = (img[0].numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
                 Image.fromarray(a, mode="L").save(tmp / split / str(y) / f"{split}_{i:04d}.png")
             counts[split] = len(labels)
-        (tmp / "README.txt").write_text(
-            "The 8x8 handwritten digits shipped with scikit-learn (UCI optdigits test set), as PNGs.\n"
-            "train/ and test/ hold one folder per digit (the fixed torchrig split: 80/20, stratified).\n")
+        write_atomic(tmp / "README.txt", root=tmp, data=(
+            b"The 8x8 handwritten digits shipped with scikit-learn (UCI optdigits test set), as PNGs.\n"
+            b"train/ and test/ hold one folder per digit (the fixed torchrig split: 80/20, stratified).\n"))
         if out.exists() and overwrite:
             shutil.rmtree(out)
         os.replace(tmp, out)  # fails (OSError) if another process created a non-empty `out` meanwhile

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ...config.files import make_dir, write_atomic
 from ..common import DataError
 from .images import BadImageError, read_image
 
@@ -150,16 +151,20 @@ def digits_pairs(size: int = 32, val_fraction: float = 0.1) -> dict[str, tuple[t
     return out
 
 
-def save_png(t: torch.Tensor, path: Path) -> None:
-    """Write a (C, H, W) tensor in [-1, 1] as an 8-bit PNG (grayscale for C = 1)."""
+def save_png(t: torch.Tensor, path: Path, root: Optional[Path] = None) -> None:
+    """Write a (C, H, W) tensor in [-1, 1] as an 8-bit PNG (grayscale for C = 1), its folder made. ``root``: the
+    folder the user named (the run directory, an output folder), as for ``files.write_atomic``."""
+    import io
+
     from PIL import Image
 
     a = t.detach().float().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).cpu()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if a.shape[0] == 1:
-        Image.fromarray(a[0].numpy(), mode="L").save(path)
-    else:
-        Image.fromarray(a[:3].permute(1, 2, 0).numpy(), mode="RGB").save(path)
+    image = Image.fromarray(a[0].numpy(), mode="L") if a.shape[0] == 1 else \
+        Image.fromarray(a[:3].permute(1, 2, 0).numpy(), mode="RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    make_dir(path.parent, root)
+    write_atomic(path, buffer.getvalue(), root)
 
 
 def grid(rows: Sequence[Sequence[torch.Tensor]], pad: int = 2, scale: int = 1) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ...config.files import write_atomic
 from ..common import DataError
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -54,10 +55,8 @@ class TextTokenizer:
     def save(self, path: Union[str, Path]) -> None:
         """As a ``tokenizer.json`` (Hugging Face's format: ``tokenizers.Tokenizer.from_file`` reads it too)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.tokenizer.to_str() + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)  # (the run directory)
+        write_atomic(path, (self.tokenizer.to_str() + "\n").encode("utf-8"), root=path.parent)
 
     @classmethod
     def from_json(cls, data: bytes, source: str, todo: str) -> "TextTokenizer":
