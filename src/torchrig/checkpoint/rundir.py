@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import runtime
-from ..config.files import file_kind, open_regular
+from ..config.files import LINES_LIMIT, file_kind, read_lines
 from ..errors import setting
 from .io import CheckpointError, write_bytes_atomic
 from .manager import follow_link
@@ -37,7 +37,8 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "plots", "samples"
 
 
 class RunDirError(CheckpointError):
-    """A run directory that another process holds, that holds another run, or that cannot be written."""
+    """A run directory that another process holds, that holds another run, that cannot be written, or whose own
+    files (metrics.jsonl, skipped_samples.jsonl) cannot be read back as torchrig wrote them."""
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -285,8 +286,8 @@ def trim_metrics(path: str | Path, step: int) -> None:
     if step <= 0:
         path.unlink()
         return
-    with open_regular(path, "metrics file", "move it away, or choose another run_dir", RunDirError) as fh:
-        lines = fh.read().decode(errors="replace").splitlines()
+    lines = [text for _, text in read_lines(path, LINES_LIMIT, "metrics file", "move it away, or choose another "
+                                            "run_dir", RunDirError)]
     keep = [line for line, at in zip(lines, map(_row_step, lines)) if at is not None and at <= step]
     if len(keep) != len(lines):
         write_bytes_atomic(path, "".join(line + "\n" for line in keep).encode())
