@@ -45,7 +45,7 @@ HARMLESS = frozenset({
     "log.", "profile.",
 })
 # Keys that say how to start, not what to compute: never compared.
-NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite"})
+NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite", "checkpoint.verify"})
 # Schedules whose length is the run's length (epochs, max_steps): a new length passes (a longer run is how a
 # finished run is continued), but it is said, since the learning rates from there on are not exact.
 RUN_LENGTH_SCHEDULES = frozenset({"cosine", "onecycle", "warmup_cosine"})

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_meta
+from ..checkpoint.meta import DEGREES
 from . import changes, provenance
 from .context import FitContext
 from .state import Group, MetricStates, RNGState, ScalerState
@@ -72,19 +73,20 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     if path is None:  # resume="latest" with nothing saved yet: a fresh start, said once
         c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
         return None, 0, 0
+    verify = c.cfg.checkpoint.verify
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.sharded)
+        load_weights_only(c.model, path, sharded=c.sharded, verify=verify)
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
     meta = read_meta(path)
     saved_layout = layout_of(meta)
     now = c.layout.degrees() if c.layout is not None else {"world_size": c.world_size}
-    changes.check(read_config(path), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
+    changes.check(read_config(path, verify), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
                   worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
     restored = states(c)
-    c.checkpoints.load(path, restored, print_fn=c.say)
+    c.checkpoints.load(path, restored, print_fn=c.say, verify=verify)
     if isinstance(meta.get("layout"), dict) and _layout_key(saved_layout) != _layout_key(now):
         c.say(f"torchrig: resumed a checkpoint saved {describe_layout(saved_layout)} ({path.name}) "
               f"{describe_layout(now)}: model and optimizer state resharded, step counters and the data position "
@@ -102,8 +104,8 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
 def layout_of(meta: dict) -> dict:
     """The layout a checkpoint was saved in (``meta.json``: its degrees and world size); a checkpoint from
     before layouts were recorded: its world size alone, taken as data-parallel."""
-    saved = meta.get("layout")
-    out = {k: v for k, v in saved.items() if isinstance(v, int)} if isinstance(saved, dict) else {}
+    saved = meta.get("layout")  # its fields checked by their rules when meta.json was read (checkpoint.meta)
+    out = {k: v for k, v in saved.items() if k in (*DEGREES, "world_size")} if isinstance(saved, dict) else {}
     if not out and isinstance(meta.get("world_size"), int):
         out = {"dp_replicate": meta["world_size"]}
     if out and isinstance(meta.get("world_size"), int):

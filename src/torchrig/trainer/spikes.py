@@ -93,7 +93,7 @@ class SpikeGuard:
             raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {c.state.global_step} but no "
                              f"checkpoint to return to (spike.snapshot_every=0); set spike.snapshot_every, or "
                              f"checkpoint.every_steps")
-        c.checkpoints.load(path, self._states(), print_fn=lambda line: None)
+        c.checkpoints.load(path, self._states(), print_fn=lambda line: None, verify=c.cfg.checkpoint.verify)
 
     def _states(self) -> dict:
         """What a rollback restores: the checkpoint's states but this guard's own (its count of spikes in a row
