@@ -297,7 +297,7 @@ def _row_step(line: str) -> Optional[int]:
     try:
         row = json.loads(line)
         return int(row["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # not a row: "step" inf, nested ...
         return None
 
 

@@ -61,13 +61,15 @@ def read_rows(run_dir: Path, notes: Optional[list[str]] = None) -> list[dict]:
 
 
 def _number(value: Any) -> Optional[float]:
-    """A JSON number as a float; None for anything else (a bool, a string, an int too large for a float)."""
+    """A finite JSON number as a float; None for anything else (a bool, a string, NaN, an int too large for a
+    float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
-        return float(value)
+        number = float(value)
     except OverflowError:
         return None
+    return number if math.isfinite(number) else None
 
 
 class _Rows:
