@@ -177,3 +177,10 @@ def test_coverage_is_counted_on_the_grid_of_the_pieces():
     assert problem((32, 8), grid[1:]) == "part of it is in no piece"
     assert problem((), [((), ())]) == "" and problem((0, 3), []) == ""  # a scalar; a tensor of no elements
     assert problem((2 ** 40, 2 ** 40), [((0, 0), (1, 1))]) == "part of it is in no piece"  # counted, not allocated
+
+
+def test_a_deeply_nested_index_is_rebuilt_from_the_checkpoints(checkpoint, run_dir):
+    from torchrig.checkpoint import CheckpointManager
+
+    (run_dir / "checkpoints" / "index.json").write_text("[" * 200_000 + "]" * 200_000)
+    assert CheckpointManager(run_dir).index == {"checkpoints": [checkpoint.name], "best": []}

@@ -177,7 +177,7 @@ class CheckpointManager:
                 self.index = _plain_index(json.loads(read_regular(
                     self.index_path, JSON_LIMIT, "checkpoint index",
                     "remove it (it is rebuilt from the checkpoints beside it)", CheckpointError)))
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # a cache: rebuilt from the checkpoints' names
                 self.index = {"checkpoints": self._scan(), "best": []}
 
     def _scan(self) -> list[str]:
