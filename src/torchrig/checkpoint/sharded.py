@@ -167,11 +167,11 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
     return manager.dir / name
 
 
-def load_full_weights(model: torch.nn.Module, path: Path) -> None:
+def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True) -> None:
     """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a pipeline
     stage takes its own part)."""
     dsd = _dsd()
-    full = load_weights_file(path)
+    full = load_weights_file(path, verify)
     own = model.state_dict()
     _check_keys(set(full), set(own), path)
     if runtime.pipeline_group() is not None:  # a pipeline stage takes its own part
@@ -180,7 +180,8 @@ def load_full_weights(model: torch.nn.Module, path: Path) -> None:
     dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
 
 
-def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print) -> None:
+def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print,
+         verify: bool = True) -> None:
     """Load model and optimizer state of checkpoint ``path``, at any world size.
 
     With ``sharded/`` (an FSDP checkpoint) every rank reads the pieces it needs through DCP, for an
@@ -191,12 +192,12 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     dsd = _dsd()
     path = Path(path)
     if not (path / SHARDS).exists():
-        load_full_weights(model, path)
+        load_full_weights(model, path, verify)
         return
     from . import safe_dcp
 
     try:
-        saved = safe_dcp.read_metadata_file(path / SHARDS / ".metadata").state_dict_metadata
+        saved = safe_dcp.read_metadata_file(path / SHARDS / ".metadata", verify).state_dict_metadata
     except CheckpointError:
         raise
     except Exception as exc:
@@ -214,7 +215,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     try:
         with warnings.catch_warnings():  # one process loading shards is intended, not a mistake to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            safe_dcp.load(target, path / SHARDS, no_dist=not runtime.is_initialized())
+            safe_dcp.load(target, path / SHARDS, no_dist=not runtime.is_initialized(), verify=verify)
     except CheckpointError:
         raise
     except Exception as exc:
