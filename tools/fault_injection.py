@@ -13,7 +13,8 @@ holds; it is *lost* otherwise (and the reason is printed).
 A *bitflips* trial flips one random bit of ``model.safetensors`` or ``state.pt`` (half each) of a real
 checkpoint and reads the file as a resume or ``evaluate`` does. It *survives* when the file is refused as
 corrupt, naming it; it is *lost* when it loads. The same flip is also read from a copy whose meta.json
-records no checksums (a checkpoint saved before they existed), to show what the checksums add.
+records no checksums (a checkpoint saved before they existed), loaded unchecked (``checkpoint.verify=false``;
+with checking on, such a checkpoint is refused whole), to show what the checksums add.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def bitflip_trial(ckpt: Path, rng: random.Random, work: Path) -> tuple[str, str]
         data[bit // 8] ^= 1 << (bit % 8)
         (copy / name).write_bytes(bytes(data))
         try:
-            load_weights_file(copy) if name == "model.safetensors" else read_checkpoint(copy)
+            # without checksums: loaded unchecked (checkpoint.verify=false), to show what the formats' own checks catch
+            load_weights_file(copy, checksums) if name == "model.safetensors" else read_checkpoint(copy, checksums)
             outcomes.append("loaded")
         except CorruptCheckpointError as exc:
             assert str(copy / name) in str(exc)

@@ -373,14 +373,14 @@ def test_corrupt_model_safetensors(make_trainer, data, run_dir, damage, checksum
     path.write_bytes({"truncate": blob[: len(blob) - 100], "garbage": b"not a safetensors file" * 10,
                       "empty": b""}[damage])
     with pytest.raises(CheckpointError) as err:
-        load_weights(TinyNet(), run_dir)
+        load_weights(TinyNet(), run_dir, verify=checksums)  # without its record: refused unless verify=False
     if checksums:
         assert str(err.value) == f"checkpoint file '{path}{CORRUPT}"
     else:  # safetensors itself finds it out
         assert f"weights file '{path}' is corrupt or not a safetensors file" in str(err.value)
         assert "use another checkpoint" in str(err.value)
     with pytest.raises(CheckpointError, match="is corrupt: its bytes" if checksums else "is corrupt or not a safet"):
-        make_trainer(resume="latest").fit(data)
+        make_trainer(resume="latest", **{"checkpoint.verify": checksums}).fit(data)
 
 
 @pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "saved-without-checksums"])
@@ -392,7 +392,7 @@ def test_truncated_state_and_corrupt_meta(make_trainer, data, run_dir, checksums
     blob = (latest / "state.pt").read_bytes()
     (latest / "state.pt").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(CheckpointError) as err:
-        make_trainer(resume="latest").fit(data)
+        make_trainer(resume="latest", **{"checkpoint.verify": checksums}).fit(data)
     if checksums:
         assert str(err.value) == f"checkpoint file '{latest / 'state.pt'}{CORRUPT}"
     else:

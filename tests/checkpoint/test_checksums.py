@@ -113,22 +113,81 @@ def test_evaluate_refuses_a_flipped_bit_in_one_line(run_copy, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [f"torchrig: error: {_corrupt(ckpt / 'model.safetensors')}"]
 
 
-def test_a_checkpoint_saved_without_checksums_still_loads(run_copy, capsys):
-    import torch
-    from safetensors.torch import load_file
+def _unrecorded(ckpt: Path, why: str) -> str:
+    return (f"checkpoint '{ckpt}' {why}; use another checkpoint (RUN_DIR/checkpoints/), or load it unchecked with "
+            f"--set checkpoint.verify=false")
 
+
+NO_RECORD = "records no checksums in its meta.json, so its files cannot be checked against the checksums recorded " \
+            "when they were saved"
+
+
+def test_a_checkpoint_without_its_checksums_is_refused_unless_verify_is_off(run_copy, capsys):
+    """Saved before checksums were recorded, or its record stripped: loading it would check nothing, silently.
+    Refused in one line; checkpoint.verify=false loads it, said on every load."""
     run = run_copy("plain")
     ckpt = run / "checkpoints" / STEP
     drop_checksums(ckpt)
-    weights, saved = load_weights_file(ckpt), load_file(ckpt / "model.safetensors")
-    assert len(weights) > 0 and weights.keys() == saved.keys()
-    assert all(torch.equal(weights[k], saved[k]) for k in saved)
-    state, meta, config = read_checkpoint(ckpt)
-    assert "checksums" not in meta and state["counters"]["global_step"] == 2
     capsys.readouterr()
-    assert main(["train", *_sets(*QUICK, "max_steps=3", f"run_dir={run}", "resume=latest")]) == 0
-    assert "checksum" not in capsys.readouterr().err  # said nothing
+    assert main(["train", *_sets(*QUICK, "max_steps=3", f"run_dir={run}", "resume=latest")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"torchrig: error: {_unrecorded(ckpt, NO_RECORD)}"]
+    with pytest.raises(CheckpointError, match="records no checksums in its meta.json"):
+        load_weights_file(ckpt)
+    state, meta, config = read_checkpoint(ckpt, verify=False)
+    assert "checksums" not in meta and state["counters"]["global_step"] == 2
+    import torch
+    from safetensors.torch import load_file
+
+    weights, saved = load_weights_file(ckpt, verify=False), load_file(ckpt / "model.safetensors")
+    assert len(weights) > 0 and weights.keys() == saved.keys()  # unchecked, but the weights its file holds
+    assert all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert main(["train", *_sets(*QUICK, "max_steps=3", f"run_dir={run}", "resume=latest",
+                                 "checkpoint.verify=false")]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "checkpoint.verify" in line]
+    assert said == [f"torchrig: checkpoint.verify=false: '{ckpt}' is loaded without checking its files against the "
+                    f"checksums in its meta.json"]
     assert "checksums" in json.loads((run / "checkpoints" / "step-00000003" / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("damage", ["deleted", "not-a-mapping", "entry-missing", "not-a-checksum"])
+def test_a_damaged_record_with_a_flipped_weight_is_refused_by_evaluate(run_copy, capsys, damage):
+    """meta.json deleted (or its record damaged) and an exponent bit of a weight flipped: evaluate must refuse,
+    not report the damaged model's accuracy with exit code 0."""
+    ckpt = run_copy("plain") / "checkpoints" / STEP
+    weights = ckpt / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    _flip(weights, (header + 3) * 8 + 6)  # the first weight's float32 exponent: x 2**(+-64)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    why = {"deleted": "has no meta.json, so its files cannot be checked against the checksums recorded when they "
+                      "were saved",
+           "not-a-mapping": "has a damaged checksum record: meta.json's field 'checksums' is 'sha256:0', not a "
+                            "mapping of the checkpoint's files to their sha256",
+           "entry-missing": "records no checksum for its file 'model.safetensors' in its meta.json, so that file "
+                            "cannot be checked",
+           "not-a-checksum": "has a damaged checksum record: meta.json's field 'checksums.model.safetensors' is "
+                             "'md5:1', not a checksum ('sha256:' and 64 hexadecimal digits)"}[damage]
+    if damage == "deleted":
+        (ckpt / "meta.json").unlink()
+    else:
+        sums = meta["checksums"]
+        meta["checksums"] = {"not-a-mapping": "sha256:0", "entry-missing": {k: v for k, v in sums.items() if k !=
+                                                                            "model.safetensors"},
+                             "not-a-checksum": dict(sums, **{"model.safetensors": "md5:1"})}[damage]
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(ckpt)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"torchrig: error: {_unrecorded(ckpt, why)}"]
+
+
+def test_a_plain_weights_file_outside_a_checkpoint_loads_without_a_record(built, tmp_path):
+    """A user's own weights file (not in a checkpoint folder) has no record to check: it loads as it is."""
+    mine = tmp_path / "mine" / "weights.safetensors"
+    mine.parent.mkdir()
+    shutil.copy(built / "plain" / "checkpoints" / STEP / "model.safetensors", mine)
+    assert set(load_weights_file(mine)) == set(load_weights_file(built / "plain" / "checkpoints" / STEP))
+    (mine.parent / "state.pt").write_bytes(b"")  # beside a checkpoint's file: a checkpoint, and without a record
+    with pytest.raises(CheckpointError, match=r"has no meta.json, so its files cannot be checked"):
+        load_weights_file(mine)
 
 
 def test_a_bad_byte_anywhere_fails_no_other_way_first(run_copy):

@@ -9,6 +9,7 @@ a MemoryError, not eat the machine), and expects one line naming the file.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -148,3 +149,69 @@ def test_a_billion_laughs_in_a_set_value_is_refused():
     value = "{" + _bomb().replace("\n", ", ").rstrip(", ") + "}"
     with pytest.raises(ConfigError, match=r"^the value '.*' repeats 4412961486 values through aliases"):
         load_config(overrides=[f"model.options={value}"])
+
+
+# ----------------------------------------------------------------------------- a run folder's own files
+
+READ_RUN_FOLDER = r"""
+import contextlib, io, json, sys
+from pathlib import Path
+from torchrig.checkpoint.rundir import trim_metrics
+from torchrig.observe.plot import read_rows
+from torchrig.observe.trackers import TrackerSet
+from torchrig.trainer.spikes import keep_ledger
+
+run, results = Path(sys.argv[1]), {}
+for name, read in (("trackers.json", lambda: TrackerSet.open([], run, {}, start_step=5)),
+                   ("csv/metrics.csv", lambda: TrackerSet.open(["csv"], run, {}, start_step=5)),
+                   ("skipped_samples.jsonl", lambda: keep_ledger(run, [])),
+                   ("metrics.jsonl", lambda: read_rows(run)),
+                   ("trim metrics.jsonl", lambda: trim_metrics(run / "metrics.jsonl", 5))):
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            read()
+        results[name] = said.getvalue().strip()
+    except Exception as exc:
+        results[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(results))
+"""
+# what each reader says (its first words are the file's kind and name), and what to do
+RUN_FOLDER_FILES = {
+    "trackers.json": ("torchrig: tracker ids file", "each tracker starts a new run", "1 MiB"),
+    "csv/metrics.csv": ("TrackerError: tracker file", "move it away, or leave csv out of log.trackers", "1 GiB"),
+    "skipped_samples.jsonl": ("RunDirError: skipped samples list", "move it away (the checkpoint itself holds which "
+                              "samples are left out)", "16 MiB"),
+    "metrics.jsonl": ("PlotError: metrics file", "point at a run directory torchrig wrote", "1 GiB"),
+    "trim metrics.jsonl": ("RunDirError: metrics file", "move it away, or choose another run_dir", "1 GiB"),
+}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_a_run_folders_own_files_are_read_as_a_strangers(tmp_path, kind):
+    """trackers.json, csv/metrics.csv, skipped_samples.jsonl and metrics.jsonl (plot, the resume's trim) as a
+    FIFO (a read would block for ever), /dev/zero (never ends) or a (sparse) file past its kind's cap: one line
+    each, in a child with a timeout and a 3 GiB data limit, so that a reader that hangs or fills the memory fails
+    the test instead of the suite."""
+    run = tmp_path / "run"
+    (run / "csv").mkdir(parents=True)
+    for name, (*_, cap) in RUN_FOLDER_FILES.items():
+        path = run / name.split()[-1]
+        if kind == "huge":
+            size = {"1 MiB": 1 << 21, "16 MiB": 1 << 25, "1 GiB": 3 << 29}[cap]
+            with open(path, "wb") as fh:
+                fh.truncate(size)
+        elif not path.exists():
+            _plant(path, kind)
+    r = forkserver.run(["-c", READ_RUN_FOLDER, str(run)], env=subprocess_env(), timeout=60,
+                       rlimits={"RLIMIT_DATA": (3 << 30, 3 << 30)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, (start, todo, cap) in RUN_FOLDER_FILES.items():
+        path = run / name.split()[-1]
+        what = {"fifo": "a FIFO, not a regular file", "dev-zero": "a character device, not a regular file",
+                "huge": f"{ {'1 MiB': '2 MiB', '16 MiB': '32 MiB', '1 GiB': '1.5 GiB'}[cap]}, more than the {cap} "
+                        f"such a file may hold"}[kind]
+        if kind == "dev-zero" and name == "trim metrics.jsonl":  # a file rewritten: no link followed at all
+            what = "a symbolic link (to '/dev/zero'), not a regular file"
+        assert said[name] == f"{start} '{path}' is {what}; {todo}", name

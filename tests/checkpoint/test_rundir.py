@@ -389,6 +389,17 @@ def test_trim_metrics_is_atomic_and_exact(tmp_path):
     assert not path.exists()
 
 
+def test_trim_metrics_drops_lines_that_are_no_rows_whatever_they_hold(tmp_path):
+    """A stranger's metrics.jsonl: lines nested too deeply to parse, a step of Infinity or of a list, a row
+    without a step are dropped with the torn lines; the rows up to the step stay."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": 1}), "[" * 100_000, '{"step": Infinity}', '{"step": [1]}', '{"loss": 1}',
+            json.dumps({"step": 2}), json.dumps({"step": 3})]
+    path.write_text("\n".join(rows) + "\n")
+    trim_metrics(path, 2)
+    assert path.read_text() == f"{rows[0]}\n{rows[5]}\n"
+
+
 class _FullDisk:
     """A metrics.jsonl file whose writes fail with ENOSPC from the ``after``-th on."""
 

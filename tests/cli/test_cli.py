@@ -181,11 +181,18 @@ def test_evaluate_corrupt_checkpoint(trained, tmp_path, capsys):
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
     one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "model.safetensors' is corrupt: its bytes do "
                    "not match the sha256 checksum recorded in meta.json")
-    drop_checksums(ckpt)  # as saved before checksums: safetensors itself finds it out
-    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "is corrupt or not a safetensors file")
+    drop_checksums(ckpt)  # as saved before checksums: refused, unless loaded unchecked
+    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)], "records no checksums in its meta.json")
+    unchecked = ["--set", "checkpoint.verify=false"]  # then safetensors itself finds it out
+    assert main(["evaluate", "--checkpoint", str(ckpt), *unchecked]) == 1
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[0].startswith("torchrig: checkpoint.verify=false: ") and len(said) == 2, said
+    assert said[1].startswith(f"torchrig: error: weights file '{ckpt / 'model.safetensors'}' is corrupt or not a "
+                              f"safetensors file"), said
     (ckpt / "config.yaml").unlink()
-    one_line_error(capsys, ["evaluate", "--checkpoint", str(ckpt)],
-                    f"checkpoint '{ckpt}' has no config.yaml; it was not written by torchrig train")
+    assert main(["evaluate", "--checkpoint", str(ckpt), *unchecked]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[1:] == [
+        f"torchrig: error: checkpoint '{ckpt}' has no config.yaml; it was not written by torchrig train"]
 
 
 # ----------------------------------------------------------------------------- predict

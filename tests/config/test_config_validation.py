@@ -180,6 +180,7 @@ BAD_VALUES = [
     ('ema_decay=1', 'a number in (0, 1) or null, got 1'),
     ('ema_warmup=maybe', "true or false, got 'maybe'"),
     ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),
+    ('checkpoint.verify=sometimes', "true or false, got 'sometimes'"),
 ]
 
 

@@ -118,3 +118,36 @@ def test_the_plot_exists_when_torchrig_train_returns_and_no_process_outlives_the
         assert image.format == "PNG" and image.size == (1280, 1020)  # 5 panels: 2 columns, 3 rows of 640 x 340
         image.verify()
     assert not (run / "plots" / "error.txt").exists()
+
+
+def test_a_log_of_thousands_of_keys_draws_the_panels_that_matter_and_names_the_rest(tmp_path):
+    """A stranger's metrics.jsonl of 3,000 keys (a resume re-plots it): 12 panels (the loss, what validation
+    measures, the learning rate last), one line naming what was left out; seconds, not minutes."""
+    rows = [{"step": s, "kind": "epoch", "train/loss": 1 / s, "val/loss": 1.1 / s, "val/accuracy": s / 10, "lr": 0.1,
+             **{f"train/k{i:04d}": float(i) for i in range(3000)}} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said = []
+    out = plot_runs([tmp_path], tmp_path / "c.png", say=said.append)
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert said == ["torchrig: plot: 3003 metric families, 12 panels drawn (loss, accuracy, k0000, k0001, k0002, "
+                    "k0003, k0004, k0005, k0006, k0007, k0008, lr); left out: k0009, k0010, k0011, k0012, k0013 … "
+                    "(2991 in all)"]
+
+
+def test_long_logs_are_thinned_and_many_series_capped(tmp_path, monkeypatch):
+    from torchrig.observe import plot
+
+    monkeypatch.setattr(plot, "MAX_ROWS", 100)
+    rows = [{"step": s, "kind": "interval", "train/loss": 1 / s, **{f"lr/group{g:02d}": 0.1 for g in range(20)}}
+            for s in range(1, 1001)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": [1]}\n')
+    notes: list[str] = []
+    kept = plot.read_rows(tmp_path, notes)
+    assert [r["step"] for r in kept] == list(range(1, 1001, 16))  # every 16th: 63 rows, at most 100
+    assert notes == [f"torchrig: plot: '{tmp_path / 'metrics.jsonl'}' holds 1000 rows; 63 of them, evenly spread, are "
+                     f"drawn"]
+    fig = build_figure({"run": kept}, notes)
+    assert len(_panels(fig)["learning rate"].get_lines()) == 8
+    assert notes[-1] == ("torchrig: plot: at most 8 series of a run per panel; left out: lr/group08 (interval), "
+                         "lr/group09 (interval), lr/group10 (interval), lr/group11 (interval), lr/group12 (interval) "
+                         "… (12 in all)")

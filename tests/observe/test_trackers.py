@@ -419,3 +419,15 @@ def test_a_run_id_that_is_no_id_starts_a_new_tracker_run(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "'wandb' run id '../../etc/passwd' is not a run id" in err[0] and "trackers.json" in err[0]
     assert "wandb starts a new run" in err[0] and "'csv' run id 'a..b'" in err[1]
+
+
+@pytest.mark.parametrize("content", ["{not json", '["mlflow", "abc"]', '"abc"', "[" * 100_000])
+def test_a_tracker_ids_file_that_is_not_a_mapping_is_said_and_each_tracker_starts_anew(tmp_path, capsys, content):
+    from torchrig.observe.trackers import TrackerSet
+
+    path = tmp_path / "trackers.json"
+    path.write_text(content)
+    TrackerSet.open([], tmp_path, {}, start_step=5)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"torchrig: tracker ids file '{path}' is not a JSON mapping of tracker names to run ids; each tracker starts "
+        f"a new run"]

@@ -374,3 +374,48 @@ def test_the_commands_arguments_reach_it_as_written(separator, tmp_path):
         assert (targs.nproc_per_node, targs.max_restarts, targs.nnodes, targs.start_method) == ("2", 1, "1", "spawn")
         assert [targs.training_script, *targs.training_script_args] == (
             ["torchrig", *command] if command[0] == "train" else command)
+
+
+# ----------------------------------------------------------------------------- data from another rank
+
+DECLARE = r"""
+import sys, torch, torch.distributed as dist
+rank, store, length = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+from torchrig import runtime
+if rank == 1:  # another program's rank: it declares a length and sends nothing
+    dist.send(torch.tensor([length], dtype=torch.int64), 0)
+else:
+    try:
+        runtime.gather_to_first({"w": torch.ones(2)}, dist.group.WORLD)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_length_no_rank_could_send_is_refused_before_it_is_allocated(tmp_path, length=1 << 40):
+    """``gather_to_first`` allocates what another rank declares it sends: a length beyond this machine's memory
+    (or negative) is no object of that rank's, only a buffer that would exhaust the memory. One line, at once."""
+    from helpers import forkserver, subprocess_env
+
+    procs = [forkserver.popen(["-c", DECLARE, str(rank), str(tmp_path / "store"), str(length)], env=subprocess_env(),
+                              rlimits={"RLIMIT_DATA": (3 << 30, 3 << 30)}) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    memory = f"{D.device_memory(torch.device('cpu')) / (1 << 30):.3g} GiB"
+    assert outs[0][0].strip() == (f"DistributedError: rank 0: rank 1 declared {length} bytes of data to send, more "
+                                  f"than the {memory} of memory of this machine; ranks exchange only plain data of "
+                                  f"their own that fits. Check that every rank runs your own program")
+
+
+def test_what_a_rank_may_declare():
+    cpu = torch.device("cpu")
+    assert D.receivable(0, 1, cpu) == 0 and D.receivable(1 << 20, 1, cpu) == 1 << 20
+    with pytest.raises(D.DistributedError, match=r"^rank 0: rank 3 declared -5 bytes of data to send, a negative "):
+        D.receivable(-5, 3, cpu)
+    half = D.device_memory(cpu) // 2 + 1  # fits once, not once per rank of an all-gather of two
+    assert D.receivable(half, 1, cpu) == half
+    with pytest.raises(D.DistributedError, match="more than the"):
+        D.receivable(half, 1, cpu, copies=2)

@@ -160,3 +160,25 @@ def test_pytree_maps_and_flattens_batches():
     assert [t.shape for t in tree_leaves(batch) if isinstance(t, torch.Tensor)] == [(2,), (1,)]
     moved = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
     assert moved["x"].is_meta and moved["y"][1] == 3
+
+
+def test_one_cycle_keeps_its_plan_in_total_steps_and_schedule_phases():
+    """trainer/saving.py re-plans a resumed OneCycleLR by loading the ``total_steps`` and ``_schedule_phases`` of its
+    state_dict from one built for the new length: the learning rate is then a closed form of the step, that
+    schedule's at every step from there on."""
+    def one_cycle(total):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total)
+
+    _, planned = one_cycle(8)
+    opt, short = one_cycle(3)
+    ref_opt, ref = one_cycle(8)
+    for _ in range(3):
+        opt.step(), short.step(), ref_opt.step(), ref.step()
+    state = short.state_dict()
+    assert {"total_steps", "_schedule_phases", "last_epoch"} <= set(state)
+    state.update({k: planned.state_dict()[k] for k in ("total_steps", "_schedule_phases")})
+    short.load_state_dict(state)
+    for _ in range(5):
+        opt.step(), short.step(), ref_opt.step(), ref.step()
+        assert short.get_last_lr() == ref.get_last_lr()

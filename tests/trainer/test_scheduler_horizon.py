@@ -95,3 +95,29 @@ def test_two_processes_halve_the_steps_and_the_line_says_so(tmp_path):
         got = json.loads((tmp_path / "out" / f"horizon-{rank}.json").read_text())
         assert got["given_steps"] == 24 and got["factory_got"] == [24] and got["total_steps"] == 24
         assert got["factory_stepped"] == 24
+
+
+def _lrs(run_dir) -> dict[int, float]:
+    from helpers import read_jsonl
+
+    return {r["step"]: r["lr"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "interval"}
+
+
+def test_raising_max_steps_continues_a_one_cycle_run_on_a_cycle_of_the_new_length(make_trainer, data, run_dir,
+                                                                                  capsys):
+    """The image recipe's default schedule: a finished (or stopped) run resumed with a higher max_steps goes on
+    (PyTorch's OneCycleLR would stop it: "Tried to step 4 times"), its learning rates from there on exactly those
+    of a cycle of the new length."""
+    kw = dict(scheduler="onecycle", epochs=3, log_every=1)
+    make_trainer(max_steps=3, **kw).fit(data)
+    capsys.readouterr()
+    resumed = make_trainer(max_steps=8, resume="latest", **kw)
+    resumed.fit(data)
+    assert resumed.global_step == 8 and resumed.schedulers["default"].total_steps == 8
+    assert ("torchrig: the onecycle schedule follows the run's length, which changed (max_steps 3 → 8): from here on "
+            "its learning rates are those of a cycle of the new length (the steps so far followed the old one)"
+            ) in capsys.readouterr().out
+    whole = run_dir.with_name("whole")
+    make_trainer(max_steps=8, run_dir=str(whole), **kw).fit(data)
+    after = {s: lr for s, lr in _lrs(run_dir).items() if s > 3}
+    assert after == {s: lr for s, lr in _lrs(whole).items() if s > 3} and sorted(after) == [4, 5, 6, 7, 8]

@@ -129,3 +129,25 @@ def test_a_resume_from_before_a_rollback_writes_its_ledger_line_once(make_traine
                    resume=str(run_dir / "checkpoints" / "step-00000008"))  # it holds the left-out samples: kept
     assert [e["step"] for e in map(json.loads, ledger.read_text().splitlines())] == [5]
     assert resumed.global_step == 21
+
+
+def test_a_ledger_line_that_is_not_a_row_is_named_and_a_torn_last_line_dropped(tmp_path):
+    """``skipped_samples.jsonl`` read back at a fit's start (a stranger's run folder, or one edited by hand): a line
+    that is not a row is one line naming the file and the line (never a bare JSONDecodeError), and nothing is
+    rewritten; a last line cut short by a process killed while appending it is dropped."""
+    from torchrig.checkpoint.rundir import RunDirError
+    from torchrig.trainer.spikes import keep_ledger
+
+    ledger = tmp_path / "skipped_samples.jsonl"
+    good = json.dumps({"step": 5, "samples": [3, 4]})
+    move = "move it away (the checkpoint itself holds which samples are left out)"
+    for bad in ("not json at all", '["a list"]', '{"samples": ["x"]}', '{"samples": [true]}', "[" * 100_000):
+        ledger.write_text(f"{good}\n{bad}\n{good}\n")
+        with pytest.raises(RunDirError) as err:
+            keep_ledger(tmp_path, [3, 4])
+        assert str(err.value) == (f"'{ledger}' line 2 is not a row of skipped samples ({{\"step\": ..., \"samples\": "
+                                  f"[sample numbers]}}); {move}")
+        assert ledger.read_text() == f"{good}\n{bad}\n{good}\n"
+    ledger.write_text(f"{good}\n{good[:9]}")
+    keep_ledger(tmp_path, [3, 4])
+    assert ledger.read_text() == f"{good}\n"

@@ -35,8 +35,10 @@ from typing import Any, BinaryIO, Optional
 import torch
 from torch import nn
 
+from .. import runtime
 from ..config import files
-from ..errors import TorchrigError
+from ..errors import TorchrigError, setting
+from . import meta as meta_fields
 
 
 class CheckpointError(TorchrigError, RuntimeError):
@@ -212,7 +214,9 @@ def write_json_atomic(path: Path, obj: Any, root: Optional[Path] = None) -> str:
 # Every file of a checkpoint but meta.json has its checksum in meta.json ("checksums": {"state.pt":
 # "sha256:...", "sharded/__0_0.distcp": ...}), recorded from the bytes as they were written. A file is
 # checked when it is opened for reading, whichever way it is loaded (resume, evaluate, predict,
-# load_weights, model.weights); a checkpoint saved before checksums were recorded loads unchecked.
+# load_weights, model.weights). A file of a checkpoint folder without its record (meta.json deleted, its
+# checksums damaged, or saved before they were recorded) is refused: loading it would turn the check off
+# silently. ``verify=False`` (the config key ``checkpoint.verify``) loads without checking, said on each load.
 CHECKSUM = "sha256"  # hashlib's, with the CPU's SHA instructions where it has them
 _OTHER_CHECKPOINT = "use another checkpoint (RUN_DIR/checkpoints/)"  # what to do about a bad checkpoint file
 _CHUNK = 1 << 20
@@ -231,28 +235,76 @@ def file_checksum(fh: BinaryIO) -> str:
 
 
 def read_meta(checkpoint: Path) -> dict:
-    """A checkpoint's ``meta.json`` ({} when it has none): a regular file of at most 16 MiB of JSON."""
+    """A checkpoint's ``meta.json`` ({} when it has none): a regular file of at most 16 MiB of JSON, each field
+    a load uses checked by its rule (``meta.check_fields``)."""
     path = Path(checkpoint) / "meta.json"
     if not path.exists():
         return {}
     try:
         meta = json.loads(files.read_regular(path, files.JSON_LIMIT, "checkpoint file", _OTHER_CHECKPOINT,
                                              CheckpointError))
+    except RecursionError:
+        raise CheckpointError(f"'{path}' nests lists or mappings too deeply to be read: it is not the meta.json of a "
+                              f"checkpoint torchrig wrote; {_OTHER_CHECKPOINT}") from None
     except ValueError:
         meta = None
     if not isinstance(meta, dict):
         raise CheckpointError(f"'{path}' is corrupt (not JSON); {_OTHER_CHECKPOINT}")
+    try:
+        meta_fields.check_fields(meta)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint file '{path}': {exc}; {_OTHER_CHECKPOINT}") from None
     return meta
 
 
-def recorded_checksum(path: Path) -> Optional[str]:
-    """The checksum ``meta.json`` of ``path``'s checkpoint recorded for it, or None (none recorded)."""
+CHECKPOINT_FILES = ("meta.json", "state.pt", "config.yaml", "sharded")  # beside the weights: a torchrig checkpoint
+
+
+def checkpoint_of(path: Path) -> Optional[tuple[Path, str]]:
+    """``(checkpoint folder, the file's name in its checksums)`` for a file of a torchrig checkpoint (a folder
+    holding ``meta.json``, ``state.pt``, ``config.yaml`` or ``sharded/`` beside it; DCP's files one folder down);
+    None for a file elsewhere, such as a weights file of the user's own."""
     path = Path(path)
     folder, name = path.parent, path.name
-    if not (folder / "meta.json").exists() and folder.name == "sharded":  # DCP's files, one folder down
-        folder, name = folder.parent, f"{folder.name}/{path.name}"
-    sums = read_meta(folder).get("checksums")
-    return sums.get(name) if isinstance(sums, dict) else None
+    if folder.name == "sharded":
+        folder, name = folder.parent, f"sharded/{name}"
+    if any(os.path.lexists(folder / other) for other in CHECKPOINT_FILES):
+        return folder, name
+    return None
+
+
+def recorded_checksum(path: Path, verify: bool = True) -> Optional[str]:
+    """The checksum ``meta.json`` of ``path``'s checkpoint recorded for it; None for a file that is not part
+    of a checkpoint, or with ``verify=False``. A checkpoint's file without its record is refused."""
+    found = checkpoint_of(Path(path)) if verify else None
+    if found is None:
+        return None
+    folder, name = found
+    meta = read_meta(folder)
+    if "checksums" not in meta:
+        held = "has no meta.json" if not (folder / "meta.json").exists() else "records no checksums in its meta.json"
+        raise _unrecorded(folder, f"{held}, so its files cannot be checked against the checksums recorded when "
+                                  f"they were saved")
+    try:
+        sums = meta_fields.check_checksums(meta["checksums"])
+    except ValueError as exc:
+        raise _unrecorded(folder, f"has a damaged checksum record: meta.json's {exc}") from None
+    if name not in sums:
+        raise _unrecorded(folder, f"records no checksum for its file '{name}' in its meta.json, so that file cannot "
+                                  f"be checked")
+    return sums[name]
+
+
+def _unrecorded(folder: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint '{folder}' {why}; {_OTHER_CHECKPOINT}, or load it unchecked with "
+                           f"{setting('checkpoint.verify', False)}")
+
+
+def say_unverified(path: Path) -> None:
+    """The line each load with ``checkpoint.verify=false`` prints (on stderr, once per process group)."""
+    if runtime.get_rank() == 0:
+        print(f"torchrig: checkpoint.verify=false: '{path}' is loaded without checking its files against the "
+              f"checksums in its meta.json", file=sys.stderr, flush=True)
 
 
 def _corrupt(path: Path) -> CorruptCheckpointError:
@@ -261,11 +313,11 @@ def _corrupt(path: Path) -> CorruptCheckpointError:
         f"meta.json when it was saved; {_OTHER_CHECKPOINT}, or retrain")
 
 
-def open_checked(path: Path) -> BinaryIO:
+def open_checked(path: Path, verify: bool = True) -> BinaryIO:
     """``path`` opened for reading, at its start: a regular file whose bytes match the checksum its
     checkpoint recorded (one pass over the file; the caller's read then comes from the page cache)."""
     path = Path(path)
-    expected = recorded_checksum(path)
+    expected = recorded_checksum(path, verify)
     fh = files.open_regular(path, "checkpoint file", _OTHER_CHECKPOINT, CheckpointError)
     try:
         if expected is not None:
@@ -278,10 +330,10 @@ def open_checked(path: Path) -> BinaryIO:
         raise
 
 
-def read_checked(path: Path, limit: int) -> bytes:
+def read_checked(path: Path, limit: int, verify: bool = True) -> bytes:
     """The bytes of a small checkpoint file (at most ``limit``), checked against its recorded checksum."""
     path = Path(path)
-    expected = recorded_checksum(path)
+    expected = recorded_checksum(path, verify)
     data = files.read_regular(path, limit, "checkpoint file", _OTHER_CHECKPOINT, CheckpointError)
     if expected is not None and f"{CHECKSUM}:{hashlib.sha256(data).hexdigest()}" != expected:
         raise _corrupt(path)
@@ -317,14 +369,16 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> str:
     return write_bytes_atomic(Path(path), data)
 
 
-def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+def load_weights_file(path: Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint (its folder: ``model.safetensors``) or of a weights file (safetensors, or a
+    plain state_dict in a ``.pt``), checked against its checkpoint's record (see ``recorded_checksum``)."""
     path = Path(path)
     if path.is_dir():
         path = path / "model.safetensors"
     if not path.exists():
         raise CheckpointError(f"weights file '{path}' does not exist; point at a checkpoint directory or a .safetensors file")
     if path.suffix in (".pt", ".pth", ".bin"):
-        obj = safe_torch_load(path)
+        obj = safe_torch_load(path, verify)
         if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
             obj = obj["state_dict"]
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -332,7 +386,7 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
         return obj
     from safetensors.torch import load_file
 
-    open_checked(path).close()  # a regular file with the bytes that were saved (safetensors reads by name)
+    open_checked(path, verify).close()  # a regular file with the bytes that were saved (safetensors reads by name)
     try:
         return load_file(str(path), device="cpu")
     except Exception as exc:  # safetensors raises its own error types
@@ -366,7 +420,7 @@ def safe_torch_save(obj: Any, path: Path) -> str:
     return _write_atomic(Path(path), lambda out: torch.save(obj, out))
 
 
-def safe_torch_load(path: Path) -> Any:
+def safe_torch_load(path: Path, verify: bool = True) -> Any:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint file '{path}' does not exist")
@@ -374,7 +428,7 @@ def safe_torch_load(path: Path) -> Any:
         if os.fstat(fh.fileno()).st_size == 0:
             raise corrupt(path, "it is empty, 0 bytes")
     try:
-        with open_checked(path) as fh:  # its checksum checked in the same pass
+        with open_checked(path, verify) as fh:  # its checksum checked in the same pass
             return torch.load(fh, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise

@@ -30,7 +30,7 @@ from .background import BackgroundWriter, host_copy
 from .layout import PREFIX, checkpoint_name, weight_files
 from .io import (LINK_LIMIT, CheckpointError, CheckpointWriteError, file_checksum, fsync_dir, load_into,
                  load_weights_file, pause_point, read_checked, read_meta, refused, safe_torch_load, safe_torch_save,
-                 save_weights, write_bytes_atomic, write_json_atomic)
+                 save_weights, say_unverified, write_bytes_atomic, write_json_atomic)
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -170,7 +170,7 @@ class CheckpointManager:
                 self.index = _plain_index(json.loads(read_regular(
                     self.index_path, JSON_LIMIT, "checkpoint index",
                     "remove it (it is rebuilt from the checkpoints beside it)", CheckpointError)))
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # a cache: rebuilt from the checkpoints' names
                 self.index = {"checkpoints": self._scan(), "best": []}
 
     def _scan(self) -> list[str]:
@@ -284,13 +284,17 @@ class CheckpointManager:
                     dist.destroy_process_group(self._group)
                 self._group = None
 
-    def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print) -> dict:
-        """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta."""
+    def load(self, path: Path, states: dict[str, Any], print_fn: Callable[[str], None] = print,
+             verify: bool = True) -> dict:
+        """Restore ``states`` from checkpoint ``path`` exactly, or raise; returns its meta. ``verify=False``
+        (``checkpoint.verify``) loads files without their checksum record unchecked, and says so."""
+        if not verify:
+            say_unverified(path)
         if not (path / "state.pt").exists():
             raise CheckpointError(f"checkpoint '{path}' has no training state (state.pt), so it cannot resume "
                                   f"exactly; set resume_weights_only=true to load its weights and start a fresh "
                                   f"optimizer and schedule, or resume from another checkpoint")
-        state, meta, _ = read_checkpoint(path)
+        state, meta, _ = read_checkpoint(path, verify)
         missing = [k for k in ("counters", "rng", "optimizers") if k not in state]
         if missing:
             raise CheckpointError(f"checkpoint '{path}' state.pt lacks {', '.join(missing)}, so it cannot resume "
@@ -305,13 +309,13 @@ class CheckpointManager:
         if sharded_dir:
             from . import sharded
 
-            sharded.load(model, optimizers, path, print_fn, self.pipeline)
+            sharded.load(model, optimizers, path, print_fn, verify, self.pipeline)
         else:
-            load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
+            load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
         for obj in states.values():  # e.g. the EMA: None when the checkpoint has no such file
             if hasattr(obj, "weights_file"):
-                obj.load_weights(load_weights_file(path / obj.weights_file) if (path / obj.weights_file).exists()
-                                 else None)
+                obj.load_weights(load_weights_file(path / obj.weights_file, verify)
+                                 if (path / obj.weights_file).exists() else None)
         try:
             full_into_shards = self.sharded and not (path / "sharded").exists()  # a plain checkpoint into FSDP2
             for k, opt in optimizers.items():
@@ -461,13 +465,14 @@ def _plain_index(index: Any) -> dict[str, Any]:
     return {"checkpoints": names, "best": best}
 
 
-def read_checkpoint(path: Path) -> tuple[dict, dict, Optional[dict]]:
+def read_checkpoint(path: Path, verify: bool = True) -> tuple[dict, dict, Optional[dict]]:
     """(state, meta, config) of a checkpoint directory; weights are read separately."""
-    state = safe_torch_load(path / "state.pt") if (path / "state.pt").exists() else {}
-    return state, read_meta(path), read_config(path)
+    meta = read_meta(path)  # first: its fields (and its checksums, as each file is read) say what else is read
+    state = safe_torch_load(path / "state.pt", verify) if (path / "state.pt").exists() else {}
+    return state, meta, read_config(path, verify)
 
 
-def read_config(path: Path) -> Optional[dict]:
+def read_config(path: Path, verify: bool = True) -> Optional[dict]:
     """The ``config.yaml`` of checkpoint ``path`` (None when it has none): YAML with safe tags only,
     aliases bounded (see ``config.files``), checked against its recorded checksum."""
     import yaml
@@ -476,7 +481,7 @@ def read_config(path: Path) -> Optional[dict]:
     if not file.exists():
         return None
     try:
-        text = read_checked(file, YAML_LIMIT).decode("utf-8")
+        text = read_checked(file, YAML_LIMIT, verify).decode("utf-8")
         return parse_yaml(text, str(file), "checkpoint file", CheckpointError, yaml12_floats=False)
     except yaml.constructor.ConstructorError as exc:  # a tag safe_load does not build, e.g. !!python/object
         tag = re.search(r"tag '([^']+)'", str(exc.problem))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import runtime
-from ..config.files import open_own, open_regular, refuse_link, replace_link, write_atomic
+from ..config.files import LINES_LIMIT, open_own, read_lines, refuse_link, replace_link, write_atomic
 from ..errors import setting
 from .io import CheckpointError
 from .manager import follow_link
@@ -36,7 +36,8 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "plots", "samples"
 
 
 class RunDirError(CheckpointError):
-    """A run directory that another process holds, that holds another run, or that cannot be written."""
+    """A run directory that another process holds, that holds another run, that cannot be written, or whose own
+    files (metrics.jsonl, skipped_samples.jsonl) cannot be read back as torchrig wrote them."""
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -261,8 +262,8 @@ def trim_metrics(path: str | Path, step: int) -> None:
         path.unlink()  # (a link itself, never what it names)
         return
     refuse_link(path, "metrics file", "move it away, or choose another run_dir", RunDirError)
-    with open_regular(path, "metrics file", "move it away, or choose another run_dir", RunDirError) as fh:
-        lines = fh.read().decode(errors="replace").splitlines()
+    lines = [text for _, text in read_lines(path, LINES_LIMIT, "metrics file", "move it away, or choose another "
+                                            "run_dir", RunDirError)]
     keep = [line for line, at in zip(lines, map(_row_step, lines)) if at is not None and at <= step]
     if len(keep) != len(lines):
         write_atomic(path, "".join(line + "\n" for line in keep).encode(), root=path.parent)
@@ -272,7 +273,7 @@ def _row_step(line: str) -> Optional[int]:
     try:
         row = json.loads(line)
         return int(row["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # not a row: "step" inf, nested ...
         return None
 
 

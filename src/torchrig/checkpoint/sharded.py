@@ -168,11 +168,11 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
     return manager.dir / name
 
 
-def load_full_weights(model: torch.nn.Module, path: Path, pipeline: Any = None) -> None:
+def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True, pipeline: Any = None) -> None:
     """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a stage of
     ``pipeline`` takes its own part)."""
     dsd = _dsd()
-    full = load_weights_file(path)
+    full = load_weights_file(path, verify)
     own = model.state_dict()
     _check_keys(set(full), set(own), path, pipeline)
     if pipeline is not None:  # a pipeline stage takes its own part
@@ -182,7 +182,7 @@ def load_full_weights(model: torch.nn.Module, path: Path, pipeline: Any = None) 
 
 
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print,
-         pipeline: Any = None) -> None:
+         verify: bool = True, pipeline: Any = None) -> None:
     """Load model and optimizer state of checkpoint ``path``, at any world size (``pipeline``: the group of this
     rank's pipeline, whose stages each load their own part).
 
@@ -194,12 +194,12 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     dsd = _dsd()
     path = Path(path)
     if not (path / SHARDS).exists():
-        load_full_weights(model, path, pipeline)
+        load_full_weights(model, path, verify, pipeline)
         return
     from . import safe_dcp
 
     try:
-        saved = safe_dcp.read_metadata_file(path / SHARDS / ".metadata").state_dict_metadata
+        saved = safe_dcp.read_metadata_file(path / SHARDS / ".metadata", verify).state_dict_metadata
     except CheckpointError:
         raise
     except Exception as exc:
@@ -217,7 +217,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     try:
         with warnings.catch_warnings():  # one process loading shards is intended, not a mistake to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            safe_dcp.load(target, path / SHARDS, no_dist=not runtime.is_initialized())
+            safe_dcp.load(target, path / SHARDS, no_dist=not runtime.is_initialized(), verify=verify)
     except CheckpointError:
         raise
     except Exception as exc:

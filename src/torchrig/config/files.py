@@ -6,7 +6,8 @@ a file far bigger than its kind ever is; a tiny YAML file can repeat one list th
 ("billion laughs") until it fills the memory. Each is refused with one line that names the file,
 before a byte of it is read or expanded. The kind of file is checked on the open descriptor
 (``fstat``); the open itself uses ``O_NONBLOCK``, so that opening a FIFO does not block either. A
-symbolic link is followed (a config file may well be one) and what it leads to is checked.
+symbolic link is followed (a config file may well be one) and what it leads to is checked. A log that grows
+with its run (``metrics.jsonl``) is read line by line (:func:`read_lines`), each line capped too.
 
 Writing: a folder torchrig writes into may come from someone else (a run copied from a colleague, a
 study unpacked from an archive), and a symbolic link planted in it must never carry a write outside it.
@@ -49,7 +50,10 @@ from ..errors import TorchrigError
 
 MiB = 1 << 20
 YAML_LIMIT = 1 * MiB  # a config file, as given or beside a checkpoint (torchrig's own are a few KiB)
-JSON_LIMIT = 16 * MiB  # meta.json, checkpoints/index.json
+JSON_LIMIT = 16 * MiB  # meta.json, checkpoints/index.json, skipped_samples.jsonl
+RECORD_LIMIT = 1 * MiB  # a small record a run keeps beside its logs (trackers.json: a few ids)
+LINES_LIMIT = 1 << 30  # a log that grows with the run, read line by line (metrics.jsonl, csv/metrics.csv)
+LINE_LIMIT = 1 * MiB  # one line of such a log (a row of metrics)
 ALIAS_LIMIT = 10_000  # values that aliases (*name) may repeat, in all, in one YAML document
 
 ErrorType = Callable[[str], Exception]
@@ -340,6 +344,30 @@ def _publish(folder: Path, path: Path, root: str | Path | None) -> None:
         os.replace(f"{folder.name}/{path.name}", path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
     finally:
         os.close(dfd)
+def read_lines(path: str | Path, limit: int, what: str, todo: str, error: ErrorType,
+               line_limit: int = LINE_LIMIT) -> Iterator[tuple[int, str]]:
+    """``(number, text)`` of each line of the regular file ``path`` (from 1; without its newline, undecodable
+    bytes replaced), read as it goes: at most ``limit`` bytes in all and ``line_limit`` in one line, else
+    ``error`` with one line naming the file (and the line). A last line without its newline (a write cut short)
+    is yielded as it is."""
+    with open_regular(path, what, todo, error) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise error(f"{what} '{path}' is {size_text(size)}, more than the {size_text(limit)} such a file may "
+                        f"hold; {todo}")
+        total, number = 0, 0
+        while True:
+            line = fh.readline(line_limit + 2)  # room for the line and its newline, then one byte more
+            if not line:
+                return
+            number, total = number + 1, total + len(line)
+            text = line[:-1] if line.endswith(b"\n") else line
+            if len(text) > line_limit:
+                raise error(f"{what} '{path}' has a line {number} longer than the {size_text(line_limit)} a line "
+                            f"may hold; {todo}")
+            if total > limit:  # it grew while read
+                raise error(f"{what} '{path}' grew past the {size_text(limit)} such a file may hold; {todo}")
+            yield number, text.decode(errors="replace")
 
 
 # ----------------------------------------------------------------------------- YAML

@@ -172,6 +172,8 @@ class CheckpointConfig:
     save_final: bool = key(True, BOOL, "save a checkpoint when training ends")
     async_save: bool = key(True, BOOL, "write in a background thread (DCP async_save under FSDP2); training waits "
                                        "only for the copy to host memory")
+    verify: bool = key(True, BOOL, "check every checkpoint file read against the sha256 its meta.json recorded, and "
+                                   "refuse a checkpoint without that record; false: load unchecked (said on every load)")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config.files import UnsafePathError, make_dir, open_append, write_atomic
+from ..config import files
 from ..config.loading import flat_keys
 from ..checkpoint.rundir import describe_os_error
 from ..errors import TorchrigError
@@ -118,9 +119,11 @@ def _write_pairs(path: Path, pairs: dict) -> None:
 
 
 def _csv_rows_up_to(path: Path, step: int) -> list[list[str]]:
-    """The rows of an earlier part of this run up to ``step``: a resumed run rewrites what came after."""
-    with open(path, newline="") as fh:
-        rows = list(csv.reader(fh))[1:]
+    """The rows of an earlier part of this run up to ``step``: a resumed run rewrites what came after. Read as
+    a stranger's file: a regular file of a log's size, line by line (a FIFO, a device, a huge file: one line)."""
+    lines = (text for _, text in files.read_lines(path, files.LINES_LIMIT, "tracker file",
+                                                  "move it away, or leave csv out of log.trackers", TrackerError))
+    rows = list(csv.reader(lines))[1:]
     return [r for r in rows if len(r) == 3 and r[0].isdigit() and int(r[0]) <= step]
 
 
@@ -562,12 +565,23 @@ def _read_ids(path: Path) -> dict[str, str]:
     """The tracker run ids a resumed run continues. The file sits in a run directory that may come from
     someone else, so an id is used only if it looks like one (letters, digits, ``_ . -``, no ``..``); any
     other value starts a new run of that tracker, said in one line."""
+    if not path.exists():
+        return {}
+    new_runs = "each tracker starts a new run"
+    data, problem = None, f"tracker ids file '{path}' is not a JSON mapping of tracker names to run ids; {new_runs}"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(files.read_regular(path, files.RECORD_LIMIT, "tracker ids file", new_runs, TrackerError))
+    except TrackerError as exc:  # a FIFO, a device, a huge file: never read
+        problem = str(exc)
+    except OSError as exc:
+        problem = f"tracker ids file '{path}' cannot be read ({describe_os_error(exc)}); {new_runs}"
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
+        pass
+    if not isinstance(data, dict):
+        print(f"torchrig: {problem}", file=sys.stderr, flush=True)
         return {}
     ids = {}
-    for k, v in (data.items() if isinstance(data, dict) else ()):
+    for k, v in data.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             continue
         if _RUN_ID.fullmatch(v) and ".." not in v:

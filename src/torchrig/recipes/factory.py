@@ -280,7 +280,7 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
 
     try:  # config.yaml and meta.json alone (regular files, capped, safe YAML), not the optimizer state beside them
         path = resolve(cfg.resume, cfg.run_dir)
-        saved = read_config(path) if path is not None else None
+        saved = read_config(path, cfg.checkpoint.verify) if path is not None else None
         meta = read_meta(path) if path is not None else None
     except (CheckpointError, OSError, ValueError):
         return [], None  # the resume itself reports what is wrong with the checkpoint

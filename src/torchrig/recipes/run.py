@@ -167,7 +167,7 @@ def _readlink(p: Path) -> str:
 # are in docs/reliability.md ("What a checkpoint may decide").
 THIS_RUN = ("dist", "parallel", "device", "threads", "interop_threads", "data.num_workers", "data.prefetch_factor",
             "data.pin_memory", "log", "profile", "resume", "resume_weights_only", "overwrite", "run_dir",
-            "model.weights")
+            "model.weights", "checkpoint.verify")
 _JOINING = ("init_method", "rank", "world_size", "backend")  # the dist keys a note names when they were set
 
 
@@ -223,16 +223,27 @@ def factories_read_back(cfg: C.Config, overrides: Optional[list[str]] = None) ->
     given = {item.partition("=")[0].strip() for item in overrides or []}
     return [(key, C.get_key(cfg, key)) for key in ("model.factory", "data.factory")
             if C.get_key(cfg, key) and key not in given]
+def given_verify(overrides: Optional[list[str]]) -> bool:
+    """``checkpoint.verify`` as this command line sets it: the checkpoint's own config.yaml, read under it,
+    never decides it."""
+    probe = C.Config()
+    for item in overrides or []:
+        key, _, raw = item.partition("=")
+        if key.strip() == "checkpoint.verify":
+            C.set_key(probe, "checkpoint.verify", raw)
+    return probe.checkpoint.verify
 
 
 def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     """(recipe, cfg, model with the checkpoint's weights, checkpoint dir) on the configured device."""
-    from ..checkpoint import CheckpointError, load_into, load_weights_file, read_checkpoint, resolve
+    from ..checkpoint import CheckpointError, load_into, load_weights_file, read_checkpoint, resolve, say_unverified
 
-    path = resolve(checkpoint)
+    path, verify = resolve(checkpoint), given_verify(overrides)
     if path is None:
         raise CheckpointError(f"no checkpoint found at '{checkpoint}'")
-    _, meta, saved = read_checkpoint(path)
+    if not verify:
+        say_unverified(path)
+    _, meta, saved = read_checkpoint(path, verify)
     if saved is None:
         raise CheckpointError(f"checkpoint '{path}' has no config.yaml; it was not written by torchrig train")
     if not isinstance(saved, dict):
@@ -245,7 +256,7 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
     recipe = get_recipe(cfg.recipe)
     model = factory.build_model(recipe, cfg)
-    load_into(model, load_weights_file(path), source=f"checkpoint '{path}'")
+    load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
     return recipe, cfg, model, path
 
 
@@ -381,7 +392,10 @@ def prepare_model(model, cfg: C.Config) -> None:
 
         apply_init(model, cfg.model.init)
     if cfg.model.weights:
-        from ..checkpoint import load_weights_file
+        from ..checkpoint import load_weights_file, say_unverified
         from .base import load_weights_partial
 
-        load_weights_partial(model, load_weights_file(Path(cfg.model.weights)), cfg.model.weights)
+        if not cfg.checkpoint.verify:
+            say_unverified(Path(cfg.model.weights))
+        load_weights_partial(model, load_weights_file(Path(cfg.model.weights), cfg.checkpoint.verify),
+                             cfg.model.weights)

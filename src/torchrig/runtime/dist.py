@@ -409,7 +409,7 @@ def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)
     if data is None:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        data = torch.empty(receivable(int(size.item()), src, device), dtype=torch.uint8, device=device)
     dist.broadcast(data, src, group=group)
     return obj if get_rank() == src else _decode(data, src)
 
@@ -431,7 +431,7 @@ def gather_to_first(obj: Any, group: Any) -> Optional[list]:
     for src in ranks[1:]:
         size = torch.zeros(1, dtype=torch.int64, device=device)
         dist.recv(size, src, group=group)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        data = torch.empty(receivable(int(size.item()), src, device), dtype=torch.uint8, device=device)
         dist.recv(data, src, group=group)
         out.append(_decode(data, src))
     return out
@@ -452,13 +452,38 @@ def gather(obj: Any, group: Any = None) -> list:
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
     counts = torch.cat(sizes).tolist()
-    longest = max(counts)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(counts)))
+    longest = max(receivable(n, r, device, len(counts)) for r, n in zip(ranks, counts))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     rank = dist.get_rank(group)
     return [obj if r == rank else _decode(part[:n], r) for r, (part, n) in enumerate(zip(parts, counts))]
+
+
+def receivable(length: int, rank: int, device: torch.device, copies: int = 1) -> int:
+    """``length``, the bytes another rank declares it sends, if this process could hold ``copies`` of them: at most
+    the memory of the device they arrive on (the host's RAM; the GPU's under NCCL). A longer (or negative)
+    length is no object a rank could have sent, only a buffer that would exhaust the memory: one line instead."""
+    limit = device_memory(device)
+    if 0 <= length and length * copies <= limit:
+        return length
+    where = "this GPU" if device.type == "cuda" else "this machine"
+    what = f"more than the {limit / (1 << 30):.3g} GiB of memory of {where}" if length >= 0 else "a negative length"
+    raise DistributedError(f"rank {get_rank()}: rank {rank} declared {length} bytes of data to send, {what}; "
+                           f"ranks exchange only plain data of their own that fits. Check that every rank runs your "
+                           f"own program")
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device``: the GPU's total, or the host's physical memory (no limit where unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return 1 << 62
 
 
 def _object_device() -> torch.device:

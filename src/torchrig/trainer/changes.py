@@ -45,7 +45,7 @@ HARMLESS = frozenset({
     "log.", "profile.",
 })
 # Keys that say how to start, not what to compute: never compared.
-NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite"})
+NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite", "checkpoint.verify"})
 # Schedules whose length is the run's length (epochs, max_steps): a new length passes (a longer run is how a
 # finished run is continued), but it is said, since the learning rates from there on are not exact.
 RUN_LENGTH_SCHEDULES = frozenset({"cosine", "onecycle", "warmup_cosine"})
@@ -122,7 +122,10 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
         return
     refused, length = changed(saved, now, worlds)
     schedule = str((now.get("scheduler") or {}).get("name") or "").lower().replace("-", "_")
-    if length and schedule in RUN_LENGTH_SCHEDULES:
+    if length and schedule == "onecycle":  # re-planned on load (saving.replan_one_cycles): a closed form in the step
+        say(f"torchrig: the onecycle schedule follows the run's length, which changed ({_list(length)}): from here on "
+            f"its learning rates are those of a cycle of the new length (the steps so far followed the old one)")
+    elif length and schedule in RUN_LENGTH_SCHEDULES:
         say(f"torchrig: the {schedule} schedule follows the run's length, which changed ({_list(length)}): its "
             f"learning rates from here on are not those of a run that had this length from the start")
     if not refused:

@@ -13,8 +13,10 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_meta
+from ..checkpoint.meta import DEGREES
 from . import changes, provenance
 from .context import FitContext
+from .plan import run_length
 from .state import Group, MetricStates, RNGState, ScalerState
 from .step import NonFiniteLossError, finite_parameters
 
@@ -72,25 +74,29 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     if path is None:  # resume="latest" with nothing saved yet: a fresh start, said once
         c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
         return None, 0, 0
+    verify = c.cfg.checkpoint.verify
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.sharded, pipeline=c.layout.groups.pipeline)
+        load_weights_only(c.model, path, sharded=c.sharded, verify=verify, pipeline=c.layout.groups.pipeline)
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
     meta = read_meta(path)
     saved_layout = layout_of(meta)
     now = c.layout.degrees()
-    changes.check(read_config(path), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
+    changes.check(read_config(path, verify), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
                   worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
     restored = states(c)
-    c.checkpoints.load(path, restored, print_fn=c.say)
+    planned = {k: s.state_dict() for k, s in c.schedulers.items() if isinstance(s, torch.optim.lr_scheduler.OneCycleLR)}
+    c.checkpoints.load(path, restored, print_fn=c.say, verify=verify)
     if isinstance(meta.get("layout"), dict) and _layout_key(saved_layout) != _layout_key(now):
         c.say(f"torchrig: resumed a checkpoint saved {describe_layout(saved_layout)} ({path.name}) "
               f"{describe_layout(now)}: model and optimizer state resharded, step counters and the data position "
               f"kept; equal to the run in its saved layout up to float rounding, not bitwise")
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
+    if c.state.run_length != run_length(c.cfg):  # epochs or max_steps changed: the schedules follow the new length
+        replan_one_cycles(c.schedulers, planned)
     epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
                                            c.data.samples_before, getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
@@ -99,11 +105,27 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     return path, epoch, batch
 
 
+def replan_one_cycles(schedulers: dict, planned: dict[str, dict]) -> None:
+    """A resumed ``OneCycleLR`` takes the cycle this run built it with (``planned``: its state before the checkpoint
+    was loaded) in place of the checkpoint's, keeping the steps taken: raising ``max_steps`` or ``epochs`` continues
+    the run on a cycle of the new length (PyTorch's own would stop it at its old ``total_steps``: "Tried to step
+    N times"). Its learning rate is the new cycle's at the current step at once (a closed form in the step)."""
+    for name, plan in planned.items():
+        sch = schedulers[name]
+        if plan["total_steps"] == sch.total_steps or plan["total_steps"] < sch.last_epoch:
+            continue  # the same cycle; or a run that already ended, which takes no step
+        state = sch.state_dict()
+        state.update({k: plan[k] for k in ("total_steps", "_schedule_phases")})
+        sch.load_state_dict(state)
+        sch.last_epoch -= 1
+        sch.step()  # the same step again: the new cycle's learning rate (and momentum) for the next update
+
+
 def layout_of(meta: dict) -> dict:
     """The layout a checkpoint was saved in (``meta.json``: its degrees and world size); a checkpoint from
     before layouts were recorded: its world size alone, taken as data-parallel."""
-    saved = meta.get("layout")
-    out = {k: v for k, v in saved.items() if isinstance(v, int)} if isinstance(saved, dict) else {}
+    saved = meta.get("layout")  # its fields checked by their rules when meta.json was read (checkpoint.meta)
+    out = {k: v for k, v in saved.items() if k in (*DEGREES, "world_size")} if isinstance(saved, dict) else {}
     if not out and isinstance(meta.get("world_size"), int):
         out = {"dp_replicate": meta["world_size"]}
     if out and isinstance(meta.get("world_size"), int):

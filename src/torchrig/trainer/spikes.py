@@ -25,7 +25,8 @@ import torch
 
 from .. import runtime
 from ..checkpoint import find_checkpoint
-from ..config.files import open_append, write_atomic
+from ..checkpoint.rundir import RunDirError
+from ..config.files import JSON_LIMIT, open_append, read_lines, write_atomic
 from ..errors import TorchrigError
 from .plan import FitPlan
 from .state import TrainState
@@ -58,9 +59,10 @@ class SpikeGuard:
     """
 
     def __init__(self, settings: Any, *, state: TrainState, data: Any, checkpoints: Any, run_dir: Optional[Path],
-                 device: torch.device, rank: int, world_size: int, say: Any):
+                 device: torch.device, rank: int, world_size: int, say: Any, verify: bool = True):
         s = settings
         self.state, self.data, self.checkpoints, self.run_dir = state, data, checkpoints, run_dir
+        self.verify = verify  # checkpoint.verify: a checkpoint rolled back to is checked against its checksums
         self.device, self.rank, self.world_size, self.say = device, rank, world_size, say
         self.factor, self.window, self.warmup = s.factor, s.window, s.warmup_steps
         self.every, self.most = s.snapshot_every, s.max_rollbacks
@@ -98,7 +100,7 @@ class SpikeGuard:
             raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {self.state.global_step} but no "
                              f"checkpoint to return to (spike.snapshot_every=0); set spike.snapshot_every, or "
                              f"checkpoint.every_steps")
-        self.checkpoints.load(path, self._own(states), print_fn=lambda line: None)
+        self.checkpoints.load(path, self._own(states), print_fn=lambda line: None, verify=self.verify)
 
     def _own(self, states: dict) -> dict:
         """What a rollback restores: the checkpoint's states but this guard's own (its count of spikes in a row
@@ -184,10 +186,32 @@ def keep_ledger(run_dir: Any, excluded: list) -> None:
     path = None if run_dir is None else Path(run_dir) / LEDGER
     if path is None or not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in lines if set(json.loads(line).get("samples", [])) <= set(excluded)]
-    if keep != lines:
+    left_out = set(excluded)
+    lines = [(n, line) for n, line in read_lines(path, JSON_LIMIT, "skipped samples list", _MOVE_LEDGER, RunDirError,
+                                                 line_limit=JSON_LIMIT) if line.strip()]
+    rows = [_ledger_row(path, n, line, last=i == len(lines) - 1) for i, (n, line) in enumerate(lines)]
+    keep = [line for (_, line), row in zip(lines, rows) if row is not None and row <= left_out]
+    if len(keep) != len(lines):
         write_atomic(path, "".join(line + "\n" for line in keep).encode(), root=path.parent)
+
+
+_MOVE_LEDGER = "move it away (the checkpoint itself holds which samples are left out)"
+
+
+def _ledger_row(path: Path, number: int, line: str, last: bool) -> Optional[set]:
+    """The samples a line of ``skipped_samples.jsonl`` lists; None for a last line cut short (a process killed
+    while appending it); one line naming the file for anything else that is not such a row."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        row = None
+        if last:
+            return None
+    samples = row.get("samples", []) if isinstance(row, dict) else None
+    if not (isinstance(samples, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in samples)):
+        raise RunDirError(f"'{path}' line {number} is not a row of skipped samples ({{\"step\": ..., \"samples\": "
+                          f"[sample numbers]}}); {_MOVE_LEDGER}")
+    return set(samples)
 
 
 def _state_of(obj: Any) -> Any:

@@ -344,7 +344,8 @@ class Trainer:
                                          staged=cfg.on_nonfinite == "skip")  # a skipped window's loss: not logged
         self._spikes = SpikeGuard(cfg.spike, state=self.state, data=self._data, checkpoints=self.checkpoints,
                                   run_dir=self.run_dir, device=self.device, rank=self.rank,
-                                  world_size=self.world_size, say=self.print) if cfg.on_spike == "rollback" else None
+                                  world_size=self.world_size, say=self.print, verify=cfg.checkpoint.verify) \
+            if cfg.on_spike == "rollback" else None
         self.windows = self._make_windows(fresh_batches=getattr(self._data, "fresh", False))
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
