@@ -17,9 +17,10 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "torchrig"
 # layer -> the layers it may import, as the design's table lists them. What those may import comes
 # with them ("dependencies point down only"): recipes may use runtime and checkpoint through trainer.
 TABLE: dict[str, set[str]] = {
-    "cli": {"tune", "recipes", "trainer", "optim", "observe", "parallel", "checkpoint", "metrics", "data", "models",
+    "cli": {"tune", "export", "recipes", "trainer", "optim", "observe", "parallel", "checkpoint", "metrics", "data", "models",
             "runtime", "config"},
     "tune": {"recipes", "trainer"},  # hyperparameter search: its trials are the recipes' runs
+    "export": {"recipes", "trainer"},  # a checkpoint's model to other runtimes: loaded as a recipe's, then checked
     "recipes": {"trainer", "models", "data", "config"},
     "trainer": {"optim", "observe", "parallel", "checkpoint", "metrics", "data", "runtime", "config"},
     "optim": {"parallel", "checkpoint", "metrics", "data", "models", "runtime", "config"},

@@ -67,11 +67,11 @@ ALLOWED = {
         "library writer (MLflow's store): the default mlruns folder is checked not to be a link first (make_dir)",
     ("observe/trackers.py", "WandbTracker.start", "wandb.init"):
         "library writer (W&B's run files): RUN_DIR/wandb is checked not to be a link first (make_dir)",
-    ("recipes/export.py", "_write_torch_export", "torch.export.save"):
+    ("export/exporter.py", "_write_torch_export", "torch.export.save"):
         "library writer: to the path of files.staged (a new folder of random name), renamed into place once checked",
-    ("recipes/export.py", "_write_onnx", "onnx_program.save"): "as torch.export.save",
-    ("recipes/export.py", "_write_safetensors", "save_model"): "as torch.export.save",
-    ("recipes/export.py", "_write_hf", "save_pretrained"): "as torch.export.save",
+    ("export/exporter.py", "_write_onnx", "onnx_program.save"): "as torch.export.save",
+    ("export/exporter.py", "_write_safetensors", "save_model"): "as torch.export.save",
+    ("export/exporter.py", "_write_hf", "save_pretrained"): "as torch.export.save",
     ("tune/study.py", "open_storage", "optuna.storages.RDBStorage"):
         "library writer (SQLite): the study database and its journals are refused when they are links",
 }
@@ -282,7 +282,7 @@ def test_the_checkpoint_writer_keeps_its_checksum_and_refuses_a_linked_folder(ru
 
 def test_a_resumed_runs_metrics_file_that_is_a_link_is_refused(run, victim):
     from torchrig.checkpoint.rundir import RunDirError
-    from torchrig.observe.progress import RunLogger
+    from torchrig.observe.run_logger import RunLogger
 
     victim.write_bytes(b'{"step": 1}\n')  # reads as metrics up to the resumed step: nothing to cut
     (run / "metrics.jsonl").symlink_to(victim)

@@ -420,7 +420,7 @@ class _FullDisk:
 
 
 def test_metrics_enospc_is_one_line_and_keeps_the_checkpoints(make_trainer, data, run_dir, monkeypatch):
-    import torchrig.observe.progress as progress
+    import torchrig.observe.run_logger as progress
 
     real = progress.open_append
     monkeypatch.setattr(progress, "open_append", lambda *a, **k: _FullDisk(real(*a, **k), after=3))

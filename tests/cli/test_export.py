@@ -13,7 +13,7 @@ import torch
 from helpers import REPO, UserProject, one_line_error
 
 from torchrig.cli import main
-from torchrig.recipes.export import example_inputs
+from torchrig.export import example_inputs
 from torchrig.recipes.run import load_for_inference
 
 QUICK = ["--set", "log.plot=false", "--set", "log.tensorboard=false", "--set", "log.progress=none"]

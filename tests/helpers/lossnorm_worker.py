@@ -1,4 +1,4 @@
-"""Models, data and the 2-rank runs of the loss-normalisation tests (tests/trainer/test_loss_normalization.py).
+"""Models, data and the 2-rank runs of the loss-normalisation tests (tests/optim/test_loss_normalization.py).
 
     python tests/helpers/lossnorm_worker.py ddp OUT   # a file:// pair (TEST_INIT, TEST_RANK, TEST_WORLD): DDP and FSDP2
 

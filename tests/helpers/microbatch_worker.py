@@ -80,7 +80,7 @@ def ddp(out: Path) -> None:
                     **group)
         first = first or t
         t.fit(classification(n))
-        report[name] = {"size": t.micro.size, "oom": model.oom, "history": t.history}
+        report[name] = {"size": t.windows.micro_batch_size, "oom": model.oom, "history": t.history}
         if rank == 0:
             torch.save(params(model), out / f"{name}.pt")
     # SyncBatchNorm (all-gathers in its forward, so an OOM on one rank would leave the other waiting): refused

@@ -196,7 +196,7 @@ def train(scenario: str, out: Path) -> None:
         first = first or t
         t.fit(data)
         ev, predicted = inference(t, data)
-        seen[name] = {"dp": runtime.data_parallel_size(), "local": local_fraction(t.model), "eval": ev}
+        seen[name] = {"dp": t.layout.groups.dp_size(), "local": local_fraction(t.model), "eval": ev}
         p = params(t.model)  # collective for DTensors: every rank gathers
         if rank == 0:
             torch.save(predicted, out / f"{name}-predicted.pt")

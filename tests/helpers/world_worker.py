@@ -2,6 +2,7 @@
 
     python tests/helpers/world_worker.py horizon OUT   # file:// pair: a OneCycleLR sized for one process
     python tests/helpers/world_worker.py stream  OUT   # file:// pair: a finite stream without a length, 2 epochs
+    python tests/helpers/world_worker.py two_layouts OUT  # file:// pair: a DDP Trainer and a tp=2 one, one process
 
 Started by ``helpers.dist_procs.pair`` (``TEST_INIT``, ``TEST_RANK``, ``TEST_WORLD`` in the environment).
 """
@@ -84,7 +85,34 @@ def stream(out: Path) -> None:
                                                            "history": [h["step"] for h in t.history]}))
 
 
+def two_layouts(out: Path) -> None:
+    """Two Trainers in one process group: ``ddp`` (2 data-parallel ranks, no mesh) made first, then ``tp`` (tp=2: a
+    mesh whose data-parallel group is each rank alone). Each must reduce over its own ranks: ``ddp``'s evaluation
+    sums both ranks' shards (93 samples), ``tp``'s counts each sample once though both ranks see it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(93, 8), torch.randint(0, 3, (93,))
+    mlp = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))  # noqa: E731
+    ddp = torchrig.Trainer(mlp(), epochs=1, batch_size=4, run_dir=str(out / "ddp"), **QUIET, **_pair())
+    tp = torchrig.Trainer(mlp(), epochs=1, batch_size=4, run_dir=str(out / "tp"), tp=2,
+                          tp_plan={"0": "colwise", "2": "rowwise"}, **QUIET, **_pair())
+    found = {}
+    for name, t in (("ddp", ddp), ("tp", tp), ("ddp_again", ddp)):
+        if name != "ddp_again":
+            t.fit((x, y))
+        with torch.no_grad():  # the same evaluation in plain PyTorch, on every sample once
+            bare = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+            bare.load_state_dict({k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                                  for k, v in torchrig.runtime.unwrap(t.model).state_dict().items()})
+            want = {"accuracy": (bare(x).argmax(1) == y).float().mean().item(),
+                    "loss": nn.functional.cross_entropy(bare(x), y).item()}
+        found[name] = {"got": t.evaluate((x, y)), "want": want, "dp": t.dp_size,
+                       "tokens": t.global_step}
+    (out / f"two_layouts-{ddp.rank}.json").write_text(json.dumps(found))
+    tp.close()
+    ddp.close()
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
-    {"horizon": horizon, "stream": stream}[sys.argv[1]](target)
+    {"horizon": horizon, "stream": stream, "two_layouts": two_layouts}[sys.argv[1]](target)

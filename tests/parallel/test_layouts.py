@@ -156,3 +156,22 @@ def test_a_plain_optimizer_state_of_other_groups_is_refused_before_anything_load
     with pytest.raises(ValueError, match=r"parameter groups of \[2, 2\] parameters, this run's \[4\]"):
         load_full_optimizer(model, opt, saved_opt.state_dict())
     assert not opt.state and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_two_trainers_in_one_process_each_reduce_over_their_own_ranks(tmp_path):
+    """A DDP Trainer and a tp=2 Trainer made one after the other in the same two processes (a notebook, lr-find
+    then fit): the layout's process groups are handed to what reduces, never kept process-wide, so the first one's
+    evaluation still sums both ranks' shards after the second one built a mesh, and the second counts each sample
+    once. Every evaluation equals plain PyTorch's on all 93 samples, on both ranks."""
+    out = tmp_path / "out"
+    for r in dist_procs.pair("two_layouts", out, tmp_path / "store", timeout=300,
+                             worker=dist_procs.HELPERS / "world_worker.py"):
+        assert r.returncode == 0, r.output[-3000:]
+    ranks = [json.loads((out / f"two_layouts-{rank}.json").read_text()) for rank in (0, 1)]
+    for found in ranks:
+        assert (found["ddp"]["dp"], found["tp"]["dp"]) == (2, 1)
+        for name in ("ddp", "tp", "ddp_again"):
+            got, want = found[name]["got"], found[name]["want"]
+            assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6), name
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), name
+    assert ranks[0] == ranks[1]

@@ -7,6 +7,7 @@ The multi-process runs are real gloo process groups on the CPU (tests/helpers/pi
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -438,14 +439,14 @@ def test_a_stage_answers_for_its_rank_s_other_stages_with_stand_ins():
     embed.register_forward_hook(lambda *_: calls.append("embed"))
     pipe = Pipeline(model, plan_stages(model, "auto", 4), rank=0, pp=2, per_rank=2, schedule="interleaved_1f1b",
                     group=None, device=torch.device("cpu"))
-    pipe.forward_fn = lambda m, ids: m(ids)
     ids = W.padded_tokens(3).tensors[0]
     first, third = pipe.stages
     assert (first.index, third.index) == (0, 2)
     hidden = torch.randn(3, ids.shape[1], W.DIM, requires_grad=True)
-    out = third(hidden, mb=ids)  # checked: its first training forward
-    assert calls == [] and out.shape == hidden.shape and model.embed is embed
-    first(mb=ids)
+    with pipe.running(lambda m, ids: m(ids)):
+        out = third(hidden, mb=ids)  # checked: its first training forward
+        assert calls == [] and out.shape == hidden.shape and model.embed is embed
+        first(mb=ids)
     assert calls == ["embed"] and model.embed is embed and type(model.head).__name__ == "_Elsewhere"
 
     class HeadReadsEmbedding(W.TokenNet):
@@ -458,10 +459,32 @@ def test_a_stage_answers_for_its_rank_s_other_stages_with_stand_ins():
     model = HeadReadsEmbedding()
     pipe = Pipeline(model, plan_stages(model, "auto", 4), rank=0, pp=2, per_rank=2, schedule="zbv_zero_bubble",
                     group=None, device=torch.device("cpu"))
-    pipe.forward_fn = lambda m, ids: m(ids).sum()
     last = pipe.stages[1]
     assert last.index == 3 and last.last
     with pytest.raises(ParallelConfigError, match=r"^config key 'parallel.pp_split': stage 4's result depends on "
-                                                  r"embed \(held by another stage\)"):
+                                                  r"embed \(held by another stage\)"), pipe.running(lambda m, ids: m(ids).sum()):
         last(torch.randn(3, ids.shape[1], W.DIM, requires_grad=True), mb=ids)
     assert type(model.embed).__name__ == "Embedding"  # given back after the failed run
+
+
+def test_an_error_inside_a_later_stage_is_one_line_naming_the_stage_and_the_block(tmp_path):
+    """A stage ends its forward by an exception (the documented mechanism, caught around the forward call); any
+    other error raised inside a stage comes out once under torchrig launch, naming the stage, the rank and the block
+    that was running, with the error's own words."""
+    (tmp_path / "stagefail.py").write_text(
+        "from torch import nn\n\n\nclass Bad(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(32, 32)\n\n    def forward(self, x):\n"
+        "        raise ValueError('the hidden state has a NaN in row 3')\n\n\n"
+        "def build(cfg):\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), Bad(), nn.Linear(32, 10))\n")
+    r = dist_procs.torchrig(
+        ["launch", "--nproc-per-node", "2", "--", "train", "--model", "stagefail:build", "--set", "parallel.pp=2",
+         "--set", "parallel.pp_split=[3]", "--set", "accumulate=2", "--set", "max_steps=2", "--set", "log.progress=none",
+         "--set", "log.summary=false", "--set", "log.tensorboard=false", "--set", "log.plot=false",
+         "--set", f"run_dir={tmp_path / 'run'}", "--set", "dist.timeout=30"],
+        timeout=240, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        cwd=tmp_path)
+    assert r.returncode != 0, r.output[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("torchrig: error:")]
+    assert errors == ["torchrig: error: pipeline stage 2 of 2 (rank 1) failed in block '3' (Bad): ValueError: the "
+                      "hidden state has a NaN in row 3"], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "StageOutput" not in r.output

@@ -192,7 +192,7 @@ def test_a_model_without_a_group_is_left_whole(tmp_path):
     model = nn.Linear(4, 2)
     t = torchrig.Trainer(model, **W.settings(tmp_path / "one"))
     assert t.layout.mesh is None and t.layout.describe() == "one process" and t.wrapped is model
-    assert torchrig.runtime.data_parallel_size() == 1
+    assert t.layout.groups.dp_size() == 1 and t.plan.dp_size == 1
     t.close()
     t = torchrig.Trainer(nn.Linear(4, 2), tp_plan={"fc1": "colwise"}, dp_shard=1, dp_replicate=1, tp=1,
                          **W.settings(tmp_path / "keywords"))  # the Trainer's keywords of the parallel keys

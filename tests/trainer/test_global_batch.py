@@ -4,6 +4,8 @@ global batch giving the same parameters, and resuming across them) is in ``test_
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -48,7 +50,10 @@ def test_one_process_accumulating_micro_batches_equals_one_batch(make_trainer, d
     split.fit(data)
     said = "".join(capfd.readouterr())
     assert "batch 4/process × 1 × 4 accumulation = 16 global (data.global_batch_size)" in said
-    assert (split.cfg.data.batch_size, split.cfg.accumulate) == (4, 4)
+    assert (split.plan.batch_size, split.plan.accumulate) == (4, 4)  # derived: the run plan's
+    assert (split.cfg.data.batch_size, split.cfg.accumulate) == (8, 1)  # the config stays as validated (defaults)
+    meta = json.loads((split.run_dir / "checkpoints" / "latest" / "meta.json").read_text())
+    assert meta["plan"] == {"batch_size": 4, "accumulate": 4, "dp_size": 1, "world_size": 1}
     assert split.global_step == whole.global_step
     for a, b in zip(whole.model.parameters(), split.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)

@@ -204,7 +204,7 @@ def test_fp16_auto_micro_batch_recovers_from_an_oom_inside_optimizer_step(tmp_pa
         return t, model
 
     auto, got = fit("auto", "auto", OOMInFirstStep)
-    assert OOMInFirstStep.raised == 1 and auto.micro.size == 4
+    assert OOMInFirstStep.raised == 1 and auto.windows.micro_batch_size == 4
     assert "torchrig: out of memory at micro-batch 8; now 4" in capsys.readouterr().err
     _, want = fit("fixed", 4, torch.optim.AdamW)
     for a, b in zip(want.parameters(), got.parameters()):

@@ -23,8 +23,8 @@ from torch.utils.data import TensorDataset
 import torchrig
 from torchrig.metrics import get_metric
 from torchrig.trainer import NonFiniteLossError
-from torchrig.observe.logger import MetricsLogger
-from torchrig.observe.progress import RunLogger
+from torchrig.observe.metrics_logger import MetricsLogger
+from torchrig.observe.run_logger import RunLogger
 from torchrig.trainer.state import MetricStates
 from torchrig.trainer.step import Step, default_step
 
@@ -186,7 +186,7 @@ def test_step_pieces_on_the_meta_device():
     assert all(v.device.type == "meta" for v in metric.states.values())
     assert log.sums["loss"].device.type == "meta"
     # a checkpoint's states (loaded on the CPU) go to the metric's device
-    states = MetricStates([metric], rank=0, world_size=1)
+    states = MetricStates([metric])
     states.load_state_dict({"accuracy": {"correct": torch.tensor(3.0), "total": torch.tensor(4.0)}})
     assert all(v.device.type == "meta" and v.dtype == torch.float64 for v in metric.states.values())
 

@@ -73,7 +73,7 @@ def test_auto_halves_on_oom_and_equals_the_final_size_from_the_start(tmp_path, c
     out = capsys.readouterr().err
     assert "torchrig: out of memory at micro-batch 8; now 4 (accumulation x4)" in out
     assert "torchrig: out of memory at micro-batch 4; now 2 (accumulation x8)" in out
-    assert t.micro.size == 2 and t.model.oom == 2
+    assert t.windows.micro_batch_size == 2 and t.model.oom == 2
     # with dropout: the failed attempts' random draws, metric updates and logged sums do not count
     f, want = _fit(tmp_path, "fixed", W.Limited(2), accumulate=2, **{"data.micro_batch_size": 2})
     assert f.model.oom == 0
@@ -85,7 +85,7 @@ def test_auto_redoes_the_window_from_its_first_loaded_batch(tmp_path, capsys):
     # the 4th forward (the second loaded batch of the second window) is the first to run out of memory
     t, got = _fit(tmp_path, "auto", W.Limited(4, after=3, p=0.0), accumulate=2, **{"data.micro_batch_size": "auto"})
     assert "out of memory at micro-batch 8; now 4" in capsys.readouterr().err
-    assert t.micro.size == 4 and t.model.oom == 1
+    assert t.windows.micro_batch_size == 4 and t.model.oom == 1
     _, want = _fit(tmp_path, "fixed", W.Limited(None, p=0.0), accumulate=2, **{"data.micro_batch_size": 4})
     assert _max_diff(got, want) < ATOL
 
@@ -100,7 +100,7 @@ def test_resume_uses_the_saved_micro_batch_size(tmp_path, capsys):
     assert saved.is_dir()
     resumed = W.Limited(2)
     t, got = _fit(tmp_path, "stopped", resumed, resume=str(saved), **run)
-    assert t.global_step > 3 and t.micro.size == 2
+    assert t.global_step > 3 and t.windows.micro_batch_size == 2
     assert resumed.oom == 0 and "out of memory" not in capsys.readouterr().err
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -173,7 +173,7 @@ def test_a_real_cuda_oom_is_recovered(tmp_path, capsys, precision):
         return t, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     t, got = fit("auto", "auto")
-    assert t.micro.size < 8 and "torchrig: out of memory at micro-batch 8" in capsys.readouterr().err
+    assert t.windows.micro_batch_size < 8 and "torchrig: out of memory at micro-batch 8" in capsys.readouterr().err
     assert all(torch.isfinite(v).all() for v in got.values())
-    _, want = fit("fixed", t.micro.size)
+    _, want = fit("fixed", t.windows.micro_batch_size)
     assert _max_diff(got, want) < ATOL

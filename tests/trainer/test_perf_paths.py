@@ -89,7 +89,7 @@ def test_logged_loss_is_the_float_sum_of_the_step_losses(tmp_path):
     for row, part in zip(intervals, (losses[:5], losses[5:])):
         assert row["train/loss"] == sum(float(v) for v in part) / 5
 
-    device_like = torchrig.observe.logger.MetricsLogger(None, every_steps=5, device=torch.device("cpu"))
+    device_like = torchrig.observe.metrics_logger.MetricsLogger(None, every_steps=5, device=torch.device("cpu"))
     device_like.host = False
     for v in losses[:3]:
         device_like.record({"loss": v}, 4)

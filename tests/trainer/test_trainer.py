@@ -243,7 +243,7 @@ def test_progress_bar_and_none(make_trainer, data, capsys):
 
 
 def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monkeypatch):
-    from torchrig.observe.progress import RunLogger
+    from torchrig.observe.run_logger import RunLogger
 
     logged = []
     original = RunLogger.log
@@ -267,7 +267,7 @@ def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monke
 
 def test_logged_loss_holds_no_graph(make_trainer, data):
     trainer = make_trainer(log_every=1000)  # values accumulate between log steps
-    from torchrig.observe.logger import MetricsLogger as T
+    from torchrig.observe.metrics_logger import MetricsLogger as T
 
     windows = []
     real = T.record

@@ -151,11 +151,12 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
-                 sharded: bool = False, async_save: bool = False):
+                 sharded: bool = False, async_save: bool = False, pipeline: Any = None):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.writes, self.sharded = writes, sharded
+        self.pipeline = pipeline  # the group of this rank's pipeline (parallel.pp): each stage saves its own part
         self.async_save = async_save
         self._background = BackgroundWriter() if async_save and writes else None
         self.shard_job: Optional[tuple[int, Any]] = None  # sharded, ranks > 0: (step, DCP's future) in flight
@@ -308,7 +309,7 @@ class CheckpointManager:
         if sharded_dir:
             from . import sharded
 
-            sharded.load(model, optimizers, path, print_fn, verify)
+            sharded.load(model, optimizers, path, print_fn, verify, self.pipeline)
         else:
             load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
         for obj in states.values():  # e.g. the EMA: None when the checkpoint has no such file

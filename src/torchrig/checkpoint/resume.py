@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -39,14 +39,16 @@ def find_checkpoint(spec: str, run_dir: Path) -> Optional[Path]:
     return path
 
 
-def load_weights_only(model: nn.Module, path: Path, sharded: bool = False, verify: bool = True) -> None:
-    """The weights of checkpoint ``path`` into ``model`` (an FSDP2 model with ``sharded=True``); ``verify=False``
-    (``checkpoint.verify``): without checking them against meta.json's checksums, said in one line."""
+def load_weights_only(model: nn.Module, path: Path, sharded: bool = False, verify: bool = True,
+                      pipeline: Any = None) -> None:
+    """The weights of checkpoint ``path`` into ``model`` (an FSDP2 model with ``sharded=True``; a stage of
+    ``pipeline``, the group of this rank's pipeline, takes its own part); ``verify=False`` (``checkpoint.verify``):
+    without checking them against meta.json's checksums, said in one line."""
     if not verify:
         say_unverified(path)
     if sharded:
         from .sharded import load_full_weights
 
-        load_full_weights(model, path, verify)  # the keys are checked there too
+        load_full_weights(model, path, verify, pipeline)  # the keys are checked there too
     else:
         load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")

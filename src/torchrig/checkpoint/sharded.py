@@ -52,27 +52,28 @@ def _options(flat: bool) -> Any:
     return dsd.StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
-def _layout(meta: dict) -> dict:
+def _layout(meta: dict, pipeline: Any) -> dict:
     """What a sharded checkpoint's ``meta.json`` records beside ``sharded``: how its optimizer state is keyed."""
     return dict(meta, sharded=True, strategy=meta.get("strategy", "fsdp"),
-                **({"optimizer_keys": "by_name"} if runtime.pipeline_group() is not None else {}))
+                **({"optimizer_keys": "by_name"} if pipeline is not None else {}))
 
 
-def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: Optional[bool] = None) -> dict[str, Any]:
+def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: bool) -> dict[str, Any]:
     """Model and optimizer state as DCP wants it: DTensor shards under FSDP (a pipeline stage's own tensors), keyed
-    by parameter name; ``flat`` (by default: under a pipeline) the optimizer's values by parameter name too."""
+    by parameter name; ``flat`` (a pipeline's) the optimizer's values by parameter name too."""
     dsd = _dsd()
-    options = _options(runtime.pipeline_group() is not None if flat is None else flat)
+    options = _options(flat)
     return {"model": dsd.get_model_state_dict(model, options=options),
             "optim": {name: dsd.get_optimizer_state_dict(model, opt, options=options)
                       for name, opt in optimizers.items()}}
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(model: torch.nn.Module, pipeline: Any = None) -> dict[str, torch.Tensor]:
     """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``). Collective: every rank calls it.
 
-    A pipeline stage holds plain tensors of its own part: the stages of rank 0's pipeline send theirs to rank 0."""
-    group = runtime.pipeline_group()
+    A pipeline stage holds plain tensors of its own part: the stages of rank 0's ``pipeline`` (its group) send
+    theirs to rank 0."""
+    group = pipeline
     if group is None:
         dsd = _dsd()
         return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -96,8 +97,8 @@ def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, othe
     """Write a checkpoint from every rank; returns its directory (on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    weights = full_weights(model)                         # collective: gathers the full tensors on rank 0
-    shards = _sharded_state(model, optimizers)            # local: this rank's pieces
+    weights = full_weights(model, manager.pipeline)       # collective: gathers the full tensors on rank 0
+    shards = _sharded_state(model, optimizers, manager.pipeline is not None)  # local: this rank's pieces
     state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
     state["optimizers"] = {}                              # in sharded/, by parameter name
 
@@ -116,7 +117,7 @@ def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, othe
         runtime.broadcast(str(tmp))
         dcp.save(shards, checkpoint_id=str(tmp / SHARDS))  # returns once every rank's file is written
 
-    meta = _layout(meta)
+    meta = _layout(meta, manager.pipeline)
     path = None
     try:
         path = manager.write(step, weights, state, _plain(config), meta, metrics=metrics, extra_writer=write_shards,
@@ -162,27 +163,28 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
         os.replace(staging, tmp / SHARDS)
 
     weights, state, files, metrics = host_copy((weights, state, files, metrics))
-    manager.submit(manager.write, step, weights, state, _plain(config), _layout(meta),
+    manager.submit(manager.write, step, weights, state, _plain(config), _layout(meta, manager.pipeline),
                    metrics, extra_writer=move_shards, files=files)
     return manager.dir / name
 
 
-def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True) -> None:
-    """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a pipeline
-    stage takes its own part)."""
+def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True, pipeline: Any = None) -> None:
+    """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a stage of
+    ``pipeline`` takes its own part)."""
     dsd = _dsd()
     full = load_weights_file(path, verify)
     own = model.state_dict()
-    _check_keys(set(full), set(own), path)
-    if runtime.pipeline_group() is not None:  # a pipeline stage takes its own part
+    _check_keys(set(full), set(own), path, pipeline)
+    if pipeline is not None:  # a pipeline stage takes its own part
         full = {k: v for k, v in full.items() if k in own}
     check_shapes({k: tuple(v.shape) for k, v in full.items()}, own, path)
     dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
 
 
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print,
-         verify: bool = True) -> None:
-    """Load model and optimizer state of checkpoint ``path``, at any world size.
+         verify: bool = True, pipeline: Any = None) -> None:
+    """Load model and optimizer state of checkpoint ``path``, at any world size (``pipeline``: the group of this
+    rank's pipeline, whose stages each load their own part).
 
     With ``sharded/`` (an FSDP checkpoint) every rank reads the pieces it needs through DCP, for an
     FSDP model as for a plain one. Without it (a checkpoint from a DDP or single-process run loaded
@@ -192,7 +194,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     dsd = _dsd()
     path = Path(path)
     if not (path / SHARDS).exists():
-        load_full_weights(model, path, verify)
+        load_full_weights(model, path, verify, pipeline)
         return
     from . import safe_dcp
 
@@ -206,7 +208,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     flat = read_meta(path).get("optimizer_keys") == "by_name"  # saved by a pipeline
     target = _sharded_state(model, optimizers, flat)
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
-    _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path)
+    _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path, pipeline)
     check_shapes(shapes, target["model"], path)
     missing_optim = [name for name in target["optim"] if not any(k.startswith(f"optim.{name}.") for k in saved)]
     for name in missing_optim:  # a different optimizer set-up: keep those fresh, say so
@@ -261,10 +263,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _check_keys(saved: set, expected: set, path: Path) -> None:
+def _check_keys(saved: set, expected: set, path: Path, pipeline: Any) -> None:
     """Every key of this rank's model in the checkpoint, and (but for a pipeline stage, which holds a part of the
     model) no other."""
-    if runtime.pipeline_group() is not None:
+    if pipeline is not None:
         saved = saved & expected
     check_keys(saved, expected, f"checkpoint '{path}'")
 

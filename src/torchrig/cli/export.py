@@ -6,7 +6,7 @@ from . import add_common, register_command
 
 
 def cmd_export(args) -> int:
-    from ..recipes.export import export_checkpoint
+    from ..export import export_checkpoint
 
     done = export_checkpoint(args.checkpoint, args.format, args.output, inputs=args.input,
                              overrides=args.overrides, overwrite=args.overwrite)
@@ -16,7 +16,7 @@ def cmd_export(args) -> int:
 
 @register_command
 def _add(sub) -> None:
-    from ..recipes.export import FORMATS
+    from ..export import FORMATS
 
     p = sub.add_parser("export", help="export a checkpoint's model: torch-export (.pt2), onnx, safetensors, hf",
                        description="Write the model of a checkpoint in a format another runtime loads, load it "

@@ -194,12 +194,13 @@ class NonFiniteGuard:
     path on the CPU). ``model`` is the module whose buffers a skipped window restores.
     """
 
-    def __init__(self, mode: str, device: torch.device, world_size: int, model: torch.nn.Module):
+    def __init__(self, mode: str, device: torch.device, world_size: int, model: torch.nn.Module, *,
+                 agree: bool = False, host: Optional[bool] = None):
         self.mode, self.world_size, self.model = mode, world_size, model
-        self.host = device.type == "cpu"
-        # Ranks whose gradients differ after the all-reduce (tensor parallel: each holds its shard): the host
-        # decision is agreed (any rank's non-finite gradients drop the window everywhere), never on the device.
-        self.agree = runtime.data_parallel_size() < world_size
+        self.host = device.type == "cpu" if host is None else host
+        # ``agree``: ranks whose gradients differ after the all-reduce (tensor parallel: each holds its shard): the
+        # host decision is agreed (any rank's non-finite gradients drop the window everywhere), never on the device.
+        self.agree = agree
         self.check = _FiniteCheck()
         self.loss_flag: Any = None       # this window's loss flag: True (host), a device bool, or None
         self.found: Optional[torch.Tensor] = None  # this window decided on the device: skipped (1.0) or not

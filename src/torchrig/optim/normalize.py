@@ -76,11 +76,12 @@ def count_items(mode: str, target: Any, samples: int, shift: bool) -> Count:
     return samples
 
 
-def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -> Union[float, torch.Tensor]:
+def window_factor(total: Count, ranks: int, unit: float, device: torch.device,
+                  group: Any = None) -> Union[float, torch.Tensor]:
     """``ranks × unit / N``: what turns the window's summed gradients into the global-batch mean.
 
-    ``total`` is this rank's count for the window; with ``ranks > 1`` it is summed over the ranks (one
-    all-reduce of one number). A window without any item (every label -100) divides by 1: its
+    ``total`` is this rank's count for the window; with ``ranks > 1`` it is summed over the ranks of ``group``
+    (the data-parallel ranks; None: every rank), one all-reduce of one number. A window without any item (every label -100) divides by 1: its
     gradients stay zero. A count that is a tensor (tokens), or one summed over ranks, gives a factor that stays
     a tensor on the device, on the CPU as on a GPU (nothing is read back).
     """
@@ -92,7 +93,7 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device) -
     else:  # a fill kernel: as_tensor(int, device=cuda) would copy from pageable memory and wait for the GPU
         n = torch.full((1,), float(total), dtype=exact, device=device)
     if ranks > 1:
-        n = runtime.all_reduce_sum(n, runtime.data_parallel_group())
+        n = runtime.all_reduce_sum(n, group)
     return ((ranks * unit) / n.clamp_min(1)).float().reshape(())
 
 

@@ -15,13 +15,13 @@ from . import loss
 from . import tp as tensor_parallel
 from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
-from .pipeline import MicroBatch, Pipeline, StageOutput, plan_stages
+from .pipeline import MicroBatch, Pipeline, PipelineStageError, StageOutput, plan_stages
 from .wrap import average_gradients, buckets, flat_collective, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
            "build_layout", "resolve_degrees", "split_model", "split_pipeline", "shard_stages", "data_parallel_mesh",
            "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets", "flat_collective",
-           "MicroBatch", "Pipeline", "StageOutput", "plan_stages", "loss"]
+           "MicroBatch", "Pipeline", "PipelineStageError", "StageOutput", "plan_stages", "loss"]
 
 
 def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.device) -> nn.Module:
@@ -38,7 +38,8 @@ def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.devic
     layout.pipeline = pipe = Pipeline(model, plan, rank=dist.get_rank(layout.pp_group), pp=layout.pp,
                                       per_rank=p.pp_stages_per_rank, schedule=p.pp_schedule, group=layout.pp_group,
                                       device=device)
-    runtime.set_pipeline_group(layout.pp_group, dist.get_process_group_ranks(layout.pp_group)[pipe.last_rank])
+    layout.groups = runtime.Groups(layout.dp_group, layout.pp_group,
+                                   dist.get_process_group_ranks(layout.pp_group)[pipe.last_rank])
     return model
 
 def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device,

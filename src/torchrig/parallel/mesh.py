@@ -8,8 +8,8 @@ use the default group, as before. Once the model itself is split (``tp > 1`` or 
 has two levels (HSDP), the mesh is built once, with the dimensions ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``
 (every one, size 1 included; ``pp`` outermost, so that a stage's ranks are neighbours), and the group of the
 data-parallel ranks (those with the same ``pp`` and ``tp`` coordinates) becomes the one metrics and loss counts
-are reduced over (``runtime.set_data_parallel_group``). With ``pp > 1`` the ranks with the same data-parallel and
-``tp`` coordinates form a pipeline (``runtime.set_pipeline_group``), stage ``i`` on its ``i``-th rank. Beside a
+are reduced over (``Layout.groups.data``). With ``pp > 1`` the ranks with the same data-parallel and
+``tp`` coordinates form a pipeline (``Layout.groups.pipeline``), stage ``i`` on its ``i``-th rank. Beside a
 pipeline, the data-parallel ranks of a stage replicate it (``dp_replicate`` alone: strategy ``ddp``, the pipeline's
 step averages the gradients once per optimizer step), shard it (``dp_shard``: FSDP2 on each stage), or both (HSDP:
 FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` sub-mesh, which all-reduces over the replicas itself, so the step
@@ -49,6 +49,7 @@ class Layout:
     plan: dict = dataclasses.field(default_factory=dict)  # {module: tensor-parallel style} once split
     pp_group: Any = None                # with pp > 1: this rank's pipeline (its stages' ranks, in stage order)
     pipeline: Any = None                # with pp > 1: this rank's stages of the model (parallel.pipeline.Pipeline)
+    groups: runtime.Groups = runtime.WORLD  # what the fit reduces over: data-parallel ranks, pipeline, last stage
 
     @property
     def dp(self) -> int:
@@ -115,13 +116,11 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     """The run's layout: resolved degrees, wrapper and mesh. Collective when it builds a mesh."""
     d = resolve_degrees(p, strategy_name, world_size)
     layout = Layout(**d)
-    runtime.set_pipeline_group(None)
     if d["tp"] == 1 and d["pp"] == 1 and (d["dp_replicate"] == 1 or d["dp_shard"] == 1):
         strategy = resolve_strategy(strategy_name, world_size, device)
         if strategy == "ddp" and d["dp_shard"] > 1:  # auto with parallel.dp_shard: shards
             strategy = "fsdp"
         layout.strategy = strategy
-        runtime.set_data_parallel_group(None)
         return layout
     if strategy_name in ("dp", "none") and layout.dp > 1:
         raise ParallelConfigError(f"config key 'dist.strategy': {strategy_name!r} cannot share the data-parallel "
@@ -132,8 +131,8 @@ def build_layout(p: Any, strategy_name: str, world_size: int, device: torch.devi
     layout.strategy = "none" if layout.dp == 1 else "ddp" if layout.pp > 1 and layout.dp_shard == 1 else "fsdp"
     layout.mesh = _mesh(layout, device)
     layout.dp_group = _data_parallel_group(layout.mesh)
-    runtime.set_data_parallel_group(layout.dp_group)
-    if layout.pp > 1:  # the pipeline's ranks; runtime.set_pipeline_group once its stages are placed on them
+    layout.groups = runtime.Groups(data=layout.dp_group)
+    if layout.pp > 1:  # the pipeline's ranks; the last stage's rank is known once the stages are placed on them
         layout.pp_group = layout.submesh("pp").get_group()
     return layout
 

@@ -17,8 +17,15 @@ Each stage runs **the model's own forward** on the micro-batch (every rank of a 
   stage does not own answer with zeros of the shape they would give (their outputs only feed what that hook
   replaces), those of the rank's other stages too while it runs (with several stages per rank: the embedding of
   stage 1 is not computed again for stage 3, and under FSDP2 it is stage 1's shards, not gathered for stage 3);
-* on a stage before the last, a forward hook on its last block stops the forward there (an exception carrying
-  that block's output, or the first element of a tuple output), and that tensor is sent on.
+* on a stage before the last, a forward hook on its last block stops the forward there, and that block's output
+  (or the first element of a tuple output) is sent on.
+
+How the forward stops is the one place where control flow goes by an exception, because the code after the last
+block is the user's and cannot be skipped otherwise: the hook raises :class:`StageOutput` (a ``BaseException``,
+so that an ``except Exception`` in the model's own code does not catch it), which :meth:`Pipeline.run_stage`
+catches right around the forward call and turns into the stage's output. Any other error raised inside a stage
+(the user's code, a block's own forward) comes out as :class:`PipelineStageError`, one line naming the stage, the
+rank and the block that was running, with the original error chained.
 
 So the supported forwards are: ``pre-code → block_0 → block_1 → … → block_n-1 → post-code``, where each block's
 first positional argument is the previous block's output (or its first element), other block arguments (masks,
@@ -33,6 +40,7 @@ embeddings) are refused when the stages are built.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional
@@ -40,7 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..errors import suggest
+from ..errors import TorchrigError, suggest
 from .mesh import ParallelConfigError
 from .tp import out_of_place
 
@@ -60,11 +68,16 @@ class MicroBatch:
 
 class StageOutput(BaseException):
     """Raised by a stage's last block to end the model's forward there; carries the tensor to send on. Not an
-    ``Exception``: an ``except Exception`` in the model's own code must not catch it."""
+    ``Exception``: an ``except Exception`` in the model's own code must not catch it. Caught by
+    :meth:`Pipeline.run_stage` around the forward call and never seen outside it."""
 
     def __init__(self, hidden: torch.Tensor):
         super().__init__("pipeline stage output")
         self.hidden = hidden
+
+
+class PipelineStageError(TorchrigError, RuntimeError):
+    """An error raised inside a pipeline stage's forward, named by stage, rank and block (the original chained)."""
 
 
 # ---------------------------------------------------------------------------------------------- the split
@@ -348,9 +361,8 @@ class Pipeline:
     """This rank's stages of the model (``parallel.pp``) and the schedules that run them.
 
     ``model`` is the user's module with only this rank's parts left (what the loop, the optimizer and checkpoints
-    see). ``forward_fn(model, micro_batch)`` is set by the caller before :meth:`train` or :meth:`forward`: it calls
-    the model on a micro-batch and, on the last stage, returns the tensor to back-propagate (training) or any tensor
-    (inference).
+    see). :meth:`train` and :meth:`forward` take ``forward_fn(model, micro_batch)``: it calls the model on a
+    micro-batch and, on the last stage, returns the tensor to back-propagate (training) or any tensor (inference).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, rank: int, pp: int, per_rank: int, schedule: str,
@@ -361,8 +373,10 @@ class Pipeline:
         self.v_shape = schedule == "zbv_zero_bubble"
         self.single = schedule in ("gpipe", "1f1b")
         self.splits_backward = schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")  # input, then weights
-        self.forward_fn: Optional[Callable[[nn.Module, Any], Any]] = None
+        self._forward_fn: Optional[Callable[[nn.Module, Any], Any]] = None  # during train() / forward()
         self.active: Optional[StageModule] = None
+        self._block: Optional[int] = None  # the block running in the active stage (for an error's message)
+        self._done: Optional[int] = None   # the block that ran last in it
         self._leaves: Optional[dict] = None  # while a stage's first training forward runs: placeholder leaves
         self._last_output: Any = None  # the output of the block that ran last in the stage's forward
         self._schedules: collections.OrderedDict = collections.OrderedDict()
@@ -444,16 +458,13 @@ class Pipeline:
         for parent, attr, stand_in, _ in swaps:
             parent._modules[attr] = stand_in
         try:
-            out = self.forward_fn(self.model, mb)
+            out = self._forward_fn(self.model, mb)
         except StageOutput as done:
             out = done.hidden
-        except RuntimeError as exc:
-            if stage.first or "leaf Variable that requires grad is being used in an in-place" not in str(exc):
-                raise
-            raise ParallelConfigError(
-                f"config key '{KEY}': stage {stage.index + 1} changes the activation it receives in place (in "
-                f"{self.plan.block_name(stage.lo)!r}, where it begins), which autograd forbids; compute that "
-                f"operation out of place (x = x + y, not x += y), or begin the stage at another block") from None
+        except (TorchrigError, torch.cuda.OutOfMemoryError):  # torchrig's own one-line errors; OOM: auto retries
+            raise
+        except Exception as exc:
+            raise self._stage_error(stage, exc) from exc
         else:
             if not stage.last:
                 raise ParallelConfigError(
@@ -464,7 +475,7 @@ class Pipeline:
             object.__setattr__(container, "_modules", self.rest_view)
             for parent, attr, _, module in swaps:
                 parent._modules[attr] = module
-            self.active = None
+            self.active, self._block, self._done = None, None, None
         if stage.received is not None:
             raise ParallelConfigError(
                 f"config key '{KEY}': {type(self.model).__name__}'s forward did not call "
@@ -474,6 +485,25 @@ class Pipeline:
             stage.checked = True
         self._leaves = None
         return out
+
+    def _stage_error(self, stage: StageModule, exc: Exception) -> Exception:
+        """The one line for an error raised inside ``stage``'s forward: where it was raised, what it was."""
+        import torch.distributed as dist
+
+        if (not stage.first and isinstance(exc, RuntimeError)
+                and "leaf Variable that requires grad is being used in an in-place" in str(exc)):
+            return ParallelConfigError(
+                f"config key '{KEY}': stage {stage.index + 1} changes the activation it receives in place (in "
+                f"{self.plan.block_name(stage.lo)!r}, where it begins), which autograd forbids; compute that "
+                f"operation out of place (x = x + y, not x += y), or begin the stage at another block")
+        running = self.views[stage.index].get(self.plan.keys[self._block]) if self._block is not None else None
+        where = (f"in block {self.plan.block_name(self._block)!r} ({type(running).__name__})" if running is not None else
+                 f"after {self.plan.block_name(self._done)}" if self._done is not None else
+                 f"before {self.plan.block_name(stage.lo)}")
+        rank = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return PipelineStageError(f"pipeline stage {stage.index + 1} of {self.num_stages}{rank} failed {where}: "
+                                  f"{type(exc).__name__}: {text}")
 
     def placeholder(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The zeros a module of another stage answers with. In a stage's first training forward they are leaves
@@ -490,6 +520,7 @@ class Pipeline:
         if stage is None:
             return None
         i = self.block_index[id(block)]
+        self._block = i
         if i == stage.lo and stage.received is not None:
             if not args:
                 raise ParallelConfigError(
@@ -509,6 +540,7 @@ class Pipeline:
         if stage is None:
             return
         self._last_output = output
+        self._block, self._done = None, self.block_index[id(block)]
         if self.block_index[id(block)] == stage.hi - 1 and not stage.last:
             hidden = output if isinstance(output, torch.Tensor) else (
                 output[0] if isinstance(output, (tuple, list)) and output else None)
@@ -543,10 +575,23 @@ class Pipeline:
             todo.extend(f for f, _ in fn.next_functions)
 
     # -- running micro-batches -------------------------------------------------------------------
-    def train(self, micro_batches: list) -> None:
-        """Every micro-batch of a window through this rank's stages, forward and backward, by the configured
-        schedule; the gradients add up in the parameters. Micro-batches of one shape run as one schedule step; a
-        change of shape (a short last batch) starts another, in order."""
+    def train(self, micro_batches: list, forward_fn: Callable[[nn.Module, Any], Any]) -> None:
+        """Every micro-batch of a window through this rank's stages, forward (``forward_fn``) and backward, by the
+        configured schedule; the gradients add up in the parameters. Micro-batches of one shape run as one schedule
+        step; a change of shape (a short last batch) starts another, in order."""
+        with self.running(forward_fn):
+            self._train(micro_batches)
+
+    @contextlib.contextmanager
+    def running(self, forward_fn: Callable[[nn.Module, Any], Any]):
+        """The stages' forward while in the block: ``forward_fn(model, micro_batch)``."""
+        self._forward_fn = forward_fn
+        try:
+            yield self
+        finally:
+            self._forward_fn = None
+
+    def _train(self, micro_batches: list) -> None:
         start = 0
         while start < len(micro_batches):
             shape = _shape(micro_batches[start].batch)
@@ -602,10 +647,14 @@ class Pipeline:
                 raise
             return self._build(P.ScheduleGPipe if self.single else P.ScheduleLoopedBFS, stages, n, _passthrough)
 
-    def forward(self, mb: MicroBatch) -> None:
+    def forward(self, mb: MicroBatch, forward_fn: Callable[[nn.Module, Any], Any]) -> None:
         """One micro-batch through the stages without backward (evaluation, prediction), stage by stage: each rank
-        runs its stages in order, receiving the activation from the previous stage's rank and sending its output
-        to the next's. No schedule: nothing to overlap, and no shape to learn first."""
+        runs its stages in order (their forward: ``forward_fn``), receiving the activation from the previous stage's
+        rank and sending its output to the next's. No schedule: nothing to overlap, and no shape to learn first."""
+        with self.running(forward_fn):
+            self._forward(mb)
+
+    def _forward(self, mb: MicroBatch) -> None:
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.group)

@@ -4,11 +4,9 @@ from .accel import (AccelConfigError, apply_activation_checkpointing, channels_l
                     configure_backends, tf32_in_force, wants_channels_last)
 from .device import RuntimeSetupError, configure_threads, select_device
 from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
-                   collective_error, data_parallel_group, data_parallel_rank, data_parallel_size,
-                   destroy_process_group, detect, explain_collective_errors, from_last_stage, gather,
-                   gather_to_first, get_rank, get_world_size, host_collectives, init_process_group, is_initialized,
-                   is_last_stage, is_main_process, pipeline_group, restart_count, set_data_parallel_group,
-                   set_pipeline_group)
+                   collective_error, destroy_process_group, detect, explain_collective_errors, gather,
+                   gather_to_first, get_rank, get_world_size, Groups, host_collectives, init_process_group,
+                   is_initialized, is_main_process, restart_count, WORLD)
 from .precision import Precision, make_precision
 from .seed import rng_state, rng_states_of_ranks, seed_everything, set_rng_state
 from .signals import RunStopped, StopSignal, requeue_slurm_job, signal_name, stop_phase
@@ -22,9 +20,7 @@ __all__ = [
     "gather", "get_rank", "get_world_size", "host_collectives", "init_process_group", "is_main_process", "Precision",
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "local_tensor", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
-    "signal_name", "stop_phase", "data_parallel_group", "data_parallel_rank", "data_parallel_size",
-    "set_data_parallel_group", "set_pipeline_group", "pipeline_group", "is_last_stage", "from_last_stage",
-    "gather_to_first", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
+    "signal_name", "stop_phase", "Groups", "WORLD", "gather_to_first", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
     "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks",
 ]

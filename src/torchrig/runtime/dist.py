@@ -10,6 +10,7 @@ All helpers work (as no-ops) when no process group exists, so single-process cod
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import functools
 import gc
@@ -311,70 +312,51 @@ def barrier() -> None:
             dist.barrier()
 
 
-# The data-parallel ranks: the group over which samples are split (a sub-mesh of ``parallel``'s device mesh
-# when tensor or pipeline parallelism splits the model), or None: every rank holds different samples.
-_DATA_GROUP: Any = None
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups one fit reduces over, made once by its layout (``parallel.Layout.groups``) and handed
+    to whatever reduces: the loss counts, the metrics, the logged values, the checkpoints, evaluation. Nothing of
+    it is process-wide, so two fits in one process (a notebook, lr-find then fit, trials side by side) each reduce
+    over their own ranks.
 
+    ``data``: the data-parallel ranks, over which samples are split (a sub-mesh's group when tensor or pipeline
+    parallelism splits the model; None: every rank holds different samples). Ranks of one tensor-parallel group
+    see the same samples: summing their counts would count each sample once per rank of that group, so those
+    reductions run over the ranks that hold different samples only.
 
-def set_data_parallel_group(group: Any) -> None:
-    """Make ``group`` the one that loss counts, metrics and logged values are reduced over (None: the world).
-
-    Ranks of one tensor-parallel group see the same samples; summing their counts would count each sample
-    once per rank of that group, so those reductions run over the ranks that hold different samples only.
+    ``pipeline``: this rank's pipeline (the ranks holding the stages of one copy of the model, ``parallel.pp``),
+    whose last stage, global rank ``last_stage``, computes the loss, the metrics and the predictions; None: no
+    pipeline. What is computed from the model's output reaches the other stages with :meth:`from_last_stage`.
     """
-    global _DATA_GROUP
-    _DATA_GROUP = group
+
+    data: Any = None
+    pipeline: Any = None
+    last_stage: int = 0
+
+    def dp_size(self) -> int:
+        """Ranks that hold different samples (the world size unless a mesh splits the model)."""
+        return dist.get_world_size(self.data) if is_initialized() else 1
+
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (its shard of every batch)."""
+        return dist.get_rank(self.data) if is_initialized() else 0
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None and is_initialized()
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes the model's output (the last pipeline stage; every rank without a pipeline)."""
+        return not self.pipelined or get_rank() == self.last_stage
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as the last pipeline stage has it (plain data: see :func:`gather`; the other stages may pass
+        anything, None), on every rank of the pipeline; ``obj`` itself without a pipeline. Collective over the
+        pipeline's ranks. A tensor of the same shape and dtype on every rank is filled in place instead."""
+        return broadcast(obj, self.last_stage, self.pipeline) if self.pipelined else obj
 
 
-def data_parallel_group() -> Any:
-    """The group set by :func:`set_data_parallel_group`, or None (the default group: every rank)."""
-    return _DATA_GROUP if is_initialized() else None
-
-
-def data_parallel_size() -> int:
-    """Ranks that hold different samples (the world size unless a mesh splits the model)."""
-    if not is_initialized():
-        return 1
-    return dist.get_world_size(_DATA_GROUP)
-
-
-def data_parallel_rank() -> int:
-    """This rank's place among the data-parallel ranks (its shard of every batch)."""
-    if not is_initialized():
-        return 0
-    return dist.get_rank(_DATA_GROUP)
-
-
-# The pipeline: the group of the ranks that hold the stages of one copy of the model (``parallel.pp``), and the
-# global rank of its last stage, where the loss, the metrics and the predictions are computed. None: no pipeline.
-_PIPELINE: Optional[tuple[Any, int]] = None
-
-
-def set_pipeline_group(group: Any, last: int = 0) -> None:
-    """Make ``group`` this rank's pipeline, whose last stage is global rank ``last`` (None: no pipeline).
-
-    Only the last stage sees the model's output: what is computed from it (metric states, predictions, the
-    logged loss) reaches the other stages with :func:`from_last_stage`."""
-    global _PIPELINE
-    _PIPELINE = None if group is None else (group, last)
-
-
-def pipeline_group() -> Any:
-    """The group set by :func:`set_pipeline_group`, or None (no pipeline)."""
-    return _PIPELINE[0] if _PIPELINE is not None and is_initialized() else None
-
-
-def is_last_stage() -> bool:
-    """Whether this rank computes the model's output (the last pipeline stage; every rank without a pipeline)."""
-    return pipeline_group() is None or get_rank() == _PIPELINE[1]
-
-
-def from_last_stage(obj: Any) -> Any:
-    """``obj`` as the last pipeline stage has it (plain data: see :func:`gather`; the other stages may pass anything,
-    None), on every rank of the pipeline; ``obj`` itself without a pipeline. Collective over the pipeline's ranks.
-    A tensor of the same shape and dtype on every rank is filled in place instead (no serialising)."""
-    group = pipeline_group()
-    return obj if group is None else broadcast(obj, _PIPELINE[1], group)
+WORLD = Groups()  # no mesh: every rank holds different samples, no pipeline
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:

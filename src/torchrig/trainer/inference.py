@@ -34,10 +34,11 @@ class EvalRun:
     step: ModelCalls                    # what ``eval_fn`` / ``predict_fn`` see: the bare model (FSDP's under FSDP)
     modules: list                       # put in eval mode for the pass
     device: torch.device
-    world_size: int
+    world_size: int                     # data-parallel ranks: those holding different samples
     lockstep: bool                      # FSDP on several ranks: every rank makes as many forwards
     first_batch: Callable[[], Any]      # a batch for the padding forwards of a rank without a sample
     beat: Callable[[], None]            # progress, for a stop signal's watchdog
+    groups: runtime.Groups = runtime.WORLD  # the layout's groups: data-parallel ranks, pipeline and last stage
 
 
 @contextlib.contextmanager
@@ -67,7 +68,7 @@ def run(r: EvalRun, forward: Callable[[ModelCalls, Any], Any],
         for got in batches:
             if got is None:  # FSDP: another rank's stream still has a batch; forward a discarded one
                 batch = batch if batch is not None else r.first_batch()
-                step.metrics = []
+                step.stop_counting()
                 forward(step, batch)
                 continue
             batch = to_device(got, r.device)
@@ -75,7 +76,7 @@ def run(r: EvalRun, forward: Callable[[ModelCalls, Any], Any],
             r.beat()
         if pad:
             dummy = batch if batch is not None else r.first_batch()
-            step.metrics = []
+            step.stop_counting()
             for _ in range(pad):  # results discarded: every sample still counts once
                 forward(step, dummy)
     return batches
@@ -109,7 +110,7 @@ def evaluate(r: EvalRun, eval_fn: Optional[Callable] = None) -> dict:
 def _sync_results(r: EvalRun, means: dict, metrics: list) -> dict:
     """Sum every metric state over ranks; ranks that saw no sample of a state (or no output: a pipeline's first
     stages) contribute zeros."""
-    if r.world_size > 1 or runtime.pipeline_group() is not None:
+    if r.world_size > 1 or r.groups.pipelined:
         def layout(m: Metric) -> dict:
             return {k: tuple(v.shape) for k, v in m.states.items()}
 
@@ -125,7 +126,7 @@ def _sync_results(r: EvalRun, means: dict, metrics: list) -> dict:
                 m.states.setdefault(k, torch.zeros(shape, dtype=torch.float64, device=r.device))
     results = {}
     for m in [means[k] for k in sorted(means)] + metrics:
-        m.sync()
+        m.sync(r.groups)
         if m.states:
             results[m.name] = m.compute()
     return dict(sorted(results.items(), key=lambda kv: kv[0] != "loss"))  # loss first
@@ -142,11 +143,9 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
     ``forward``.
     """
     results: list = []
-    r.step.predict_outputs = outputs
 
     def forward(step: ModelCalls, batch: Any) -> Any:
-        if predict_fn is not None:
-            step.activation = act  # what predict(activation=...) asked for, for a predict_fn to apply
+        if predict_fn is not None:  # step.activation: what predict(activation=...) asked for, for it to apply
             return predict_fn(step, batch)
         return default_predict_step(step, batch, act)
 
@@ -155,13 +154,13 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
 
     batches = run(r, forward, consume)
     # a pipeline's last stage holds the predictions (its other stages ran their part of each forward)
-    local = runtime.from_last_stage([O.stack(results)] if runtime.is_last_stage() else None)[0]
+    local = r.groups.from_last_stage([O.stack(results)] if r.groups.is_last_stage() else None)[0]
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
-        parts = runtime.gather((batches.stream_positions(), local), runtime.data_parallel_group())
+        parts = runtime.gather((batches.stream_positions(), local), r.groups.data)
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])
     if r.world_size == 1:
         return local
-    return O.merge_ranks(runtime.gather(local, runtime.data_parallel_group()), r.world_size)
+    return O.merge_ranks(runtime.gather(local, r.groups.data), r.world_size)
 
 
 def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, outputs: Optional[str] = None) -> Any:

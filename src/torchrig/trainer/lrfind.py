@@ -126,8 +126,9 @@ def sweep(trainer: Any, data: Any, loader: dict, start: float, end: float, steps
 def _sweep(trainer: Any, data: Any, loader: dict, start: float, end: float, steps: int, beta: float,
            diverge: float) -> LRFinderResult:
     from . import build
-    from .step import Step, StepOptions
     from .outputs import ModelIO
+    from .step import Step, StepOptions
+    from .window import Windows
 
     original = runtime.unwrap(trainer.model)
     clone = copy.deepcopy(original)
@@ -136,9 +137,11 @@ def _sweep(trainer: Any, data: Any, loader: dict, start: float, end: float, step
     (name, opt), = trainer.optimizers.items()
     optimizer = copy_optimizer(opt, original, clone)
     grad_ranks = trainer.world_size if trainer.strategy == "ddp" else 1
-    options = dataclasses.replace(StepOptions.from_config(trainer.cfg, grad_ranks), on_nonfinite="skip")
+    options = dataclasses.replace(StepOptions.from_config(trainer.cfg, grad_ranks, trainer.plan.batch_size),
+                                  on_nonfinite="skip")
     step = Step(wrapped, {name: optimizer}, trainer.loss_fn, trainer.precision, trainer.device, options,
-                models=models, metrics=[], io=ModelIO.from_config(trainer.cfg))
+                models=models, metrics=[], io=ModelIO.from_config(trainer.cfg), groups=trainer.layout.groups)
+    windows = Windows(step, trainer.step_fn, synced=[wrapped])  # one loaded batch per optimizer step
     batches = prepare_train(data, **loader)
     lrs, losses, smoothed, stopped = [], [], [], ""
     wrapped.train()
@@ -146,11 +149,9 @@ def _sweep(trainer: Any, data: Any, loader: dict, start: float, end: float, step
         lr = start * (end / start) ** (i / (steps - 1))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        step.begin_window(1)
-        step.sync_gradients = True
-        step.set_batch(to_device(batch, trainer.device), batches.weight(index))
-        values = trainer.step_fn(step, step.batch)
-        step.end_window()
+        window = windows.open(1, first=index)
+        window.add(to_device(batch, trainer.device), batches.weight(index), index)
+        values = window.finish()
         loss = float(runtime.all_reduce_mean(values["loss"].detach().float().reshape(1)).item())
         lrs.append(lr)
         losses.append(loss)

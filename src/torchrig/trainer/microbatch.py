@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed
@@ -36,7 +36,6 @@ from .. import parallel, runtime
 from ..config import ConfigError
 from ..data.batches import batch_size_of
 from ..errors import TorchrigError
-from .context import FitContext
 
 
 class MicroBatchError(TorchrigError, RuntimeError):
@@ -84,109 +83,67 @@ def check_auto(cfg: Any, model: torch.nn.Module, world_size: int) -> None:
                           "forward's all-gather); set data.micro_batch_size to an integer, or dist.sync_batchnorm=false")
 
 
-class MicroBatcher:
-    """Runs the step function over the micro-batches of each loaded batch; Stateful (the current size)."""
+class Retry:
+    """``data.micro_batch_size=auto``: an out-of-memory error in a window drops the window's work, halves the
+    micro-batch and runs the window again (see the module's text). Made once per fit; :meth:`begin` at the
+    start of each window (``trainer/window.py``) keeps what the window may have to put back.
 
-    def __init__(self, t: FitContext):
-        setting, d = t.cfg.data.micro_batch_size, t.cfg.data
-        self.t = t  # the fit's context: its step, metrics, logger, optimizers
-        self.auto = setting == "auto"
-        self.size: Optional[int] = d.batch_size if self.auto else setting
-        t.step.cuts_batches = self.size is not None  # its pieces are weighed by their counts (Step.backward)
-        self.synced = [t.wrapped] if not t.models or t.wrapped is not t.model else list(t.models.values())
-        self.guard = self.auto and t.world_size > 1 and t.strategy == "ddp"  # agree before any update
-        self.window: list = []       # (batch, weight) of the current window's loaded batches
-        # the logged counts of the window's micro-batches so far, for a step function that returns their values at
-        # the window's end (``runs_windows``: a pipeline's, trainer/pipeline.py); None for any other
-        self.held: Optional[list] = [] if getattr(t.step_fn, "runs_windows", False) else None
+    ``model``: the user's module (its buffers), ``synced``: the wrapped modules (DDP's flags), ``metrics`` and
+    ``logger``: the sums the window adds to; ``agree``: several DDP ranks, which agree on a failure before any
+    update and then average the gradients here (``before_update``, given to the step).
+    """
+
+    def __init__(self, *, model: torch.nn.Module, synced: list, metrics: list, logger: Any, optimizers: dict,
+                 precision: Any, device: torch.device, agree: bool, batch_size: int, accumulate: int,
+                 say: Callable[[str], None]):
+        self.model, self.synced, self.metrics, self.logger = model, synced, metrics, logger
+        self.optimizers, self.precision, self.device = optimizers, precision, device
+        self.agreeing = agree        # every micro-batch under no_sync; the ranks agree before any update
+        self.batch_size, self.accumulate, self.say = batch_size, accumulate, say
         self.failed = False          # this rank ran out of memory in the current attempt
         self.agreed: Optional[bool] = None  # whether any rank failed, once the ranks agreed (None: not yet)
         self._saved: Any = None
-        if self.guard:
-            t.step.before_update = self._before_update
 
-    # -- Stateful --------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"size": self.size, "auto": self.auto}
+    def begin(self, step: Any) -> "Retry":
+        """At a window's start: what a failed attempt will have to put back."""
+        self.step, self.failed, self.agreed = step, False, None
+        if self.agreeing:
+            self._broadcast_buffers()
+        self._saved = self._snapshot()
+        return self
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        if self.auto and state and state.get("auto") and state.get("size"):
-            self.size = min(self.size, int(state["size"]))
-
-    # -- the loop --------------------------------------------------------------------------------
-    def run(self, batch: Any, weight: int, first: bool) -> dict:
-        """The step function over the micro-batches of ``batch``, a loaded batch of the window (the first
-        when ``first``; the last when the loop set ``step.sync_gradients``). Returns the last values."""
-        step = self.t.step
-        last = step.sync_gradients
-        if not self.auto:
-            return self._batch(batch, weight, last)
-        if first:
-            self.window, self.failed, self.agreed = [], False, None
-            if self.guard:
-                self._broadcast_buffers()
-            self._saved = self._snapshot()
-        self.window.append((batch, weight))
-        values = self._attempt([(batch, weight)], last) if not self.failed else None
-        while last and self._any_failed():
-            self._shrink()
-            values = self._attempt(self.window, last)
-        if last:  # the window is done: its loaded batches and snapshot can go
-            self.window, self._saved = [], None
-        return values or {}
-
-    def _batch(self, batch: Any, weight: int, last: bool) -> dict:
-        t, step = self.t, self.t.step
-        pieces = [batch] if self.size is None else chunks(batch, self.size)
-        values: dict = {}
-        for k, piece in enumerate(pieces):
-            step.sync_gradients = last and k == len(pieces) - 1
-            step.set_batch(piece, weight)
-            with parallel.no_sync_all(self.synced, self.guard or not step.sync_gradients, t.world_size):
-                values = t.step_fn(step, piece)
-            logged = (step.batch_size * step.weight, step.log_weight, piece if step.weight else None)
-            if self.held is None:
-                t.metrics_log.record(values, *logged)
-                continue
-            # a step function that runs the whole window at once (a pipeline's): the values of every micro-batch
-            # come with the window's last; each is logged with its own counts, as if it had come on its own
-            self.held.append(logged)
-            if step.sync_gradients:
-                for v, held in zip(values, self.held):
-                    t.metrics_log.record(v, *held)
-                values, self.held = values[-1], []
-        step.sync_gradients = last
-        return values
-
-    def _attempt(self, batches: list, last: bool) -> Optional[dict]:
-        """Run ``batches``; None (and ``failed``) when this rank or, as agreed, another ran out of memory."""
+    def run(self, window: Any, batches: list, last: bool) -> Optional[dict]:
+        """Run ``batches`` ((batch, weight, index) loaded batches) in ``window``; None (and ``failed``) when this
+        rank or, as agreed, another ran out of memory (or already had in this attempt)."""
+        if self.failed:
+            return None
         values = None
         try:
-            for j, (b, w) in enumerate(batches):
-                values = self._batch(b, w, last and j == len(batches) - 1)
+            for j, (b, w, index) in enumerate(batches):
+                values = window.run_loaded(b, w, index, last and j == len(batches) - 1)
         except torch.cuda.OutOfMemoryError:
-            if self.t.step.stepped:
+            if self.step.stepped:
                 raise MicroBatchError(
-                    f"out of memory at micro-batch {self.size} after an optimizer update of this window "
-                    f"(a step function that updates before its last forward); the window cannot be run again. "
-                    f"Set data.micro_batch_size to a smaller integer") from None
+                    f"out of memory at micro-batch {window.windows.micro_batch_size} after an optimizer update of "
+                    f"this window (a step function that updates before its last forward); the window cannot be run "
+                    f"again. Set data.micro_batch_size to a smaller integer") from None
             self.failed = True
         except _PeerOutOfMemory:
             self.failed = True
         return None if self.failed else values
 
-    def _any_failed(self) -> bool:
-        """At the window's end: whether any rank ran out of memory (one all-reduce with several ranks,
-        unless the first optimizer update of the window made it already)."""
+    def any_failed(self) -> bool:
+        """At the window's end: whether any rank ran out of memory (one all-reduce with several ranks, unless the
+        first optimizer update of the window made it already)."""
         if self.agreed is None:
             self.agreed = self._agree(self.failed)
         return self.agreed
 
     def _agree(self, failed: bool) -> bool:
-        if not self.guard:
+        if not self.agreeing:
             return failed
         # in host memory when the group takes CPU tensors (gloo beside NCCL, the default): no GPU round trip
-        return bool(runtime.agree_max([1.0 if failed else 0.0], self.t.device)[0])
+        return bool(runtime.agree_max([1.0 if failed else 0.0], self.device)[0])
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers, as DDP copies them before a window's first forward. Here every rank does it at
@@ -197,7 +154,7 @@ class MicroBatcher:
                 _broadcast_flat(list(m.module.buffers()))
             m.require_forward_param_sync = False  # DDP sets it after a synced forward (never under auto)
 
-    def _before_update(self, opt: torch.optim.Optimizer) -> None:
+    def before_update(self, opt: torch.optim.Optimizer) -> None:
         """Several ranks: before an optimizer update, agree that no rank ran out of memory (once per window),
         then average this optimizer's gradients over the ranks (DDP's no_sync left them local)."""
         if self.agreed is None:
@@ -207,12 +164,32 @@ class MicroBatcher:
         parallel.average_gradients([p for g in opt.param_groups for p in g["params"]])
 
     # -- after an out-of-memory error ------------------------------------------------------------
-    def _shrink(self) -> None:
+    def shrink(self, window: Any) -> None:
         """Drop the failed attempt (gradients, metric and logged sums, buffers, random state), free memory
         and halve the micro-batch; the window then runs again from its first loaded batch."""
-        t, step = self.t, self.t.step
-        scaler = t.precision.scaler
-        for opt in t.optimizers.values():
+        self._drop_gradients()
+        self._restore(self._saved)
+        gc.collect()
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        windows = window.windows
+        if windows.micro_batch_size <= 1:
+            raise MicroBatchError(
+                f"out of memory at a micro-batch of 1 row (data.micro_batch_size=auto, data.batch_size="
+                f"{self.batch_size}); the model does not fit on {self.device}: use a smaller model, "
+                f"precision=bf16, model.activation_checkpointing, or more devices with dist.strategy=fsdp")
+        old = windows.halve()
+        per_step = math.ceil(self.batch_size / windows.micro_batch_size) * self.accumulate
+        self.say(f"torchrig: out of memory at micro-batch {old}; now {windows.micro_batch_size} "
+                 f"(accumulation x{per_step})")
+        window.restart()
+        self.failed, self.agreed = False, None
+        for m in self.synced if self.agreeing else ():
+            m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
+
+    def _drop_gradients(self) -> None:
+        scaler = self.precision.scaler
+        for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
             # an out-of-memory error inside optimizer.step (Adam's first step allocates its state) leaves what
             # GradScaler.step set for it: the fused kernel's inputs and the optimizer's stage ("unscaled"), which
@@ -221,44 +198,28 @@ class MicroBatcher:
                 opt.__dict__.pop(attr, None)
             if scaler is not None:
                 scaler._per_optimizer_states.pop(id(opt), None)
-        self._restore(self._saved)
-        gc.collect()
-        if torch.cuda.is_available() and t.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if self.size <= 1:
-            raise MicroBatchError(
-                f"out of memory at a micro-batch of 1 row (data.micro_batch_size=auto, data.batch_size="
-                f"{t.cfg.data.batch_size}); the model does not fit on {t.device}: use a smaller model, "
-                f"precision=bf16, model.activation_checkpointing, or more devices with dist.strategy=fsdp")
-        old, self.size = self.size, self.size // 2
-        per_step = math.ceil(t.cfg.data.batch_size / self.size) * t.cfg.accumulate
-        t.say(f"torchrig: out of memory at micro-batch {old}; now {self.size} (accumulation x{per_step})")
-        step.begin_window(step.window_size, step.window_samples)
-        self.failed, self.agreed = False, None
-        for m in self.synced if self.guard else ():
-            m.require_forward_param_sync = False  # left set by a forward that raised (see _broadcast_buffers)
 
     def _snapshot(self) -> tuple:
-        t, log = self.t, self.t.metrics_log
-        metrics = [m.snapshot() for m in t.train_metrics]
-        logged = (dict(log.sums), log.count, log.samples)
-        buffers = [b.detach().clone() for b in runtime.unwrap(t.model).buffers()]
+        log = self.logger
+        metrics = [m.snapshot() for m in self.metrics]
+        logged = (dict(log.sums), log.count, log.samples) if log is not None else None
+        buffers = [b.detach().clone() for b in self.model.buffers()]
         rng = (torch.get_rng_state(),
-               torch.cuda.get_rng_state(t.device) if t.device.type == "cuda" else None)
+               torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
         return metrics, logged, buffers, rng
 
     @torch.no_grad()
     def _restore(self, saved: tuple) -> None:
-        t, log = self.t, self.t.metrics_log
         metrics, logged, buffers, rng = saved
-        for m, snap in zip(t.train_metrics, metrics):
+        for m, snap in zip(self.metrics, metrics):
             m.restore(snap)
-        log.sums, log.count, log.samples = dict(logged[0]), logged[1], logged[2]
-        for b, value in zip(runtime.unwrap(t.model).buffers(), buffers):
+        if logged is not None:
+            self.logger.sums, self.logger.count, self.logger.samples = dict(logged[0]), logged[1], logged[2]
+        for b, value in zip(self.model.buffers(), buffers):
             b.copy_(value)
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], t.device)
+            torch.cuda.set_rng_state(rng[1], self.device)
 
 
 def _broadcast_flat(tensors: list) -> None:

@@ -1,21 +1,20 @@
 """The step of a pipeline-parallel run (``parallel.pp``): the step function, evaluation and prediction.
 
-:class:`PipelineStep` is the step function the loop calls for each micro-batch, as it calls ``default_step``.
 A pipeline needs every micro-batch of an optimizer step at once (its schedule interleaves their forwards and
-backwards over the stages), so the pipeline's micro-batches are the accumulation window's (``accumulate``
-loaded batches, each cut into ``data.micro_batch_size`` pieces): each call counts its micro-batch into the
-window (``Step.count_micro_batch``, what ``default_step``'s backward does) and keeps it; the window's last call
-runs the schedule (``parallel.Pipeline.train``: forward on every stage; on the last one the loss, weighted as
-``default_step`` weighs it, and the metrics; backward), averages the gradients over the data-parallel replicas,
-and ends with ``step.optimizer_step()``, like ``default_step``. It returns the values of every micro-batch of
-the window (their losses, sent from the last stage to every rank), which the loop logs micro-batch by
-micro-batch (``trainer/microbatch.py``), so the logs, the loss normalisation and the optimizer step are those of
-one process that accumulates the same micro-batches.
+backwards over the stages), so :class:`PipelineStep` is a :class:`~.window.WholeWindowStep`: the accumulation
+window (``accumulate`` loaded batches, each cut into ``data.micro_batch_size`` pieces) hands it each micro-batch
+(:meth:`PipelineStep.add`: counted into the window with ``Step.count_micro_batch``, what ``default_step``'s
+backward does, and kept), then has it run them (:meth:`PipelineStep.run`: the schedule, ``parallel.Pipeline.train``
+— forward on every stage; on the last one the loss, weighted as ``default_step`` weighs it, and the metrics;
+backward —, the gradients averaged over the data-parallel replicas, and ``step.optimizer_step()``, like
+``default_step``). It returns the values of every micro-batch of the window (their losses, sent from the last
+stage to every rank), which the window logs micro-batch by micro-batch, so the logs, the loss normalisation and
+the optimizer step are those of one process that accumulates the same micro-batches.
 
 Evaluation and prediction run each batch through the stages as one micro-batch without backward, stage by stage
 (``parallel.Pipeline.forward``; ``default_eval_step`` / ``default_predict_step`` on the last stage); ranks that
-hold no last stage return
-nothing, and metric states and predictions reach every rank from the last stage (``runtime.from_last_stage``).
+hold no last stage return nothing, and metric states and predictions reach every rank from the last stage
+(``runtime.Groups.from_last_stage``).
 """
 
 from __future__ import annotations
@@ -24,14 +23,13 @@ from typing import Any, Callable
 
 import torch
 
-from .. import parallel, runtime
+from .. import parallel
 from .step import MISSING_TARGET, ModelCalls, Step, default_eval_step
+from .window import WholeWindowStep
 
 
-class PipelineStep:
+class PipelineStep(WholeWindowStep):
     """The step function of a pipeline-parallel run (see the module's text)."""
-
-    runs_windows = True  # the loop logs the values of the whole window, returned by its last micro-batch
 
     def __init__(self, pipe: parallel.Pipeline, dp_group: Any = None):
         self.pipe = pipe
@@ -40,21 +38,22 @@ class PipelineStep:
         self._waiting: Any = None  # the last micro-batch's (index, prediction, target, weight) for the metrics
 
     # -- training ----------------------------------------------------------------------------------
-    def __call__(self, step: Step, batch: Any) -> Any:
+    def add(self, step: Step, batch: Any) -> None:
+        """One micro-batch of the window: counted, and kept until :meth:`run`."""
         inputs, target = step.split(batch)
         if target is None:
             raise ValueError(MISSING_TARGET)
         count = step.count_micro_batch(target)
         self.window.append(parallel.MicroBatch(batch, len(self.window), (inputs, target, count, step.weight)))
-        if not step.sync_gradients:
-            return None
+
+    def run(self, step: Step) -> list:
+        """The window's micro-batches through the schedule, then the optimizer step; every micro-batch's values."""
         window, self.window = self.window, []
         losses = torch.zeros(len(window), device=step.device)
-        self.pipe.forward_fn = self._training_forward(step, losses)
         with parallel.loss.context(step.loss_parallel):  # split logits: the last stage's loss and its backward
-            self.pipe.train(window)
+            self.pipe.train(window, self._training_forward(step, losses))
         self._feed_waiting(step)
-        losses = runtime.from_last_stage(losses)
+        losses = step.groups.from_last_stage(losses)
         if self.dp_group is not None:
             parallel.average_gradients([p for opt in step.optimizers.values() for g in opt.param_groups
                                         for p in g["params"]], self.dp_group)
@@ -89,12 +88,8 @@ class PipelineStep:
         if self._waiting is None:
             return
         _, prediction, target, weight = self._waiting
-        self._waiting, kept = None, step.weight
-        step.weight = weight
-        try:
-            step.update_metrics(prediction, target)
-        finally:
-            step.weight = kept
+        self._waiting = None
+        step.update_metrics(prediction, target, weight)
 
     # -- evaluation and prediction ----------------------------------------------------------------------
     def evaluate(self, step: ModelCalls, batch: Any) -> tuple:
@@ -116,6 +111,5 @@ class PipelineStep:
             result[0] = last_stage()  # other stages stop at their last block, inside it
             return torch.zeros((), device=device)
 
-        self.pipe.forward_fn = forward
-        self.pipe.forward(parallel.MicroBatch(batch, 0))
+        self.pipe.forward(parallel.MicroBatch(batch, 0), forward)
         return result[0] if self.pipe.holds_last else elsewhere

@@ -16,7 +16,8 @@ from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_m
 from ..checkpoint.meta import DEGREES
 from . import changes, provenance
 from .context import FitContext
-from .state import Group, MetricStates, RNGState, ScalerState, run_length
+from .plan import run_length
+from .state import Group, MetricStates, RNGState, ScalerState
 from .step import NonFiniteLossError, finite_parameters
 
 
@@ -29,13 +30,13 @@ def states(c: FitContext) -> dict[str, Any]:
         "scaler": ScalerState(c.precision.scaler),
         "counters": c.state,
         "tracker": c.early_stopping,
-        "train_metrics": MetricStates(c.train_metrics, c.rank, c.world_size),
+        "train_metrics": MetricStates(c.train_metrics, c.layout.groups),
         "window": c.metrics_log,
         "callbacks": c.callbacks,
         "rng": RNGState(c.rank, c.world_size),
         "data": c.data,  # the training data's position where it can report one
         **({"ema": c.ema} if c.ema is not None else {}),
-        "micro_batch": c.micro,  # the size data.micro_batch_size=auto settled on (set up before any save)
+        "micro_batch": c.windows,  # the size data.micro_batch_size=auto settled on
         **({"spikes": c.spikes} if c.spikes is not None else {}),  # the spike check's recent steps
     }
 
@@ -52,9 +53,9 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
     c.state.samples_in_epoch = c.data.samples_before(c.state.batch_in_epoch)  # the position, in any world size
     meta = {"step": c.state.global_step, "epoch": c.state.epoch, "batch_in_epoch": c.state.batch_in_epoch,
             "final": final, "torch": torch.__version__, "world_size": c.world_size, "precision": c.precision.name}
-    if c.layout is not None:  # the degrees it was saved in: a resume in another layout says so
-        meta["layout"] = c.layout.degrees()
-        meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
+    meta["layout"] = c.layout.degrees()  # the degrees it was saved in: a resume in another layout says so
+    meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
+    meta["plan"] = c.plan.record()  # what the run derived from its config: per-process batch, accumulation
     factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
@@ -75,13 +76,13 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         return None, 0, 0
     verify = c.cfg.checkpoint.verify
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.sharded, verify=verify)
+        load_weights_only(c.model, path, sharded=c.sharded, verify=verify, pipeline=c.layout.groups.pipeline)
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
     meta = read_meta(path)
     saved_layout = layout_of(meta)
-    now = c.layout.degrees() if c.layout is not None else {"world_size": c.world_size}
+    now = c.layout.degrees()
     changes.check(read_config(path, verify), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
                   worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
@@ -96,7 +97,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     if c.state.run_length != run_length(c.cfg):  # epochs or max_steps changed: the schedules follow the new length
         replan_one_cycles(c.schedulers, planned)
-    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.cfg.accumulate),
+    epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
                                            c.data.samples_before, getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
         if line:

@@ -28,9 +28,8 @@ from ..checkpoint import find_checkpoint
 from ..checkpoint.rundir import RunDirError
 from ..config.files import JSON_LIMIT, open_append, read_lines, write_atomic
 from ..errors import TorchrigError
-from . import saving
-from .context import FitContext
-from .state import FitPlan
+from .plan import FitPlan
+from .state import TrainState
 
 
 LEDGER = "skipped_samples.jsonl"  # in the run directory: one line per rollback
@@ -50,11 +49,21 @@ class Rollback(TorchrigError, RuntimeError):
 
 
 class SpikeGuard:
-    """Watches each optimizer step of a fit and rolls the run back on a spike (see the module's text)."""
+    """Watches each optimizer step of a fit and rolls the run back on a spike (see the module's text).
 
-    def __init__(self, c: FitContext):
-        s = c.cfg.spike
-        self.c = c
+    ``settings``: the ``spike`` config section; ``state``: the fit's counters; ``data``: its training batches (a
+    rollback leaves samples out of them); ``checkpoints``: where the last checkpoint is, without snapshots in
+    memory; ``groups``: the ranks that agree on each step's values; ``say``: one line for the user. What a
+    snapshot holds is the checkpoint's own ``{name: Stateful}`` mapping, handed to :meth:`maybe_snapshot` and
+    :meth:`check` by the loop (``saving.states``).
+    """
+
+    def __init__(self, settings: Any, *, state: TrainState, data: Any, checkpoints: Any, run_dir: Optional[Path],
+                 device: torch.device, rank: int, world_size: int, say: Any, verify: bool = True):
+        s = settings
+        self.state, self.data, self.checkpoints, self.run_dir = state, data, checkpoints, run_dir
+        self.verify = verify  # checkpoint.verify: a checkpoint rolled back to is checked against its checksums
+        self.device, self.rank, self.world_size, self.say = device, rank, world_size, say
         self.factor, self.window, self.warmup = s.factor, s.window, s.warmup_steps
         self.every, self.most = s.snapshot_every, s.max_rollbacks
         self.history: list[tuple[int, float, float]] = []  # (step, loss, grad norm) of the accepted steps
@@ -72,32 +81,31 @@ class SpikeGuard:
             self.largest = loss if self.largest is None else torch.maximum(self.largest, loss)
 
     # -- snapshots -------------------------------------------------------------------------------
-    def maybe_snapshot(self) -> None:
-        """At a step boundary (and at each epoch's start): copy the run's state every ``snapshot_every`` steps."""
-        step = self.c.state.global_step
-        if self.every and (self.snapshot is None or self.c.state.batch_in_epoch == 0 or step % self.every == 0) \
+    def maybe_snapshot(self, states: dict) -> None:
+        """At a step boundary (and at each epoch's start): copy the run's ``states`` every ``snapshot_every`` steps."""
+        step = self.state.global_step
+        if self.every and (self.snapshot is None or self.state.batch_in_epoch == 0 or step % self.every == 0) \
                 and step != self.snapshot_step:
-            self.snapshot = {name: copy.deepcopy(_state_of(obj)) for name, obj in self._states().items()}
+            self.snapshot = {name: copy.deepcopy(_state_of(obj)) for name, obj in self._own(states).items()}
             self.snapshot_step = step
 
-    def _restore(self) -> None:
-        c = self.c
+    def _restore(self, states: dict) -> None:
         if self.every:
-            for name, obj in self._states().items():
+            for name, obj in self._own(states).items():
                 _load_into(obj, copy.deepcopy(self.snapshot[name]))
             return
-        c.checkpoints.wait()  # the save in flight is the latest
-        path = find_checkpoint("latest", c.run_dir)
+        self.checkpoints.wait()  # the save in flight is the latest
+        path = find_checkpoint("latest", self.run_dir)
         if path is None:
-            raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {c.state.global_step} but no "
+            raise SpikeError(f"torchrig: on_spike=rollback found a spike at step {self.state.global_step} but no "
                              f"checkpoint to return to (spike.snapshot_every=0); set spike.snapshot_every, or "
                              f"checkpoint.every_steps")
-        c.checkpoints.load(path, self._states(), print_fn=lambda line: None, verify=c.cfg.checkpoint.verify)
+        self.checkpoints.load(path, self._own(states), print_fn=lambda line: None, verify=self.verify)
 
-    def _states(self) -> dict:
+    def _own(self, states: dict) -> dict:
         """What a rollback restores: the checkpoint's states but this guard's own (its count of spikes in a row
         goes on; its history is cut to the step returned to)."""
-        return {name: obj for name, obj in saving.states(self.c).items() if obj is not self}
+        return {name: obj for name, obj in states.items() if obj is not self}
 
     # -- in a checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -111,17 +119,18 @@ class SpikeGuard:
         self.in_a_row, self.last_spike = int(state.get("in_a_row", 0)), int(state.get("last_spike", -1))
 
     # -- after a window --------------------------------------------------------------------------
-    def check(self, first_batch: int, batches: int) -> None:
-        """After the optimizer step made of the epoch's batches ``first_batch …``: raise :class:`Rollback` on a
-        spike (every rank alike), after restoring the snapshot and leaving the step's samples out."""
-        c, step = self.c, self.c.state.global_step
-        grad = c.step.grad_norm
+    def check(self, first_batch: int, batches: int, grad_norm: Optional[torch.Tensor], states: dict) -> None:
+        """After the optimizer step made of the epoch's batches ``first_batch …`` (its gradient norm ``grad_norm``):
+        raise :class:`Rollback` on a spike (every rank alike), after restoring the snapshot (of ``states``) and
+        leaving the step's samples out."""
+        step, device = self.state.global_step, self.device
+        grad = grad_norm
         numbers = torch.stack([
-            (self.largest if self.largest is not None else torch.zeros((), device=c.device)).float(),
-            (grad.detach().float() if isinstance(grad, torch.Tensor) else torch.zeros((), device=c.device))])
+            (self.largest if self.largest is not None else torch.zeros((), device=device)).float(),
+            (grad.detach().float() if isinstance(grad, torch.Tensor) else torch.zeros((), device=device))])
         numbers = torch.nan_to_num(numbers, nan=math.inf)  # a NaN anywhere is a spike everywhere (max keeps inf)
         self.largest = None
-        if c.world_size > 1:
+        if self.world_size > 1:
             numbers = runtime.all_reduce_max(numbers)
         loss, norm = (float(v) for v in numbers.tolist())  # the one host read of the step
         why = self._why(loss, norm)
@@ -131,7 +140,7 @@ class SpikeGuard:
             if step > self.last_spike:
                 self.in_a_row = 0
             return
-        self._roll_back(step, why, first_batch, batches)
+        self._roll_back(step, why, first_batch, batches, states)
 
     def _why(self, loss: float, norm: float) -> Optional[str]:
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -146,28 +155,27 @@ class SpikeGuard:
             return f"gradient norm {norm:.4g} > {self.factor:g} × its mean {mean_norm:.4g}"
         return None
 
-    def _roll_back(self, step: int, why: str, first_batch: int, batches: int) -> None:
-        c = self.c
-        epoch = c.state.epoch
-        samples = c.data.window_indices(first_batch, batches)
+    def _roll_back(self, step: int, why: str, first_batch: int, batches: int, states: dict) -> None:
+        epoch = self.state.epoch
+        samples = self.data.window_indices(first_batch, batches)
         self.in_a_row = self.in_a_row + 1 if step <= self.last_spike else 1
         self.last_spike = max(self.last_spike, step)
         if self.in_a_row > self.most:
             raise SpikeError(f"torchrig: on_spike=rollback: {self.in_a_row} spikes in a row, the last at step {step} "
                              f"({why}); leaving samples out does not cure them: lower optim.lr, set clip_grad_norm, "
                              f"or raise spike.factor or spike.max_rollbacks")
-        self._restore()
-        c.data.exclude(samples)
-        back = c.state.global_step
+        self._restore(states)
+        self.data.exclude(samples)
+        back = self.state.global_step
         self.history = [h for h in self.history if h[0] <= back]
-        if c.rank == 0 and c.run_dir is not None:
-            with open_append(c.run_dir / LEDGER, "rollback ledger", "move it away, or choose another run_dir",
-                             SpikeError, root=c.run_dir) as f:
+        if self.rank == 0 and self.run_dir is not None:
+            with open_append(self.run_dir / LEDGER, "rollback ledger", "move it away, or choose another run_dir",
+                             SpikeError, root=self.run_dir) as f:
                 f.write(json.dumps({"step": step, "epoch": epoch + 1, "reason": why, "rolled_back_to": back,
                                     "samples": sorted(samples)}) + "\n")
-        c.say(f"torchrig: spike at step {step} ({why}): rolled back to step {back}; its {len(samples)} samples are "
-              f"left out from now on (listed in {c.run_dir / 'skipped_samples.jsonl'})")
-        raise Rollback(c.state.epoch, c.state.batch_in_epoch)
+        self.say(f"torchrig: spike at step {step} ({why}): rolled back to step {back}; its {len(samples)} samples "
+                 f"are left out from now on (listed in {self.run_dir / 'skipped_samples.jsonl'})")
+        raise Rollback(self.state.epoch, self.state.batch_in_epoch)
 
 
 def keep_ledger(run_dir: Any, excluded: list) -> None:
@@ -220,7 +228,7 @@ def _load_into(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def replan(plan: FitPlan, cfg: Any) -> None:
+def replan(plan: FitPlan, cfg: Any, accumulate: int) -> None:
     """After samples were left out: the epoch's batches and steps from ``plan.start`` on, and where the run ends."""
     before = plan.steps_per_epoch
     if before is None:  # a stream's epochs end when it runs out: nothing planned to change
@@ -228,7 +236,7 @@ def replan(plan: FitPlan, cfg: Any) -> None:
     plan.batches.set_epoch(plan.start[0])
     epoch_len = len(plan.batches)
     if cfg.data.steps_per_epoch:
-        epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
-    plan.epoch_len, plan.steps_per_epoch = epoch_len, math.ceil(epoch_len / cfg.accumulate)
+        epoch_len = min(epoch_len, cfg.data.steps_per_epoch * accumulate)
+    plan.epoch_len, plan.steps_per_epoch = epoch_len, math.ceil(epoch_len / accumulate)
     if cfg.max_steps is None and plan.total_steps is not None:
         plan.total_steps += (plan.steps_per_epoch - before) * (cfg.epochs - plan.start[0])

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import runtime
-from ..config import ConfigError
 
 
 @dataclasses.dataclass
@@ -67,27 +65,6 @@ class TrainState:
                                    f"{self.batch_in_epoch} batches into it on {saved} process(es), now "
                                    f"{world_size}, and {why_not or 'holds no position in samples'}{end}")
         return self.epoch, self.batch_in_epoch, ""
-
-
-def keep_horizon(state: TrainState, plan: "FitPlan", length: int) -> str:
-    """After a resume: the run ends at the step the checkpoint's run planned when its length settings (``length``,
-    see :func:`run_length`) are unchanged, whatever the steps per epoch here (a stream split over another number of
-    processes, a global batch changed with ``resume_changes=allow``). Schedules restore their own horizon from the
-    checkpoint (``OneCycleLR``'s total steps, ``CosineAnnealingLR``'s ``T_max``), so the run's end must not move
-    past it. Returns a line to say when it differs from what this run alone would plan, else ""."""
-    saved, note = state.total_steps, ""
-    if saved and plan.total_steps is not None and state.run_length == length and saved != plan.total_steps:
-        note = (f"torchrig: the run keeps the length its checkpoint planned, {saved} optimizer steps (this run's "
-                f"{plan.steps_per_epoch} steps per epoch alone would make it {plan.total_steps}), so that step-based "
-                f"schedules keep their horizon")
-        plan.total_steps = saved
-    state.total_steps, state.run_length = plan.total_steps or 0, length  # 0: a stream's epochs end the run
-    return note
-
-
-def run_length(cfg: Any) -> int:
-    """The settings a run's planned length comes from (``epochs``, ``max_steps``) as one number."""
-    return cfg.epochs * 1_000_003 + (cfg.max_steps if cfg.max_steps is not None else -1) + 1
 
 
 class RNGState:
@@ -152,8 +129,9 @@ class MetricStates:
     is what an unbroken run would have. Loaded states go to the device the metric lives on.
     """
 
-    def __init__(self, metrics: list, rank: int, world_size: int):
-        self.metrics, self.rank, self.world_size = metrics, rank, world_size
+    def __init__(self, metrics: list, groups: runtime.Groups = runtime.WORLD):
+        self.metrics, self.groups = metrics, groups
+        self.world_size = runtime.get_world_size()
 
     def synced(self) -> list:
         """Copies of the metrics with states summed over ranks (collective; the originals keep their own)."""
@@ -163,7 +141,7 @@ class MetricStates:
         for m in self.metrics:
             c = copy.copy(m)
             c.states = dict(m.states)
-            c.sync()
+            c.sync(self.groups)
             out.append(c)
         return out
 
@@ -177,70 +155,8 @@ class MetricStates:
     def load_state_dict(self, state: dict) -> None:
         # the sums go to one rank of the ranks they are summed over: the first data-parallel rank (of a pipeline's
         # last stage, where metrics are fed)
-        keeps = runtime.data_parallel_rank() == 0 and runtime.is_last_stage()
+        keeps = self.groups.dp_rank() == 0 and self.groups.is_last_stage()
         for m in self.metrics:
             if m.name in state:  # checkpoints load on the CPU; the states live on the run's device
                 m.states = {k: (v if keeps else torch.zeros_like(v)).to(m.device or v.device, torch.float64)
                             for k, v in state[m.name].items()}
-
-
-@dataclasses.dataclass
-class FitPlan:
-    """What one ``fit`` call will do."""
-
-    batches: Any
-    epoch_len: Optional[int]        # micro-batches per epoch (on this rank); None: a stream's, until it runs out
-    steps_per_epoch: Optional[int]  # optimizer steps per epoch; None: not known beforehand
-    total_steps: Optional[int]      # the global step at which this fit ends; None: when the stream's epochs end
-    val_data: Any = None
-    start: tuple[int, int] = (0, 0)  # (epoch, micro-batch) the loop starts from
-
-    @classmethod
-    def for_data(cls, batches: Any, cfg: Any, val_data: Any = None) -> "FitPlan":
-        """The plan for ``batches`` (already built): epoch length, steps per epoch, where ``fit`` ends. A stream
-        without a length (``batches.length`` None) leaves them None: its epochs end when it runs out, and the
-        run ends there after ``epochs``, or at ``max_steps``."""
-        batches.set_epoch(0)
-        if getattr(batches, "length", 0) is None:
-            return cls(batches, None, None, cfg.max_steps, val_data)
-        epoch_len = len(batches)
-        if epoch_len == 0:
-            sampler = getattr(batches, "sampler", None)
-            count = getattr(sampler, "count", None)  # the data set's samples (in every process's order)
-            n = f"the {count} training samples" if isinstance(count, int) else "the training data"
-            raise ConfigError(f"config key 'data.batch_size': {cfg.data.batch_size} per process is more than {n} give each process "
-                              f"(data.drop_last={str(cfg.data.drop_last).lower()} drops the only, partial batch); "
-                              f"lower data.batch_size or set data.drop_last=false")
-        if cfg.data.steps_per_epoch:  # an epoch shorter than the data (a stream's length is this already)
-            epoch_len = min(epoch_len, cfg.data.steps_per_epoch * cfg.accumulate)
-        steps_per_epoch = math.ceil(epoch_len / cfg.accumulate)
-        total = cfg.epochs * steps_per_epoch
-        if cfg.max_steps is not None:
-            total = min(total, cfg.max_steps)
-        return cls(batches, epoch_len, steps_per_epoch, total, val_data)
-
-    def ends_by(self, step: int) -> bool:
-        """Whether the fit has reached its end at global step ``step`` (never, before a stream's epochs end,
-        without max_steps)."""
-        return self.total_steps is not None and step >= self.total_steps
-
-    @property
-    def unknown(self) -> str:
-        """Why the run's length in optimizer steps is not known beforehand ('' when it is)."""
-        if self.total_steps is not None:
-            return ""
-        source = getattr(self.batches, "_source", lambda: self.batches)()
-        return f"the training data {type(source).__name__} is a stream without a length"
-
-    def describe(self, cfg: Any, world: int = 1) -> str:
-        """How ``total_steps`` comes about: `` (2 epochs × 24 steps/epoch on 2 processes)``, for messages."""
-        if cfg.max_steps is not None and cfg.max_steps == self.total_steps:
-            return f" (max_steps={cfg.max_steps})"
-        if self.steps_per_epoch is None:
-            return ""
-        parts = [f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''} × {self.steps_per_epoch} steps/epoch"]
-        if world > 1:
-            parts.append(f"on {world} processes")
-        if cfg.accumulate > 1:
-            parts.append(f"accumulating {cfg.accumulate} batches per step")
-        return f" ({' '.join(parts)})"

@@ -57,14 +57,18 @@ class StepOptions:
     scheduler_interval: str = "step"
     grad_ranks: int = 1          # ranks whose gradients DDP / FSDP2 average
     count_unit: float = 1.0      # a fixed scale (the per-rank batch size): loss × count / unit stays near loss
+    cuts_batches: bool = False   # data.micro_batch_size cuts loaded batches: each piece weighs by its own count
 
     @classmethod
-    def from_config(cls, cfg: Any, grad_ranks: int, scheduler_interval: str = "step") -> "StepOptions":
+    def from_config(cls, cfg: Any, grad_ranks: int, batch_size: int, scheduler_interval: str = "step",
+                    micro_batch_size: Any = None) -> "StepOptions":
+        """The step's options of ``cfg``; ``batch_size``: the per-process batch (``data.batch_size``, or the share
+        of ``data.global_batch_size`` the run plan gave this process)."""
         return cls(clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=cfg.clip_norm_type,
                    clip_grad_value=cfg.clip_grad_value,
                    on_nonfinite="skip" if cfg.on_spike == "rollback" else cfg.on_nonfinite,  # rolled back
                    loss_normalization=cfg.loss_normalization, scheduler_interval=scheduler_interval,
-                   grad_ranks=grad_ranks, count_unit=float(cfg.data.batch_size))
+                   grad_ranks=grad_ranks, count_unit=float(batch_size), cuts_batches=micro_batch_size is not None)
 
 
 class ModelCalls:
@@ -76,7 +80,9 @@ class ModelCalls:
     """
 
     def __init__(self, model: nn.Module, precision: Any, device: torch.device, *, loss_fn: Optional[Callable] = None,
-                 models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None):
+                 models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None,
+                 loss_parallel: bool = False, fresh_batches: bool = False, activation: Optional[Callable] = None,
+                 predict_outputs: str = "prediction"):
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
         self.precision, self.device = precision, device
         self.metrics = metrics or []
@@ -86,15 +92,20 @@ class ModelCalls:
         # a model the user spread over several devices: targets go to its output's device (parallel/placement.py)
         self.spread = len(parallel.devices_of(runtime.unwrap(model))) > 1
         self.weight = 1                 # 0 for a rank's filler micro-batch (its metrics count nothing)
-        self.fresh_batches = False      # each batch's tensors are made for it (the loop sets it): metrics keep them
+        self.fresh_batches = fresh_batches  # each batch's tensors are made for it: the metrics may keep them
         self._tensor_loss = tensor_loss(loss_fn) if loss_fn is not None else None
         self._loss_checked = False  # check_loss_fit runs on the first batch only
-        self.activation: Optional[Callable] = None  # in predict: the activation asked for (see inference.predict)
-        self.predict_outputs = "prediction"  # in predict: "prediction" or "all" (see inference.predict)
-        self.loss_parallel = False  # the training loss of split logits runs split (parallel.loss_parallel)
+        self.activation = activation  # in predict: the activation asked for (see inference.predict)
+        self.predict_outputs = predict_outputs  # in predict: "prediction" or "all" (see inference.predict)
+        self.loss_parallel = loss_parallel  # the training loss of split logits runs split (parallel.loss_parallel)
 
     def autocast(self):
         return self.precision.autocast()
+
+    def stop_counting(self) -> None:
+        """The forwards from here on are padding (an evaluation rank whose shard ended makes as many forwards as the
+        others): the metrics count nothing of them."""
+        self.weight = 0
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, target)`` of a batch (a dict's target under ``data.label_key``)."""
@@ -150,9 +161,10 @@ class ModelCalls:
         prediction = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
         outputs.check_loss_fit(self.loss_fn, prediction, target)
 
-    def update_metrics(self, output: Any, target: Any) -> None:
-        """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``)."""
-        if target is None or not self.metrics or self.weight == 0:
+    def update_metrics(self, output: Any, target: Any, weight: Optional[int] = None) -> None:
+        """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``); ``weight``: that
+        of the micro-batch it came from when not the current one (a pipeline's, fed later; 0: a filler)."""
+        if target is None or not self.metrics or (self.weight if weight is None else weight) == 0:
             return
         if self.loss_parallel:  # the metrics read the whole logits
             output = parallel.loss.whole(output)
@@ -188,43 +200,58 @@ class ModelCalls:
 class Step(ModelCalls):
     """What a step function sees, and the owner of each optimizer step's bookkeeping.
 
-    One object per ``fit``. The loop calls :meth:`begin_window` before the first micro-batch of an
-    accumulation window (the micro-batches of one optimizer step), the step function for each
-    micro-batch, and :meth:`end_window` after the last: GradScaler update, skip counting, the step
-    counter and per-step schedulers live there, in one place.
+    One object per ``fit``. Its state changes only through its own methods, which the accumulation window
+    (``trainer/window.py``) calls in order: :meth:`begin_window` before the first micro-batch of an
+    accumulation window (the micro-batches of one optimizer step), :meth:`begin_micro_batch` before the step
+    function runs on each micro-batch, and :meth:`end_window` after the last: GradScaler update, skip counting,
+    the step counter and per-step schedulers live there, in one place.
+
+    ``groups``: the process groups of the fit's layout (the data-parallel ranks whose counts make the global
+    batch's; the pipeline whose stages' gradients make the norm clipped by). ``before_update(optimizer)``: called
+    before each update (``data.micro_batch_size=auto`` on several ranks agrees there that none ran out of memory).
     """
 
     def __init__(self, model: nn.Module, optimizers: dict, loss_fn: Optional[Callable], precision: Any,
                  device: torch.device, options: StepOptions = StepOptions(), *, models: Optional[dict] = None,
                  metrics: Optional[list] = None, state: Optional[TrainState] = None,
-                 schedulers: Optional[dict] = None, io: Optional[ModelIO] = None):
-        super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io)
+                 schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
+                 groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
+                 loss_parallel: bool = False, fresh_batches: bool = False):
+        super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
+                         loss_parallel=loss_parallel, fresh_batches=fresh_batches)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.options = o = options
         self.clip_grad_norm, self.clip_norm_type, self.clip_grad_value = o.clip_grad_norm, o.clip_norm_type, \
             o.clip_grad_value
         self.on_nonfinite, self.loss_normalization = o.on_nonfinite, o.loss_normalization
-        self.grad_ranks, self.count_unit = o.grad_ranks, o.count_unit
+        self.grad_ranks, self.count_unit, self.cuts_batches = o.grad_ranks, o.count_unit, o.cuts_batches
         self.state = state if state is not None else TrainState()
         self.schedulers = schedulers or {}
         self.per_step_schedulers = list(self.schedulers.values()) if o.scheduler_interval == "step" else []
         self.world_size = runtime.get_world_size()
-        self.guard = NonFiniteGuard(o.on_nonfinite, device, self.world_size, model)
-        self.guard.host = self.guard.host or self.spread  # one flag per device is not one kernel's: decide on the host
-        self.batch: Any = None          # the current micro-batch, set by the loop
-        self.batch_size = 1             # its samples (batch_size_of; 1 for no batch), set with it
-        self.count: normalize.Count = 0  # items of the current micro-batch (set by its first backward)
+        self.groups = groups
+        # ranks whose gradients differ after the all-reduce (tensor parallel: each holds its shard) agree on the
+        # host; a model spread over several devices has one flag per device, not one kernel's: decided on the host
+        self.guard = NonFiniteGuard(o.on_nonfinite, device, self.world_size, model,
+                                    agree=groups.dp_size() < self.world_size, host=self.spread or None)
+        self.before_update = before_update
+        self.norm_group = groups.pipeline if groups.pipelined else None  # stages' norms make the norm clipped by
+        # the micro-batch under way (begin_micro_batch)
+        self.batch: Any = None
+        self.batch_size = 1             # its samples (batch_size_of; 1 for no batch)
+        self.count: normalize.Count = 0  # its items (set by its first backward)
+        self._counted = False
+        self.sync_gradients = True      # True on the window's last micro-batch: gradients are reduced, the step made
+        self.batch_index = 0            # the loaded batch it comes from, in the epoch
+        # the window under way (begin_window)
+        self.window_size = 1
+        self.window_samples: Optional[int] = None  # its global sample count, when the sampler knows it
+        self.epoch = 0
+        self.want_grad_norm = False     # this step measures the gradient norm (a log step, the spike check)
         self._window_count: Optional[normalize.Count] = None  # None: no backward counted in this window
-        self._counted, self._factor, self._whole = False, None, False
-        self.window_samples: Optional[int] = None  # the window's global sample count, when known (begin_window)
-        self.cuts_batches = False       # set by MicroBatcher when data.micro_batch_size cuts loaded batches
-        self.epoch = self.batch_index = 0  # where the loop is: the epoch, the micro-batch in it
-        self.window_size, self.sync_gradients = 1, True  # micro-batches of this window; True on its last one
+        self._factor, self._whole, self._samples_only = None, False, True
         self.grad_norm: Optional[torch.Tensor] = None  # per window, read by the loop
-        self.want_grad_norm = False     # set by the loop on log steps
         self.stepped = False            # an optimizer step was applied (or left to the device) in this window
-        self.before_update: Optional[Callable] = None  # fn(optimizer) before each update (see trainer/microbatch.py)
-        self.norm_group = runtime.pipeline_group()  # ranks whose gradients' norms make the norm clipped by
 
     @property
     def global_step(self) -> int:
@@ -241,17 +268,35 @@ class Step(ModelCalls):
         self.guard.host = bool(value)
 
     # -- the accumulation window -----------------------------------------------------------------
-    def begin_window(self, size: int, samples: Optional[int] = None) -> None:
-        """Before the first of the ``size`` micro-batches of one optimizer step. ``samples``: the window's
-        samples over all ranks when the sampler knows them and the step counts samples (``default_step``), so
-        that the global count needs no all-reduce and a full window no rescaling at all."""
-        self.window_size, self.window_samples = size, samples
-        self._window_count, self._factor = None, None
+    def begin_window(self, size: int, samples: Optional[int] = None, *, epoch: int = 0,
+                     grad_norm: bool = False) -> None:
+        """Before the first of the ``size`` micro-batches of one optimizer step, in ``epoch``. ``samples``: the
+        window's samples over all ranks when the sampler knows them; when every micro-batch of the window is
+        counted by its samples (``count_of``'s default for class targets, whichever step function runs), the
+        global count needs no all-reduce and a full window no rescaling at all. ``grad_norm``: measure the
+        gradient norm even without clipping."""
+        self.window_size, self.window_samples, self.epoch, self.want_grad_norm = size, samples, epoch, grad_norm
+        self.restart_window()
+
+    def restart_window(self) -> None:
+        """The window begins again, nothing of it counted yet (after an out-of-memory error under ``auto``)."""
+        self._window_count, self._factor, self._samples_only = None, None, True
         # One whole micro-batch on one process: the window's count is its own, so its loss weighs exactly 1
         # and the gradients need no rescaling (no op; bitwise what a hand-written loop computes).
-        self._whole = size == 1 and self.grad_ranks == 1 and not self.cuts_batches
+        self._whole = self.window_size == 1 and self.grad_ranks == 1 and not self.cuts_batches
         self.grad_norm, self.stepped = None, False
         self.guard.begin_window()
+
+    def begin_micro_batch(self, batch: Any, weight: int = 1, *, last: bool = True, index: Optional[int] = None) -> None:
+        """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing); ``last``:
+        the window's last micro-batch, whose backward reduces the gradients and whose step function steps;
+        ``index``: the loaded batch it comes from in the epoch (for messages)."""
+        self.batch, self.weight = batch, weight
+        self.batch_size = batch_size_of(batch)  # samples of this micro-batch (read several times per step)
+        self.count, self._counted = 0, False
+        self.sync_gradients = last
+        if index is not None:
+            self.batch_index = index
 
     def end_window(self) -> bool:
         """After the window's last micro-batch: count the optimizer step. True: the loop goes on to the step's end.
@@ -290,12 +335,6 @@ class Step(ModelCalls):
         """Count the windows skipped on the device since the last call (one host read), or raise under
         ``on_nonfinite=error``. The loop calls it at log steps and before each checkpoint."""
         self.state.skipped_steps += self.guard.settle(upto or self.state.global_step)
-
-    def set_batch(self, batch: Any, weight: int = 1) -> None:
-        """Before the step function runs on ``batch`` (``weight`` 0: a filler that must count nothing)."""
-        self.batch, self.weight = batch, weight
-        self.batch_size = batch_size_of(batch)  # samples of this micro-batch (read several times per step)
-        self.count, self._counted = 0, False
 
     def count_of(self, target: Any = None) -> normalize.Count:
         """Items (samples or valid tokens, as ``loss_normalization`` says) of the current micro-batch's
@@ -361,6 +400,8 @@ class Step(ModelCalls):
     def _count_in(self, count: normalize.Count) -> None:
         self.count, self._counted = count, True
         self._window_count = count if self._window_count is None else self._window_count + count
+        if self._samples_only and (isinstance(count, torch.Tensor) or count != self.batch_size * self.weight):
+            self._samples_only = False  # an item that is not a sample: the sampler's count is not the window's
 
     def count_micro_batch(self, target: Any) -> normalize.Count:
         """Count the current micro-batch (``target``: its target) into the window, as its first :meth:`backward`
@@ -390,13 +431,13 @@ class Step(ModelCalls):
         when the window is one whole micro-batch on one process (its count is the global one)."""
         if (self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None
                 and not self._whole):
-            if self.window_samples is not None and not isinstance(self._window_count, torch.Tensor):
+            if self.window_samples is not None and self._samples_only:
                 # sample counts whose global sum the sampler knows: the factor is a Python number (1.0, no op,
                 # for full batches), the same on every rank, with no all-reduce and no copy to the device
                 self._factor = self.grad_ranks * self.count_unit / max(self.window_samples, 1)
             else:
                 self._factor = normalize.window_factor(self._window_count, self.grad_ranks, self.count_unit,
-                                                       self.device)
+                                                       self.device, self.groups.data)
         return self._factor
 
     def optimizer_step(self, name: Optional[str] = None) -> bool:

@@ -1,11 +1,13 @@
 """``Trainer``: fit / evaluate / predict for a plain ``nn.Module``.
 
-Reading order: ``__init__`` sets up the runtime (device, threads, seed, process group, precision,
-wrapping); ``fit`` runs named phases: prepare the data, build the schedules, set up the run (metrics,
-step, callbacks, checkpoints, logs), restore a checkpoint, loop over epochs, finish. ``_run_epoch``
-is the loop: fetch a batch, run the step function, and at the end of each accumulation window let
-the step count the optimizer step, then log and maybe checkpoint. The step itself is
-``step.default_step``; a checkpoint is the ``{name: Stateful}`` mapping of ``saving.states``.
+Reading order: ``__init__`` sets up the runtime (device, threads, seed, process group, precision, the
+layout and its process groups, the run plan, wrapping); ``fit`` runs named phases: prepare the data, build
+the schedules, set up the run (metrics, step, accumulation windows, callbacks, checkpoints, logs), restore a
+checkpoint, loop over epochs, finish. ``_run_epoch`` is the loop: fetch a batch, hand it to the accumulation
+window (``window.py``: its micro-batches through the step function, the optimizer step at its end), then log
+and maybe checkpoint. The step itself is ``step.default_step``; a checkpoint is the ``{name: Stateful}``
+mapping of ``saving.states``. The validated config is never written to: what the run derives from it is the
+:class:`~.plan.RunPlan` (``self.plan``).
 """
 
 from __future__ import annotations
@@ -22,23 +24,26 @@ from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
-from ..data.split import describe as describe_split, split_global_batch
+from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
-from ..observe.logger import MetricsLogger
-from ..observe.progress import RunLogger
+from ..observe.metrics_logger import MetricsLogger
+from ..observe.run_logger import RunLogger
 from ..observe.throughput import FlopCount, fit_callbacks
 from ..optim import losses
 from ..optim.ema import build_ema, ema_weights
-from . import build, inference, outputs, saving
+from . import build, inference, saving
+from . import outputs as O
 from .callbacks import BestCheckpoint, Callbacks, EarlyStopping, Monitor
 from .context import FitContext
-from .microbatch import MicroBatcher, check_auto, chunks
+from .microbatch import Retry, check_auto, chunks
 from .options import resolve_options
 from .pipeline import PipelineStep
-from .state import FitPlan, MetricStates, TrainState, keep_horizon, run_length
+from .plan import FitPlan, RunPlan, keep_horizon, run_length
+from .state import MetricStates, TrainState
 from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
+from .window import Window, Windows
 
 
 class Trainer:
@@ -72,6 +77,7 @@ class Trainer:
         self.sched_interval = "step"
         self.train_metrics: list[Metric] = []
         self.step: Optional[Step] = None
+        self.windows: Optional[Windows] = None  # the accumulation windows of the fit under way
         self.monitor = Monitor(None)
         self.early_stopping = EarlyStopping(self.monitor, None)
         self.checkpoints: Optional[CheckpointManager] = None
@@ -83,6 +89,7 @@ class Trainer:
         self._spikes: Optional[SpikeGuard] = None  # on_spike: rollback, during fit
         self._owns_group = False
         self._run = RunDir()
+        self._run_dir: Optional[Path] = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         try:
             self._setup_runtime()
             self._place(model)
@@ -116,11 +123,10 @@ class Trainer:
         self.precision = runtime.make_precision(cfg.precision, self.device)
         self.layout = parallel.build_layout(cfg.parallel, d.strategy, self.world_size, self.device)
         self.strategy = self.layout.strategy
-        self.dp_rank, self.dp_size = runtime.data_parallel_rank(), runtime.data_parallel_size()
+        groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
+        self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
         self.state.world_size = self.world_size
-        if cfg.data.global_batch_size:  # per-process batch and accumulation follow the data-parallel size
-            cfg.data.batch_size, cfg.accumulate = split_global_batch(cfg.data.global_batch_size, self.dp_size,
-                                                                     cfg.data.micro_batch_size)
+        self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1)
 
     def _use_pipeline(self, step_fn: Optional[Callable], eval_fn: Optional[Callable],
                       predict_fn: Optional[Callable]) -> None:
@@ -135,11 +141,8 @@ class Trainer:
         if self.cfg.log.flops:
             self.print("torchrig: log.flops is not measured under parallel.pp (the first step's FLOPs are spread "
                        "over the stages); rows carry no flops_per_s")
-            self.cfg.log.flops = False
         self._layout_probe = False  # the stages' forwards are the pipeline's to run
-        d = self.cfg.data
-        pieces = -(-d.batch_size // d.micro_batch_size) if isinstance(d.micro_batch_size, int) else 1
-        self.layout.pipeline.check_microbatches(self.cfg.accumulate * pieces, "accumulate")
+        self.layout.pipeline.check_microbatches(self.plan.micro_batches_per_window, "accumulate")
         replicas = self.dp_size > 1 and self.layout.strategy == "ddp"  # FSDP2 stages reduce their own gradients
         steps = PipelineStep(self.layout.pipeline, self.layout.dp_group if replicas else None)
         self.step_fn, self.eval_fn, self.predict_fn = steps, steps.evaluate, steps.predict
@@ -160,7 +163,7 @@ class Trainer:
                    f"where it is, inputs go to {placed} and targets to the device of its output")
 
     # ------------------------------------------------------------------------------ helpers
-    run_dir = property(lambda self: Path(self.cfg.run_dir) if self.cfg.run_dir else None,
+    run_dir = property(lambda self: self._run_dir,
                        doc="where this run writes; None until the first fit when run_dir was not given")
     global_step = property(lambda self: self.state.global_step, doc="optimizer steps taken")
     skipped_steps = property(lambda self: self.state.skipped_steps, doc="windows not applied (non-finite / overflow)")
@@ -173,27 +176,48 @@ class Trainer:
         new_run = self.cfg.resume is None and runtime.restart_count() == 0
         path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
                               newest=self.cfg.resume in ("latest", "best"))
-        self.cfg.run_dir = str(path)
+        self._run_dir = path
         return path
 
     def _loader_kwargs(self, eval_: bool = False) -> dict:
-        d = self.cfg.data
-        return dict(batch_size=(d.eval_batch_size or d.batch_size) if eval_ else d.batch_size, seed=self.cfg.seed,
+        d, p = self.cfg.data, self.plan
+        return dict(batch_size=(d.eval_batch_size or p.batch_size) if eval_ else p.batch_size, seed=self.cfg.seed,
                     rank=self.dp_rank, world_size=self.dp_size, device=self.device, num_workers=d.num_workers,
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
                     **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, max_steps=self.cfg.max_steps,
-                                             steps_per_epoch=d.steps_per_epoch, accumulate=self.cfg.accumulate)))
+                                             steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
-    def _make_step(self, metrics: list) -> Step:
+    def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
         grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
-        step = Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
-                    StepOptions.from_config(self.cfg, grad_ranks, self.sched_interval), models=self.models,
-                    metrics=metrics, state=self.state, schedulers=self.schedulers,
-                    io=outputs.ModelIO.from_config(self.cfg))
-        step.loss_parallel = parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan, self.loss_fn)
-        return step
+        p = self.plan
+        return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
+                    StepOptions.from_config(self.cfg, grad_ranks, p.batch_size, self.sched_interval,
+                                            p.micro_batch_size),
+                    models=self.models, metrics=metrics, state=self.state, schedulers=self.schedulers,
+                    io=O.ModelIO.from_config(self.cfg), groups=self.layout.groups, before_update=before_update,
+                    loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
+                                                        self.loss_fn),
+                    fresh_batches=fresh_batches)
+
+    def _synced(self) -> list:
+        """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
+        return [self.wrapped] if not self.models or self.wrapped is not self.model else list(self.models.values())
+
+    def _make_windows(self, fresh_batches: bool) -> Windows:
+        """The step of this fit and its accumulation windows (with the out-of-memory retry of ``auto``)."""
+        p, synced = self.plan, self._synced()
+        retry = Retry(model=runtime.unwrap(self.model), synced=synced, metrics=self.train_metrics,
+                      logger=self.metrics_log, optimizers=self.optimizers, precision=self.precision,
+                      device=self.device, agree=self.world_size > 1 and self.strategy == "ddp",
+                      batch_size=p.batch_size, accumulate=p.accumulate, say=self.print) \
+            if p.micro_batch_size == "auto" else None
+        self.step = self._make_step(self.train_metrics, retry.before_update if retry and retry.agreeing else None,
+                                    fresh_batches)
+        return Windows(self.step, self.step_fn, micro_batch_size=p.micro_batch_size, batch_size=p.batch_size,
+                       synced=synced, logger=self.metrics_log, retry=retry,
+                       observe=self._spikes.observe if self._spikes is not None else None)
 
     def _metric_objects(self) -> list[Metric]:
         return get_metrics(self._objects.get("metrics", self.cfg.metrics), device=self.device)
@@ -292,14 +316,14 @@ class Trainer:
         self._data.position = lambda: self.state.batch_in_epoch  # what the loop trained (a prefetcher reads ahead)
         if self.world_size > 1:
             check_same_data(self._data, val_data, self.device)  # one all-reduce: ranks that differ stop now
-        return FitPlan.for_data(self._data, self.cfg, val_data)
+        return FitPlan.for_data(self._data, self.cfg, self.plan, val_data)
 
     def _build_schedules(self, plan: FitPlan) -> None:
         """The schedulers; a factory gets ``total_steps``, this fit's optimizer steps (also ``self.total_steps``)."""
         self.total_steps = plan.total_steps
         self.schedulers, self.sched_interval, note = build.build_schedulers(
             self._objects.get("scheduler"), self.optimizers, self.cfg, plan.total_steps,
-            plan.describe(self.cfg, self.world_size), unknown=plan.unknown)
+            plan.describe(self.cfg, self.plan), unknown=plan.unknown)
         if note:
             self.print(note)
         if plan.total_steps is not None:
@@ -307,10 +331,22 @@ class Trainer:
         self.state.total_steps, self.state.run_length = plan.total_steps or 0, run_length(self.cfg)  # the horizon
 
     def _set_up_run(self, val_data: Any) -> None:
-        """Metrics, the step, monitoring callbacks, the checkpoint manager and the logs of this fit."""
+        """Metrics, logs, checkpoints, the spike check, the step and its windows, monitoring callbacks, and the
+        context that saving and resuming read."""
         cfg = self.cfg
         self.train_metrics = self._metric_objects()
-        self.step = self._make_step(self.train_metrics)
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
+                                             sharded=self.layout.sharded, async_save=ck.async_save,
+                                             pipeline=self.layout.groups.pipeline)
+        self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
+                                         self.layout.groups, self.device,
+                                         staged=cfg.on_nonfinite == "skip")  # a skipped window's loss: not logged
+        self._spikes = SpikeGuard(cfg.spike, state=self.state, data=self._data, checkpoints=self.checkpoints,
+                                  run_dir=self.run_dir, device=self.device, rank=self.rank,
+                                  world_size=self.world_size, say=self.print, verify=cfg.checkpoint.verify) \
+            if cfg.on_spike == "rollback" else None
+        self.windows = self._make_windows(fresh_batches=getattr(self._data, "fresh", False))
         name = cfg.checkpoint.monitor
         if name is None and val_data is not None:
             name = f"val/{self.train_metrics[0].name if self.train_metrics else 'loss'}"
@@ -318,27 +354,18 @@ class Trainer:
         self.early_stopping = EarlyStopping(self.monitor, cfg.early_stop_patience)
         best = BestCheckpoint(self.monitor, explicit=cfg.checkpoint.monitor is not None)
         self._run_callbacks = Callbacks([self.early_stopping, best, *fit_callbacks(cfg), *self.callbacks.items])
-        ck = cfg.checkpoint
-        self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
-                                             sharded=self.layout.sharded, async_save=ck.async_save)
-        self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
-                                         self.dp_size, self.device)
-        self.metrics_log.staged = cfg.on_nonfinite == "skip"  # a skipped window's loss is not logged
-        self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if cfg.log.flops \
+        self.flops = FlopCount(self.metrics_log, self.device, self.precision.name, self.print) if self.plan.flops \
             else None
         self.resumed_from = None
-        self.fit_context = c = FitContext(
-            cfg=cfg, device=self.device, rank=self.rank, world_size=self.world_size, strategy=self.strategy,
-            model=runtime.unwrap(self.model), wrapped=self.wrapped, models=self.models, optimizers=self.optimizers,
+        self.fit_context = FitContext(
+            cfg=cfg, plan=self.plan, layout=self.layout, device=self.device, rank=self.rank,
+            world_size=self.world_size, model=runtime.unwrap(self.model), optimizers=self.optimizers,
             schedulers=self.schedulers, precision=self.precision, state=self.state, step=self.step,
-            step_fn=self.step_fn, train_metrics=self.train_metrics, metrics_log=self.metrics_log,
+            windows=self.windows, train_metrics=self.train_metrics, metrics_log=self.metrics_log,
             checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
-            data=self._data, ema=self.ema, signals=self._signals, run_dir=self.run_dir,
-            config_builds_model=self.config_builds_model, say=self.print, sharded=self.layout.sharded,
-            layout=self.layout,
+            data=self._data, ema=self.ema, spikes=self._spikes, signals=self._signals, run_dir=self.run_dir,
+            config_builds_model=self.config_builds_model, say=self.print,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
-        c.micro = self.micro = MicroBatcher(c)  # data.micro_batch_size: cuts batches, halves on OOM under auto
-        self._spikes = c.spikes = SpikeGuard(c) if cfg.on_spike == "rollback" else None  # checks each step, rolls back
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -370,14 +397,14 @@ class Trainer:
                                          start_step=self.global_step, config=cfg)  # and the trackers
         if cfg.log.summary:
             self.print(self.summary())
-        A = cfg.accumulate
+        p = self.plan
         split = f" · {self.layout.describe()}" if self.layout.mesh is not None else ""
         if self.layout.pipeline is not None:  # the schedule, and the stages a rank holds when more than one
             per = len(self.layout.pipeline.stages)
             split += f" ({cfg.parallel.pp_schedule}{f', {per} stages per rank' if per > 1 else ''})"
         self.print(f"torchrig: {self.world_size} process(es) on {self.device} · strategy {self.strategy}{split} · "
                    f"precision {self.precision.name} · "
-                   f"{describe_split(cfg.data.batch_size, self.dp_size, A, cfg.data.global_batch_size)} · "
+                   f"{describe_split(p.batch_size, p.dp_size, p.accumulate, p.global_batch_size)} · "
                    + (f"{plan.steps_per_epoch} steps/epoch" if plan.steps_per_epoch is not None else
                       "epochs end with the stream")
                    + ((" · fp32 matmuls on TF32" if runtime.tf32_in_force() else " · fp32 matmuls in full fp32")
@@ -393,7 +420,7 @@ class Trainer:
                 return self._epochs(plan)
             except Rollback as back:
                 plan.start = (back.epoch, back.batch)
-                replan(plan, self.cfg)
+                replan(plan, self.cfg, self.plan.accumulate)
 
     def _epochs(self, plan: FitPlan) -> tuple[dict, str]:
         val_metrics: dict = {}
@@ -408,7 +435,7 @@ class Trainer:
                     m.reset()
             self.metrics_log.start_epoch(resumed=bool(skip))
             if self._spikes is not None:
-                self._spikes.maybe_snapshot()
+                self._spikes.maybe_snapshot(saving.states(self.fit_context))
             stopped = self._run_epoch(plan, epoch, skip)
             if stopped:  # max_steps reached mid-epoch, or a signal
                 return val_metrics, stopped
@@ -441,7 +468,6 @@ class Trainer:
         ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
         ema, flops = self.ema, self.flops
-        self.step.fresh_batches = getattr(plan.batches, "fresh", False)  # the metrics may keep them uncopied
         self.wrapped.train()
         for m in self.models.values():
             m.train()
@@ -449,6 +475,7 @@ class Trainer:
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
+        window: Optional[Window] = None
         while plan.epoch_len is None or i < plan.epoch_len:
             t0 = time.perf_counter()
             try:
@@ -461,18 +488,21 @@ class Trainer:
             if self._layout_probe:
                 self._check_layout(batch)
             batch = to_device(batch, device)
+            if window is None or window.full:
+                window = self._open_window(plan, epoch, i)
             if flops is not None:  # log.flops: the fit's first batch is counted as it trains
-                values = flops.measure(lambda: self._train_batch(plan, epoch, i, batch), batch, self.wrapped, self.step)
+                flops.measure(lambda: window.add(batch, plan.batches.weight(i), i), batch, self.wrapped, self.step)
                 flops = self.flops = None
             else:
-                values = self._train_batch(plan, epoch, i, batch)
+                window.add(batch, plan.batches.weight(i), i)
             i += 1
             state.batch_in_epoch = i
             out.advance()
-            if values is None:  # inside an accumulation window
+            if not window.full:  # inside an accumulation window
                 continue
+            values = window.finish()  # the optimizer step is counted
             if self._spikes is not None:  # a spike: back to the snapshot, leaving Rollback for _loop
-                self._spikes.check(*self._window)
+                self._spikes.check(window.first, window.size, self.step.grad_norm, saving.states(self.fit_context))
             if ema is not None:
                 ema.update(self.step.window_skipped)
             for fn in on_step_end:
@@ -482,7 +512,7 @@ class Trainer:
             if ckpt_every and state.global_step % ckpt_every == 0:
                 self._save()
             if self._spikes is not None:
-                self._spikes.maybe_snapshot()
+                self._spikes.maybe_snapshot(saving.states(self.fit_context))
             signalled = signals.check()
             if plan.ends_by(state.global_step) or signalled:
                 out.end_epoch()
@@ -513,33 +543,22 @@ class Trainer:
                    f"format ({error}); set model.channels_last=false to skip this check, or use .reshape instead "
                    f"of .view to keep the faster layout")
 
-    def _train_batch(self, plan: FitPlan, epoch: int, i: int, batch: Any) -> Optional[dict]:
-        """Micro-batch ``i`` through the step function, in its accumulation window; the step function's
-        values when it ended the window with an optimizer step, else None."""
-        step, A, epoch_len = self.step, self.cfg.accumulate, plan.epoch_len
-        w_start = i - i % A
-        if i == w_start:
-            size = A if epoch_len is None else min(A, epoch_len - w_start)  # a stream yields whole windows
-            # the window's global sample count, from the sampler (default_step counts samples): needed to weigh
-            # several micro-batches or ranks, not a whole batch on one process
-            known = (self.step_fn is default_step or isinstance(self.step_fn, PipelineStep)) and (
-                size > 1 or step.grad_ranks > 1 or step.cuts_batches)
-            step.begin_window(size, plan.batches.global_samples(w_start, size) if known else None)
-            step.want_grad_norm = self.metrics_log.should_log(self.state.global_step + 1) or self._spikes is not None
-            self._window = (w_start, size)
-        step.sync_gradients = i == w_start + step.window_size - 1
-        step.epoch, step.batch_index = epoch, i
-        values = self.micro.run(batch, plan.batches.weight(i), i == w_start)  # its micro-batches
-        if self._spikes is not None:
-            self._spikes.observe(values)
-        if not step.sync_gradients or not step.end_window():
-            return None
-        if self.metrics_log.staged:
-            self.metrics_log.end_window(step.window_skipped)
-        return values if values is not None else {}  # a step function may return nothing to log
+    def _open_window(self, plan: FitPlan, epoch: int, first: int) -> Window:
+        """The accumulation window that loaded batch ``first`` of ``epoch`` begins: up to the next multiple of
+        ``accumulate`` or the epoch's end (a stream yields whole windows)."""
+        A, epoch_len = self.plan.accumulate, plan.epoch_len
+        end = first - first % A + A
+        size = end - first if epoch_len is None else min(end, epoch_len) - first
+        # the window's global sample count, from the sampler: needed to weigh several micro-batches or ranks, not a
+        # whole batch on one process (the step uses it when every micro-batch is counted by its samples)
+        known = size > 1 or self.step.grad_ranks > 1 or self.step.cuts_batches
+        return self.windows.open(size, epoch=epoch, first=first,
+                                 samples=plan.batches.global_samples(first, size) if known else None,
+                                 grad_norm=self.metrics_log.should_log(self.state.global_step + 1)
+                                 or self._spikes is not None)
 
     def _log_interval(self, epoch: int, batch: int) -> None:
-        extra = MetricStates(self.train_metrics, self.rank, self.world_size).values()
+        extra = MetricStates(self.train_metrics, self.layout.groups).values()
         extra["lr"] = self._lr()
         if self.step.grad_norm is not None:
             extra["grad_norm"] = float(self.step.grad_norm)
@@ -552,7 +571,7 @@ class Trainer:
     def _end_epoch(self, epoch: int, val_data: Any) -> dict:
         cfg = self.cfg
         row = self.metrics_log.epoch_means()
-        row.update(MetricStates(self.train_metrics, self.rank, self.world_size).values())
+        row.update(MetricStates(self.train_metrics, self.layout.groups).values())
         val_metrics: dict = {}
         if val_data is not None and (epoch + 1) % max(1, cfg.eval_every_epochs) == 0:
             val_metrics = {f"val/{k}": v for k, v in self.evaluate(val_data).items()}
@@ -616,15 +635,17 @@ class Trainer:
             raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
                              f"default) or \"all\" (the model's whole output, field by field)")
         act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
-        return inference.predict(self._eval_run(data, []), act, self.predict_fn, outputs)
+        return inference.predict(self._eval_run(data, [], act, outputs), act, self.predict_fn, outputs)
 
-    def _eval_run(self, data: Any, metrics: list) -> inference.EvalRun:
+    def _eval_run(self, data: Any, metrics: list, activation: Optional[Callable] = None,
+                  outputs: str = "prediction") -> inference.EvalRun:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
         model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
         own module, whose forward gathers the shards)."""
         model = self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
         step = ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
-                          metrics=metrics, io=outputs.ModelIO.from_config(self.cfg))
+                          metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
+                          predict_outputs=outputs)
 
         def first_batch() -> Any:  # the data's first sample, for padding forwards on a rank without one
             one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
@@ -632,7 +653,7 @@ class Trainer:
 
         return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
                                  self.dp_size, self.layout.lockstep and self.world_size > 1, first_batch,
-                                 self._signals.beat_now)
+                                 self._signals.beat_now, self.layout.groups)
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -161,7 +161,7 @@ def test_tf32_in_force_follows_the_new_and_the_legacy_switches():
 def test_the_first_row_of_an_epoch_counts_only_its_own_samples(tmp_path, monkeypatch):
     """The interval clock restarts at an epoch's start, and so do the counts measured against it: the last
     epoch's tail (after its last row) must not inflate the next row's samples/s, nor its data wait."""
-    from torchrig.observe import logger as L
+    from torchrig.observe import metrics_logger as L
 
     clock = [0.0]
     monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])

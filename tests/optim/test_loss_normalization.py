@@ -182,8 +182,7 @@ def test_fp16_scaler_sees_the_global_batch_mean(clip):
                                                  count_unit=3))
     step.begin_window(2)
     for rows, last in ((slice(0, 3), False), (slice(3, 4), True)):
-        step.set_batch((x[rows], y[rows]))
-        step.sync_gradients = last
+        step.begin_micro_batch((x[rows], y[rows]), last=last)
         step.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
         step.optimizer_step()
     assert step.end_window() and len(seen) == 1
@@ -204,7 +203,7 @@ def test_gradients_of_a_backward_outside_the_step_are_left_alone():
     step = Step(model, {"default": opt}, None, Precision("fp32", torch.device("cpu"), None, None),
                 torch.device("cpu"), StepOptions(count_unit=8))
     step.begin_window(1)
-    step.set_batch((torch.ones(3, 2), torch.zeros(3)))
+    step.begin_micro_batch((torch.ones(3, 2), torch.zeros(3)))
     model(torch.tensor([[3.0, 4.0]])).sum().backward()
     assert step.optimizer_step() and torch.equal(seen[0], torch.tensor([[3.0, 4.0]]))
 
@@ -233,3 +232,54 @@ def test_a_second_loss_with_its_own_count_weighs_count_over_the_batch_count(tmp_
         opt.step()
         opt.zero_grad()
     assert _max_diff(got, W.params(hand)) < ATOL
+
+
+def _dropout_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(W.mlp(), torch.nn.Dropout(0.2))
+
+
+def test_a_step_function_that_wraps_default_step_trains_as_default_step(tmp_path):
+    """The step is never recognised by identity: a user's step function that calls ``default_step`` (to add a
+    value to log) takes the same path and gets bitwise the same parameters and logs, with dropout, uneven windows
+    (93 samples, 3 batches of 4 per step) and micro-batches cut from the loaded ones."""
+    from torchrig.trainer.step import default_step
+
+    def wrapped(step, batch):
+        values = default_step(step, batch)
+        return dict(values, extra=values["loss"] * 0)
+
+    data = W.classification(93)
+    for k, kw in enumerate(({"batch_size": 4, "accumulate": 3}, {"batch_size": 8, "micro_batch_size": 3})):
+        plain, plain_hist = _fit(_dropout_mlp, data, tmp_path / f"plain{k}", **kw)
+        mine, mine_hist = _fit(_dropout_mlp, data, tmp_path / f"mine{k}", step_fn=wrapped, **kw)
+        assert all(torch.equal(plain[k], mine[k]) for k in plain)
+        assert [h["train/loss"] for h in plain_hist] == [h["train/loss"] for h in mine_hist]
+
+
+def test_counts_that_are_not_samples_are_summed_not_taken_from_the_sampler():
+    """When the sampler knows a window's samples, the step uses that count only if every micro-batch was counted by
+    its samples; a step function that counts otherwise (here 1 item for a batch of 3, 1 for a batch of 1) gets the
+    mean over its own counts (2 items), not over the window's 4 samples."""
+    from torch import nn
+
+    from torchrig.runtime.precision import Precision
+    from torchrig.trainer.step import Step, StepOptions
+
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 1), torch.randn(4, 3), torch.randn(4, 1)
+    counts = ((slice(0, 3), 1), (slice(3, 4), 1))
+    mse = torch.nn.functional.mse_loss
+    want = torch.autograd.grad(sum(mse(model(x[r]), y[r]) * c for r, c in counts) / 2, list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append([p.grad.clone() for p in model.parameters()]))
+    step = Step(model, {"default": opt}, None, Precision("fp32", torch.device("cpu"), None, None),
+                torch.device("cpu"), StepOptions(loss_normalization="samples", count_unit=3))
+    step.begin_window(2, samples=4)  # the sampler's count: 4 samples, which these counts do not add up to
+    for (rows, count), last in zip(counts, (False, True)):
+        step.begin_micro_batch((x[rows], y[rows]), last=last)
+        step.backward(mse(model(x[rows]), y[rows]), count)
+        step.optimizer_step()
+    step.end_window()
+    assert max((g - w).abs().max().item() for g, w in zip(seen[0], want)) < ATOL

@@ -1,6 +1,6 @@
 """The metrics logger: what the loop logs, when, and the sums behind it.
 
-Two kinds of rows reach ``metrics.jsonl`` (and TensorBoard) through :class:`~.progress.RunLogger`,
+Two kinds of rows reach ``metrics.jsonl`` (and TensorBoard) through :class:`~.run_logger.RunLogger`,
 told apart by their ``kind`` field:
 
 * ``interval`` rows every ``log.every_steps`` optimizer steps: the means of the step function's values
@@ -20,15 +20,16 @@ from typing import Any, Optional
 import torch
 
 from .. import runtime
-from .progress import RunLogger
+from .run_logger import RunLogger
 from .throughput import rates, tokens_of
 
 
 class MetricsLogger:
-    def __init__(self, out: RunLogger, every_steps: int, world_size: int = 1,
-                 device: Optional[torch.device] = None):
+    def __init__(self, out: RunLogger, every_steps: int, groups: runtime.Groups = runtime.WORLD,
+                 device: Optional[torch.device] = None, staged: bool = False):
         self.out, self.every_steps = out, every_steps
-        self.world_size, self.device = world_size, device
+        self.groups, self.device = groups, device  # logged means are over the data-parallel ranks of groups
+        self.world_size = groups.dp_size()
         # On the CPU a scalar is read at once (a memory load) and summed as a Python float: no tensor op per
         # step. On an accelerator values stay tensors on the device until a log step reads them.
         self.host = device is None or device.type == "cpu"
@@ -43,7 +44,7 @@ class MetricsLogger:
         self.epoch_count = 0
         # with on_nonfinite=skip a window's values wait here until the step decides whether its update was
         # applied: a skipped window's loss (NaN, as a rule) is no part of the logged means
-        self.staged = False
+        self.staged = staged
         self._window: dict[str, Any] = {}
         self._window_count: Any = 0
         self._t_last = time.perf_counter()
@@ -111,7 +112,7 @@ class MetricsLogger:
         """An interval row: means since the last row, throughput, and ``extra`` (metrics, lr …)."""
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
-        values = _mean_over_items(self._fold(), float(self.count), self.world_size, self.device)
+        values = _mean_over_items(self._fold(), float(self.count), self.groups, self.device)
         values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
                             self.peak_flops))
         values["data_wait"] = self.wait / elapsed
@@ -124,7 +125,7 @@ class MetricsLogger:
         """Epoch averages of the step's logged values (``train/loss`` …) since this epoch (re)started."""
         self._fold()
         self.sums, self.count = {}, 0
-        return _mean_over_items(self.epoch_sums, self.epoch_count, self.world_size, self.device)
+        return _mean_over_items(self.epoch_sums, self.epoch_count, self.groups, self.device)
 
     def log_epoch(self, step: int, epoch: int, row: dict) -> None:
         self.out.log(step, row, epoch=epoch, kind="epoch")
@@ -145,7 +146,7 @@ class MetricsLogger:
         flat = {f"i/{k}": float(v) for k, v in self.sums.items()}
         flat.update({f"e/{k}": v for k, v in self.epoch_sums.items()})
         flat.update({"count": float(self.count), "epoch_count": float(self.epoch_count)})
-        flat = _mean_over_ranks(flat, self.world_size, self.device)
+        flat = _mean_over_ranks(flat, self.groups, self.device)
         return {"sums": {k[2:]: v for k, v in flat.items() if k.startswith("i/")}, "count": flat["count"],
                 "epoch_sums": {k[2:]: v for k, v in flat.items() if k.startswith("e/")},
                 "epoch_count": flat["epoch_count"]}
@@ -156,24 +157,23 @@ class MetricsLogger:
             self.epoch_sums, self.epoch_count = dict(state["epoch_sums"]), float(state["epoch_count"])
 
 
-def _mean_over_items(sums: dict, count: float, world_size: int, device: Optional[torch.device]) -> dict:
+def _mean_over_items(sums: dict, count: float, groups: runtime.Groups, device: Optional[torch.device]) -> dict:
     """``{"train/k": mean}`` over the items (samples, tokens) of every rank: the weighted sums and their counts are
     added over the ranks, then divided, so a rank with a short last batch weighs by its items, as in the step's
     loss (a mean of the ranks' means would not); all ranks must call it."""
     keys = sorted(sums)
-    if world_size > 1 and keys:
+    if groups.dp_size() > 1 and keys:
         total = runtime.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(count)],
-                                                    dtype=torch.float64, device=device),
-                                       runtime.data_parallel_group()).tolist()
+                                                    dtype=torch.float64, device=device), groups.data).tolist()
         sums, count = dict(zip(keys, total[:-1])), total[-1]
     return {f"train/{k}": v / max(1e-12, float(count)) for k, v in sums.items()}
 
 
-def _mean_over_ranks(values: dict, world_size: int, device: Optional[torch.device]) -> dict:
-    """The mean over ranks (every rank runs the same number of micro-batches); all ranks must call it."""
-    if world_size == 1 or not values:
+def _mean_over_ranks(values: dict, groups: runtime.Groups, device: Optional[torch.device]) -> dict:
+    """The mean over the data-parallel ranks (each runs the same number of micro-batches); all ranks must call it."""
+    if groups.dp_size() == 1 or not values:
         return values
     keys = sorted(values)
     mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device),
-                                   runtime.data_parallel_group())
+                                   groups.data)
     return dict(zip(keys, mean.tolist()))

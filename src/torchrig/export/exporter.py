@@ -69,7 +69,7 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
 
     ``output`` defaults to ``RUN_DIR/export/<checkpoint name><suffix>`` (a folder for ``hf``). An existing
     output is refused unless ``overwrite``. Returns the path and the checked difference."""
-    from .run import load_for_inference
+    from ..recipes.run import load_for_inference
 
     if format not in FORMATS:
         raise ExportError(f"--format {format!r} is not an export format{suggest(format, FORMATS)}; choose one of "
@@ -197,7 +197,7 @@ def _check_output(out: Path, format: str, overwrite: bool) -> None:
 def example_inputs(recipe, cfg, model: nn.Module, inputs: Optional[str] = None) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``model`` from the first samples of the recipe's data, or from ``inputs``."""
     from ..data.batches import forward_arguments, predict_inputs
-    from . import factory
+    from ..recipes import factory
 
     if inputs is not None:
         x, _ = recipe.load_inputs(cfg, Path(inputs))
@@ -353,7 +353,7 @@ def _user_frame(exc: BaseException) -> Optional[str]:
     while e is not None and len(seen) < 4:
         seen.append(e)
         e = e.__cause__ or e.__context__
-    skip = ("/torch/", "/onnxscript/", "/onnx/", "/site-packages/torch", "torchrig/recipes/export.py",
+    skip = ("/torch/", "/onnxscript/", "/onnx/", "/site-packages/torch", "torchrig/export/exporter.py",
             "<frozen", "/contextlib.py", "/functools.py")
     for e in seen:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not any(s in f.filename for s in skip)]
