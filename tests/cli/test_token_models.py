@@ -165,3 +165,15 @@ def test_a_python_run_recorded_as_digits_resumes_in_python(python_run, tmp_path)
                  resume="latest", **QUIET) as trainer:
         trainer.fit(build_data(None)[0])
         assert trainer.global_step == 6
+
+
+@pytest.mark.parametrize("setting,fragments", [
+    (f"loss={PKG}.task:SEQ", [f"loss '{PKG}.task:SEQ' is a int, not a loss; name a function loss(output, target)"]),
+    (f"loss={PKG}.task:lm_los", [f"loss '{PKG}.task:lm_los': '{PKG}.task' has no attribute 'lm_los'",
+                                 "did you mean 'lm_loss'"]),
+    (f"metrics=[accuracy,{PKG}.task:CHARS]", [f"metrics '{PKG}.task:CHARS' is a list, not a metric"]),
+    ("loss=os:system", ["loss 'os:system': 'os' is a standard-library module"]),
+])
+def test_a_bad_loss_or_metric_spec_is_one_line(project, tmp_path, capsys, setting, fragments):
+    one_line_error(capsys, ["train", *FACTORIES, "--set", setting, "--set", "max_steps=1",
+                            "--set", f"run_dir={tmp_path / 'r'}", *QUICK], *fragments)

@@ -119,3 +119,17 @@ def test_predict_says_raw_outputs_for_a_loss_of_the_users(make_trainer, capsys):
     assert capsys.readouterr().out == ("predict: raw outputs (loss=lm_loss is no classification loss torchrig "
                                        "knows); activation=\"softmax\" for probabilities over the classes\n")
     torch.testing.assert_close(trainer.predict(IDS, activation="softmax").sum(-1), torch.ones(24, SEQ))
+
+
+def test_an_images_classes_stay_in_dimension_one_even_when_every_size_is_the_same(make_trainer):
+    """Segmentation logits (N, C, H, W) with C == H == W against (N, H, W) labels: PyTorch's layout under auto (only
+    a sequence output (B, T, C) is read classes-last by itself), trained as F.cross_entropy reads it."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 1, 4, 4), torch.randint(0, 4, (8, 4, 4))
+    model = nn.Conv2d(1, 4, kernel_size=1)
+    trainer = make_trainer(copy.deepcopy(model), loss="cross_entropy", metrics=["accuracy"])
+    trainer.fit((x, labels))
+    with torch.no_grad():
+        out = model(x)
+    assert trainer.history[-1]["train/loss"] == pytest.approx(F.cross_entropy(out, labels).item(), abs=1e-5)
+    assert trainer.step.class_dim == 1

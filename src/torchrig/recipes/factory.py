@@ -247,11 +247,11 @@ def trainer_objects(cfg: C.Config) -> dict[str, Any]:
 def load_loss(spec: str) -> Callable:
     """``loss: MODULE:NAME``: a function ``loss(output, target)``, or a loss class (an ``nn.Module``) built with no
     arguments."""
-    fn = load_factory(spec, "loss")
+    fn = load_attribute(spec, "loss")
     if isinstance(fn, type):
         fn = _call(lambda _: fn(), None, f"loss '{spec}'")
     if not callable(fn):
-        raise FactoryError(f"loss '{spec}' built a {type(fn).__name__}, not a loss; name a function loss(output, "
+        raise FactoryError(f"loss '{spec}' is a {type(fn).__name__}, not a loss; name a function loss(output, "
                            f"target) or an nn.Module class")
     return fn
 

@@ -148,14 +148,15 @@ def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable], k
 # classes) instead. ``class_dim`` says which: 1, -1, or auto, decided once on the first batch.
 
 def layouts(prediction: Any, ids: Any) -> tuple[bool, bool]:
-    """Whether ``prediction`` fits, with classes in dimension 1 and with classes last, an integer tensor ``ids``
-    of one dimension less (class-index targets, or the token ids a token model was given). ``(False, False)``:
-    no such pair (a 2-D output, float targets): the layouts are the same or ``ids`` tells nothing."""
-    if not (isinstance(prediction, torch.Tensor) and isinstance(ids, torch.Tensor)) or prediction.ndim < 3 \
-            or ids.ndim != prediction.ndim - 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    """Whether a sequence output ``prediction`` (3-D) fits, as ``(B, C, T)`` and as ``(B, T, C)``, an integer
+    tensor ``ids`` ``(B, T)`` (class-index targets, or the token ids a token model was given). ``(False, False)``:
+    no such pair (a 2-D output, float targets, an image's ``(N, C, H, W)``, read as PyTorch's unless ``class_dim``
+    says otherwise)."""
+    if not (isinstance(prediction, torch.Tensor) and isinstance(ids, torch.Tensor)) or prediction.ndim != 3 \
+            or ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         return False, False
     p, t = tuple(prediction.shape), tuple(ids.shape)
-    return p[0] == t[0] and p[2:] == t[1:], p[:-1] == t
+    return p[0] == t[0] and p[2] == t[1], p[:2] == t
 
 
 def class_dim(given: Any, prediction: Any, ids: Any, hugging_face: bool, what: str = "targets") -> int:
