@@ -630,7 +630,9 @@ class Trainer:
         structure. ``outputs="all"``: a tuple / dict of per-sample fields for tuple / dict / ``ModelOutput``
         outputs. ``activation="auto"`` turns the prediction into probabilities for the classification losses,
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
-        bce_with_logits); ``"none"`` keeps raw outputs.
+        bce_with_logits), and keeps any other loss's raw outputs; the first such call says which in one line.
+        ``"softmax"``, ``"sigmoid"``, ``"exp"`` or ``"none"`` choose. The softmax runs over the classes: dimension
+        1, or the last of a token model's ``(batch, positions, classes)`` (``class_dim``).
         """
         if outputs not in ("prediction", "all"):  # the parameter hides the outputs module here
             raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
