@@ -62,9 +62,22 @@ def _check_torchmetrics(ns):
     assert {"val/accuracy", "val/MulticlassF1Score", "val/precision_w", "val/acc_micro"} <= set(trainer.history[-1])
 
 
+def _check_token_model(ns):
+    lm, chars = ns["lm"], ns["Chars"]()
+    assert ns["probs"].shape == (1, 8, 13) and ns["raw"].shape == (1, 8, 13)
+    torch.testing.assert_close(ns["probs"].sum(-1), torch.ones(1, 8))  # softmax over the classes, the last dim
+    ids, targets = (torch.stack(t) for t in zip(*[chars[i] for i in range(len(chars))]))
+    with torch.no_grad():
+        lm.model.eval()
+        logits = lm.model(ids)
+    accuracy = lm.evaluate(chars)["accuracy"]
+    assert accuracy == pytest.approx((logits.argmax(-1) == targets).float().mean().item(), abs=1e-6)
+    assert not torch.allclose(ns["raw"].sum(-1), torch.ones(1, 8))  # a loss of one's own: raw logits
+
+
 CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
           "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
-          "input_keys=": _check_dict_batches}
+          "input_keys=": _check_dict_batches, "class CharLM": _check_token_model}
 
 
 pytestmark = pytest.mark.usefixtures("restore_threads")

@@ -41,6 +41,8 @@ def test_every_python_block_runs(tmp_path, monkeypatch, capsys):
     assert namespace["probs"].shape == (64, 10)  # the Python API example predicted its new data
     torch.testing.assert_close(namespace["probs"].sum(1), torch.ones(64))
     assert (tmp_path / "runs" / "exp1" / "checkpoints" / "latest").exists()
+    assert namespace["next_token"].shape == (4, 16, 32)  # the token model: softmax over its classes, the last dim
+    torch.testing.assert_close(namespace["next_token"].sum(-1), torch.ones(4, 16))
     cfg = namespace["torchrig"].Config()
     model, data = namespace["build_model"](cfg), namespace["build_data"](cfg)
     assert model(data[2][0]).shape == (100, 3)  # the command-line factories build what they promise

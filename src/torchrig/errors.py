@@ -67,9 +67,15 @@ def setting(key: str, value: object) -> str:
     return f"**{{\"{key}\": {python}}}" if "." in key else f"{key}={python}"
 
 
+def argument(name: str, value: str) -> str:
+    """How the user passes an argument of a command that is also a Python keyword: ``--activation none`` on the
+    command line, ``activation="none"`` in Python."""
+    return f"--{name.replace('_', '-')} {value}" if _COMMAND_LINE[0] else f'{name}="{value}"'
+
+
 def settings(*pairs: tuple[str, object]) -> str:
     """Several settings as the user gives them together: ``--set a=1 --set b=2`` or ``a=1, b=2``."""
     return (" " if _COMMAND_LINE[0] else ", ").join(setting(k, v) for k, v in pairs)
 
 
-__all__ = ["TorchrigError", "command_line", "same_run", "setting", "settings", "suggest"]
+__all__ = ["TorchrigError", "argument", "command_line", "same_run", "setting", "settings", "suggest"]

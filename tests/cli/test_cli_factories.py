@@ -209,13 +209,14 @@ def test_python_api_checkpoint_fails_with_the_exact_message(workdir, capsys, tmp
     cls = f"{TinyNet.__module__}.{TinyNet.__qualname__}"
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())
     assert saved["model"]["python_class"] == f"{TinyNet.__module__}:TinyNet"
-    message = (f"torchrig: error: checkpoint '{ckpt}': this checkpoint was saved from a model built in Python "
-               f"({cls}); rebuild it in Python and load its model.safetensors (Trainer.evaluate, torch.onnx.export …), "
-               f"or pass --set model.factory=MODULE:FN, a function of yours that builds it")
+    message = (f"torchrig: error: checkpoint '{ckpt}': this checkpoint was saved from a model and data built in "
+               f"Python ({cls}); rebuild them in Python and load its model.safetensors (Trainer.evaluate, "
+               f"torch.onnx.export …), or pass --set model.factory=MODULE:FN and --set data.factory=MODULE:FN (or "
+               f"--input FILE), functions of yours that build them")
     assert one_line_error(capsys, ["evaluate", "--checkpoint", str(tmp_path / "py")]) == message
     resumed = one_line_error(capsys, ["train", *QUICK, "--set", f"run_dir={tmp_path / 'py'}", "--set", "resume=latest"])
     assert resumed == message.replace("load its model.safetensors (Trainer.evaluate, torch.onnx.export …)",
-                                      "pass resume= to its Trainer")
+                                      "pass resume= to its Trainer").replace(" (or --input FILE)", "")
     np.save(tmp_path / "x.npy", x.numpy())
     assert one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "py"), "--input",
                                     str(tmp_path / "x.npy"), "--output", str(tmp_path / "p.csv")]) == message
@@ -235,6 +236,5 @@ def test_python_api_checkpoint_fails_with_the_exact_message(workdir, capsys, tmp
             return Net()
         """))
     assert main(["predict", "--checkpoint", str(tmp_path / "py"), "--input", str(tmp_path / "x.npy"),
-                 "--output", str(tmp_path / "p.npy"), "--set", f"model.factory={PKG}.tiny:build",
-                 "--set", "recipe=custom"]) == 0
+                 "--output", str(tmp_path / "p.npy"), "--set", f"model.factory={PKG}.tiny:build"]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), expected.numpy(), atol=1e-6)

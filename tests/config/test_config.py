@@ -20,7 +20,7 @@ README_DEFAULTS = {
     "scheduler.step_size": 30, "scheduler.gamma": 0.1, "checkpoint.every_steps": 0, "checkpoint.every_epochs": 1,
     "checkpoint.keep_last": 2, "checkpoint.keep_best": 1, "checkpoint.monitor": None, "log.every_steps": 50,
     "log.progress": "auto", "log.tensorboard": "auto", "log.plot": True,
-    "output_key": None, "data.input_keys": None, "data.label_key": None,
+    "output_key": None, "data.input_keys": None, "data.label_key": None, "class_dim": "auto",
 }
 
 
@@ -107,7 +107,7 @@ def test_bad_types_name_the_key(override, message):
     ("optimm.lr=1", "unknown config section 'optimm'; did you mean 'optim'?"),
     ("checkpoint.evry_steps=1", "unknown config key 'checkpoint.evry_steps'; did you mean 'every_steps'?"),
     ("seed.x=1", "config key 'seed' has no sub-key 'x'"),
-    ("zzzzzz=1", "unknown config key 'zzzzzz'; valid keys: accumulate, checkpoint, clip_grad_norm, "),
+    ("zzzzzz=1", "unknown config key 'zzzzzz'; valid keys: accumulate, checkpoint, class_dim, clip_grad_norm, "),
 ])
 def test_unknown_keys_suggest_the_closest(override, message):
     with pytest.raises(ConfigError) as err:

@@ -98,6 +98,7 @@ BAD_VALUES = [
     ("data.input_keys=[]", "a non-empty list of batch keys or null, got []"),
     ("data.label_key=''", "a non-empty string or null, got ''"),
     ("output_key=-1", "an index >= 0 or a key name or null, got -1"),
+    ("class_dim=2", "auto, 1 or -1, got 2"),
     ('data.options=3', 'a mapping, got 3'),
     ('data.steps_per_epoch=0', 'an integer >= 1 or null, got 0'),
     ("model.name=''", "a non-empty string, got ''"),

@@ -86,15 +86,18 @@ def test_what_fits_trains(make_trainer):
             assert torch.allclose(got, expected, atol=1e-6), (loss, got, expected)
 
 
-def test_a_token_models_output_gets_the_fit_for_positions(make_trainer):
-    """(batch, positions, classes) logits with a class per position: PyTorch's cross-entropy would read the positions
-    as classes; the message says so and how to flatten, instead of asking for class indices below the positions."""
+def test_a_token_models_output_under_class_dim_one_gets_the_fit_for_positions(make_trainer):
+    """(batch, positions, classes) logits with a class per position, read with the classes in dimension 1
+    (``class_dim=1``): PyTorch's cross-entropy would read the positions as classes; the message says so and which key
+    reads them last, instead of asking for class indices below the positions. (Under ``class_dim=auto`` they train:
+    ``tests/trainer/test_class_dim.py``.)"""
     torch.manual_seed(0)
     ids, labels = torch.randint(0, 20, (16, 6)), torch.randint(0, 10, (16, 6))
     model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 10))  # (16, 6) ids -> (16, 6, 10) logits
     with pytest.raises(BatchError) as info:
-        make_trainer(model, loss="cross_entropy", max_steps=2).fit((ids, labels))
-    assert str(info.value).startswith(
+        make_trainer(model, loss="cross_entropy", max_steps=2, class_dim=1).fit((ids, labels))
+    assert str(info.value) == (
         "the loss cross_entropy (config key 'loss'): the model's output is float32 (8, 6, 10) and the targets are "
-        "int64 (8, 6): an output of (batch, positions, classes) with a class per position, but PyTorch's "
-        "cross-entropy reads classes in dimension 1; flatten both (F.cross_entropy(out.flatten(0, -2), y.flatten())")
+        "int64 (8, 6): an output of (batch, positions, classes) with a class per position, but the classes are read "
+        "in dimension 1 (class_dim=1); set class_dim=-1 (classes last), or have the model return its own loss "
+        "(loss=auto takes it)")

@@ -48,6 +48,10 @@ def test_kinds_become_optuna_distributions(cfg, tmp_path):
     ({"optim.lr": [1e-5, 0.1]}, "key 'optim.lr': expected one of uniform, log_uniform, int, log_int, choice"),
     ({"data.batch_size": {"int": [16, 64.5]}}, "key 'data.batch_size': expected an integer, got 64.5"),
     ({"run_dir": {"choice": ["a", "b"]}}, "key 'run_dir' is set by torchrig tune for each trial"),
+    ({"loss": {"choice": ["cross_entropy", "pkg.payload:loss"]}}, "key 'loss': the choice 'pkg.payload:loss' names "
+                                                                  "code of yours (MODULE:NAME)"),
+    ({"metrics": {"choice": [["accuracy"], ["pkg.payload:Metric"]]}}, "key 'metrics': the choice "
+                                                                      "['pkg.payload:Metric'] names code of yours"),
     ({"model.options.widht": {"int": [16, 64]}}, "'model.options.widht': model 'digits_cnn' does not accept options"),
 ])
 def test_a_bad_space_is_one_line_naming_the_key(cfg, tmp_path, space, message):

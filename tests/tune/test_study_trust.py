@@ -73,17 +73,21 @@ def resume_cli(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.parametrize("key", ["model.factory", "data.factory"])
+@pytest.mark.parametrize("key", ["model.factory", "data.factory", "loss", "metrics[0]"])
 def test_a_factory_named_by_study_json_is_never_imported(tmp_path, monkeypatch, capsys, key):
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "marker"
     plant_package(tmp_path, marker)
-    section, name = key.split(".")
-    new_study(tmp_path / "s", **{section: {name: "pkg.payload:build"}})
-    option = "--model" if section == "model" else "--data"
+    section, _, name = key.partition(".")
+    planted = {"model.factory": {"model": {name: "pkg.payload:build"}},
+               "data.factory": {"data": {name: "pkg.payload:build"}},
+               "loss": {"loss": "pkg.payload:build"}, "metrics[0]": {"metrics": ["pkg.payload:build"]}}[key]
+    new_study(tmp_path / "s", **planted)
+    option = {"model": "--model pkg.payload:build", "data": "--data pkg.payload:build", "loss":
+              "--set loss=pkg.payload:build"}.get(section, "--set metrics=[pkg.payload:build]")
     assert resume_cli(capsys) == (1, f"torchrig: error: --resume: '{Path('s') / 'study.json'}' names {key} "
                                      f"'pkg.payload:build', code that torchrig imports only when this command line "
-                                     f"names it: add {option} pkg.payload:build if it is yours, or start a new study")
+                                     f"names it: add {option} if it is yours, or start a new study")
     assert not marker.exists() and "pkg.payload" not in sys.modules
 
 

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="input file or folder")
     p.add_argument("--output", required=True, help="output file (.csv or .json for classes)")
     p.add_argument("--topk", type=int, default=5, help="classes to report per input (default 5)")
+    p.add_argument("--activation", choices=("auto", "softmax", "sigmoid", "exp", "none"), default="auto",
+                   help="applied to the prediction: softmax over the classes (dimension 1, or the last of a token "
+                        "model's (batch, positions, classes)), sigmoid or exp of each output, none for raw outputs; "
+                        "auto (default): from the loss (softmax for cross_entropy, sigmoid for bce_with_logits, exp "
+                        "for nll, none for a loss of your own), said in one line")
     p.add_argument("--all-outputs", action="store_true",
                    help="write the model's whole output (every per-sample field of a tuple, dict or ModelOutput, "
                         "the prediction as probabilities) to OUTPUT.npz or OUTPUT.safetensors, one array per field")
@@ -146,7 +151,7 @@ def cmd_predict(args) -> int:
     from ..recipes.run import run_predict
 
     out = run_predict(args.checkpoint, args.input, args.output, args.topk, args.overrides, features=args.features,
-                      all_outputs=args.all_outputs)
+                      all_outputs=args.all_outputs, activation=args.activation)
     print(f"predictions written to {out}")
     return 0
 

@@ -32,6 +32,11 @@ def _output_key(v: Any) -> Any:
     return accept((is_int(v) and v >= 0) or (isinstance(v, str) and v.strip() != ""), v)
 
 
+def _class_dim(v: Any) -> Any:
+    """Where the prediction's classes are: dimension 1, the last (-1), or auto."""
+    return accept(v == "auto" or (is_int(v) and v in (1, -1)), v)
+
+
 @dataclass
 class Config:
     """The run, the device, the loss and the loop: the keys outside any section."""
@@ -77,6 +82,11 @@ class Config:
     output_key: Union[int, str, None] = key(None, optional(Rule("an index >= 0 or a key name", _output_key)),
                                             "the prediction in a tuple output (an index; null: 0) or a dict output "
                                             "(a key; null: logits)")
+    class_dim: Union[int, str] = key("auto", Rule("auto, 1 or -1", _class_dim),
+                                     "the prediction's class dimension: 1 (PyTorch's (batch, classes, positions…)) "
+                                     "or -1 (a token model's (batch, positions, classes)); auto: -1 for Hugging Face "
+                                     "models, and for outputs (B, T, C) with integer targets (B, T) (in predict: "
+                                     "input ids) when C != T, else 1")
     label_smoothing: float = key(0.0, number(0, 1), "label smoothing of cross_entropy")
     metrics: list = key(["accuracy"], list_of(TEXT, "a list of metric names"),
                         "accuracy, topK (top5), precision, recall, f1 (macro), *_weighted, mse, mae")

@@ -203,7 +203,9 @@ def example_inputs(recipe, cfg, model: nn.Module, inputs: Optional[str] = None) 
         x, _ = recipe.load_inputs(cfg, Path(inputs))
         batch = _first(x, EXAMPLES, f"--input {inputs}")
     else:
-        data = factory.build_data(recipe, cfg)
+        data = factory.build_data(recipe, cfg, missing=f"recipe '{recipe.name}' has no data to take example inputs "
+                                                       f"from; pass --input FILE_OR_FOLDER or --set "
+                                                       f"data.factory=MODULE:FN")
         split = next((s for s in ("test", "val", "train") if data.get(s) is not None), None)
         if split is None:
             raise ExportError(f"recipe '{recipe.name}' gives no data to take example inputs from; pass --input "

@@ -65,6 +65,9 @@ def get_metric(spec: Union[str, Metric]) -> Metric:
         return TopK(int(key[3:].lstrip("_k=")))
     if key in _FACTORIES:
         return _FACTORIES[key]()
+    if ":" in key:  # MODULE:NAME: the command line imports it (recipes/factory.py) and passes the metric
+        raise MetricError(f"metric '{spec}' names a metric of yours (MODULE:NAME), which the torchrig command "
+                          f"imports; in Python pass the metric object itself: Trainer(metrics=[YourMetric()])")
     listing = f"Valid names: {', '.join(METRIC_NAMES)}, topK (e.g. top3)"
     raise MetricError(f"unknown metric '{spec}'{suggest(key, METRIC_NAMES, listing=listing)}")
 

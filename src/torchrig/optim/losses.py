@@ -72,6 +72,9 @@ def build_loss(spec: Any, label_smoothing: float = 0.0) -> Callable:
     }
     if key == "auto":
         return AutoLoss(table["cross_entropy"]())
+    if ":" in spec:  # MODULE:FN: the command line imports it (recipes/factory.py) and passes the function
+        raise UnknownNameError(f"loss '{spec}' names a function of yours (MODULE:FN), which the torchrig command "
+                               f"imports; in Python pass the function itself: Trainer(loss=your_loss)")
     if key not in table:
         raise unknown_name("loss", spec, list(LOSSES))
     return table[key]()

@@ -30,6 +30,7 @@ class Recipe:
     defaults: dict = {}  # config values this recipe starts from (the user's config wins)
     # the --output file kinds write_predictions writes, chosen by extension; None: the recipe checks its own
     output_kinds: Optional[tuple] = (".csv", ".json")
+    has_data = True  # False: no data of its own (``custom``): data.factory (or predict's --input) gives it
 
     def build_model(self, cfg: C.Config) -> nn.Module:
         raise NotImplementedError

@@ -24,6 +24,7 @@ ARRAY_SUFFIXES = (".npy", ".pt", ".csv")
 class CustomRecipe(Recipe):
     name = "custom"
     description = "your own model and data: torchrig train --model pkg.module:build_model --data pkg.module:build_data"
+    has_data = False
 
     def build_model(self, cfg: C.Config) -> torch.nn.Module:
         raise RecipeError("recipe 'custom' has no model of its own; give --model pkg.module:build_model "

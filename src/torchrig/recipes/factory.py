@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import config as C
 from ..errors import suggest
+from ..trainer.provenance import is_spec
 from .base import RecipeError
 
 SPLITS = ("train", "val", "test")
@@ -45,6 +46,15 @@ class FactoryError(RecipeError):
 
 def load_factory(spec: str, key: str) -> Callable:
     """The callable named by ``spec`` (``module:attr``); ``key`` (``model.factory``) names it in errors."""
+    obj = load_attribute(spec, key)
+    if not callable(obj):
+        raise FactoryError(f"{key} '{spec}': '{spec.partition(':')[2]}' is a {type(obj).__name__}, not a function; "
+                           f"name a function that takes the config")
+    return obj
+
+
+def load_attribute(spec: str, key: str) -> Any:
+    """What ``spec`` (``module:attr``) names, imported; ``key`` (``model.factory``, ``loss``) names it in errors."""
     module_name, _, attr = spec.partition(":")
     where = f"{key} '{spec}'"
     if not module_name or not attr:
@@ -78,9 +88,6 @@ def load_factory(spec: str, key: str) -> Callable:
             names = [n for n in dir(obj) if not n.startswith("_")]
             raise FactoryError(f"{where}: '{owner}' has no attribute '{part}'{suggest(part, names)}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise FactoryError(f"{where}: '{attr}' is a {type(obj).__name__}, not a function; name a function "
-                           f"that takes the config")
     return obj
 
 
@@ -99,7 +106,7 @@ def check_saved_spec(spec: str, key: str, checkpoint: Path, meta: Any) -> None:
         sys.path.insert(0, str(here))
     start = f"checkpoint '{checkpoint}': its config.yaml names {key} '{spec}'"
     fix = (f"torchrig imports a factory read back from a checkpoint only when it is the file the run was trained "
-           f"with. Name it on the command line: --set {key}=MODULE:FUNCTION")
+           f"with. Name it on the command line: {naming(key, 'MODULE:FUNCTION')}")
     chain = _module_chain(module_name)
     if chain is None:
         raise FactoryError(f"{start}, a module not found from the current directory {here}; {fix}")
@@ -110,11 +117,11 @@ def check_saved_spec(spec: str, key: str, checkpoint: Path, meta: Any) -> None:
         if (place.is_dir() and checkpoint.is_relative_to(place)) or place.is_relative_to(run):
             raise FactoryError(f"{start}, which is '{place}', a file or folder that holds the checkpoint or lies in "
                                f"its run directory {run}: torchrig never imports code that comes with a checkpoint. "
-                               f"Name your own factory on the command line: --set {key}=MODULE:FUNCTION")
+                               f"Name your own factory on the command line: {naming(key, 'MODULE:FUNCTION')}")
     if not module_file.is_relative_to(here):
         raise FactoryError(f"{start}, a module outside the current directory {here} ('{module_file}'); torchrig runs "
                            f"code named by a checkpoint only from there. Run from your project folder, or pass "
-                           f"--set {key}={spec} to use it")
+                           f"{naming(key, spec)} to use it")
     record = meta.get("factories", {}).get(key) if isinstance(meta, dict) and isinstance(
         meta.get("factories"), dict) else None
     if not isinstance(record, dict) or record.get("module") != module_name:
@@ -126,6 +133,12 @@ def check_saved_spec(spec: str, key: str, checkpoint: Path, meta: Any) -> None:
     if record.get("sha256") != _sha256(module_file):
         raise FactoryError(f"{start}, whose file '{module_file}' changed since the run was trained (its SHA-256 "
                            f"differs); {fix}")
+
+
+def naming(key: str, spec: str) -> str:
+    """How the command line names ``spec`` for ``key``: ``--set model.factory=SPEC``; a metric (``metrics[i]``) in
+    the list of metrics, ``--set metrics=[SPEC]``."""
+    return f"--set metrics=[{spec}]" if key.startswith("metrics") else f"--set {key}={spec}"
 
 
 def _module_chain(name: str) -> Optional[list[Path]]:
@@ -207,12 +220,58 @@ def build_model(recipe, cfg: C.Config) -> nn.Module:
     return model
 
 
-def build_data(recipe, cfg: C.Config) -> dict[str, Any]:
-    """``{"train", "val", "test"}`` from ``data.factory(cfg)`` when the config names one, else the recipe's."""
+def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str, Any]:
+    """``{"train", "val", "test"}`` from ``data.factory(cfg)`` when the config names one, else the recipe's;
+    ``missing``: what to pass instead when the recipe has no data of its own (``custom``, a Python run's)."""
     if not cfg.data.factory:
+        if missing is not None and not recipe.has_data:
+            raise FactoryError(f"no data: {missing}")
         return recipe.build_data(cfg)
     spec = cfg.data.factory
     return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")
+
+
+def trainer_objects(cfg: C.Config) -> dict[str, Any]:
+    """The Trainer's ``loss`` / ``metrics`` arguments for what the config names ``MODULE:NAME`` (``loss:
+    mylm:lm_loss``, ``metrics: [accuracy, mylm:Perplexity]``), imported; empty when it names none (the Trainer
+    takes the names from the config). The config keeps the specs: ``config.yaml`` records them, and evaluate and
+    resume import them again under the rules of :func:`check_saved_spec`."""
+    out: dict[str, Any] = {}
+    if is_spec(cfg.loss):
+        out["loss"] = load_loss(cfg.loss)
+    if any(is_spec(m) for m in cfg.metrics or []):
+        out["metrics"] = [load_metric(m) if is_spec(m) else m for m in cfg.metrics]
+    return out
+
+
+def load_loss(spec: str) -> Callable:
+    """``loss: MODULE:NAME``: a function ``loss(output, target)``, or a loss class (an ``nn.Module``) built with no
+    arguments."""
+    fn = load_attribute(spec, "loss")
+    if isinstance(fn, type):
+        fn = _call(lambda _: fn(), None, f"loss '{spec}'")
+    if not callable(fn):
+        raise FactoryError(f"loss '{spec}' is a {type(fn).__name__}, not a loss; name a function loss(output, "
+                           f"target) or an nn.Module class")
+    return fn
+
+
+def load_metric(spec: str) -> Any:
+    """``metrics: [MODULE:NAME]``: a metric object (``torchrig.metrics.Metric``, a torchmetrics ``Metric`` or
+    ``MetricCollection``), or a class or function that makes one with no arguments (a fresh one per run)."""
+    from ..metrics import Metric
+    from ..metrics.torchmetrics_adapter import torchmetrics_objects
+
+    def is_metric(obj: Any) -> bool:
+        return isinstance(obj, Metric) or torchmetrics_objects(obj) is not None
+
+    obj = load_attribute(spec, "metrics")
+    if not is_metric(obj) and callable(obj):
+        obj = _call(lambda _: obj(), None, f"metrics '{spec}'")
+    if not is_metric(obj):
+        raise FactoryError(f"metrics '{spec}' is a {type(obj).__name__}, not a metric; name a torchrig.metrics.Metric "
+                           f"or torchmetrics Metric (an object, or a class or function making one with no arguments)")
+    return obj
 
 
 def _call(fn: Callable, cfg: C.Config, where: str) -> Any:
@@ -264,16 +323,18 @@ def as_splits(value: Any, where: str) -> dict[str, Any]:
 
 
 def python_built_message(path: Any, python_class: str,
-                         then: str = "load its model.safetensors (Trainer.evaluate, torch.onnx.export …)") -> str:
-    """The one line for a checkpoint whose model was built in Python, not from its config."""
-    return (f"checkpoint '{path}': this checkpoint was saved from a model built in Python "
-            f"({python_class.replace(':', '.')}); rebuild it in Python and {then}, or pass --set "
-            f"model.factory=MODULE:FN, a function of yours that builds it")
+                         then: str = "load its model.safetensors (Trainer.evaluate, torch.onnx.export …)",
+                         data: str = " (or --input FILE)") -> str:
+    """The one line for a checkpoint whose model (and so its data) was built in Python, not from its config."""
+    return (f"checkpoint '{path}': this checkpoint was saved from a model and data built in Python "
+            f"({python_class.replace(':', '.')}); rebuild them in Python and {then}, or pass --set "
+            f"model.factory=MODULE:FN and --set data.factory=MODULE:FN{data}, functions of yours that build them")
 
 
-def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
+def resumed_run(cfg: C.Config, given: frozenset = frozenset()) -> tuple[list[str], Optional[str]]:
     """For ``train --set resume=…`` without ``--model`` / ``--data``: the factories (as overrides) and
-    the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt."""
+    the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt; and its
+    ``loss`` / ``metrics`` named ``MODULE:NAME`` unless ``given`` (the keys this command sets) holds them."""
     if cfg.resume is None or cfg.model.factory or cfg.data.factory:
         return [], None
     from ..checkpoint import CheckpointError, read_config, read_meta, resolve
@@ -290,7 +351,7 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
     if not (isinstance(model, dict) and isinstance(data, dict)):
         return [], None
     if model.get("python_class") and not model.get("factory"):
-        raise FactoryError(python_built_message(path, model["python_class"], "pass resume= to its Trainer"))
+        raise FactoryError(python_built_message(path, model["python_class"], "pass resume= to its Trainer", ""))
     extra = []
     for key, saved_section in (("model", model), ("data", data)):
         if isinstance(saved_section.get("factory"), str):
@@ -299,4 +360,20 @@ def resumed_run(cfg: C.Config) -> tuple[list[str], Optional[str]]:
             options = saved_section.get("options")
             if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again
                 extra.append(f"{key}.options={json.dumps(options)}")
-    return extra, (saved.get("recipe") if extra else None)
+    return extra + _resumed_code(saved, given, path, meta), (saved.get("recipe") if extra else None)
+
+
+def _resumed_code(saved: dict, given: frozenset, path: Path, meta: Any) -> list[str]:
+    """``loss=SPEC`` / ``metrics=[…]`` overrides for the ``MODULE:NAME`` loss and metrics the checkpoint's config
+    names (each checked by :func:`check_saved_spec`), unless this command line sets those keys."""
+    extra = []
+    if "loss" not in given and is_spec(saved.get("loss")):
+        check_saved_spec(saved["loss"], "loss", path, meta)
+        extra.append(f"loss={saved['loss']}")
+    metrics = saved.get("metrics")
+    if "metrics" not in given and isinstance(metrics, list) and any(is_spec(m) for m in metrics):
+        for i, m in enumerate(metrics):
+            if is_spec(m):
+                check_saved_spec(m, f"metrics[{i}]", path, meta)
+        extra.append(f"metrics={json.dumps(metrics)}")
+    return extra

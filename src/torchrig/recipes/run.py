@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from .. import config as C
 from ..errors import suggest
+from ..trainer.provenance import code_specs
 from . import factory, get_recipe
 from .base import RecipeError, check_output_kind, saved_bytes, write_output
 
@@ -25,7 +26,8 @@ def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = No
     probe = C.load_config(path, overrides)  # validates keys early and tells which recipe is asked for
     file_map = C.read_yaml(path) if path else {}
     named = recipe or "recipe" in file_map or any(o.partition("=")[0].strip() == "recipe" for o in overrides or [])
-    resumed, resumed_recipe = factory.resumed_run(probe)  # resume: the --model / --data the run was trained with
+    given = frozenset(C.flat_keys(file_map)) | given_keys(overrides)
+    resumed, resumed_recipe = factory.resumed_run(probe, given)  # resume: the --model / --data the run was trained with
     overrides = resumed + list(overrides or [])
     # your own data (--data) without a recipe named: the recipe with no data of its own
     own_data = probe.data.factory or any(o.startswith("data.factory=") for o in resumed)
@@ -86,7 +88,7 @@ def build_run(cfg: C.Config, callbacks: Optional[list] = None):
     model = factory.build_model(recipe, cfg)
     prepare_model(model, cfg)
     data = factory.build_data(recipe, cfg)
-    kwargs = recipe.trainer_kwargs(cfg, data)
+    kwargs = {**recipe.trainer_kwargs(cfg, data), **factory.trainer_objects(cfg)}  # loss: MODULE:FN, imported
     own = [k for k in ("step_fn", "eval_fn", "predict_fn") if kwargs.get(k) is not None]
     if own and cfg.parallel.pp != 1:
         raise C.ConfigError(f"config key 'parallel.pp': {cfg.parallel.pp}, but recipe {recipe.name!r} runs a {own[0]} of "
@@ -218,11 +220,18 @@ def inference_config(saved: dict, path: Path, overrides: Optional[list[str]] = N
 
 
 def factories_read_back(cfg: C.Config, overrides: Optional[list[str]] = None) -> list[tuple[str, str]]:
-    """``(key, spec)`` of each factory (``model.factory``, ``data.factory``) that ``cfg`` names and ``overrides``
-    (this command line's ``KEY=VALUE``) do not: code that a file read back names, not the user."""
-    given = {item.partition("=")[0].strip() for item in overrides or []}
-    return [(key, C.get_key(cfg, key)) for key in ("model.factory", "data.factory")
-            if C.get_key(cfg, key) and key not in given]
+    """``(key, spec)`` of each ``MODULE:NAME`` (``model.factory``, ``data.factory``, ``loss``, ``metrics[i]``) that
+    ``cfg`` names and ``overrides`` (this command line's ``KEY=VALUE``) do not: code that a file read back names,
+    not the user."""
+    given = given_keys(overrides)
+    return [(key, spec) for key, spec in code_specs(cfg) if key.partition("[")[0] not in given]
+
+
+def given_keys(overrides: Optional[list[str]]) -> set[str]:
+    """The keys this command line's ``KEY=VALUE`` overrides set."""
+    return {item.partition("=")[0].strip() for item in overrides or []}
+
+
 def given_verify(overrides: Optional[list[str]]) -> bool:
     """``checkpoint.verify`` as this command line sets it: the checkpoint's own config.yaml, read under it,
     never decides it."""
@@ -254,6 +263,8 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
         factory.check_saved_spec(spec, key, path, meta)
     if cfg.model.python_class and not cfg.model.factory:
         raise CheckpointError(factory.python_built_message(path, cfg.model.python_class))
+    if cfg.model.python_class and "recipe" not in given_keys(overrides):
+        cfg.recipe = "custom"  # its data came from Python (recorded as digits before custom was recorded)
     recipe = get_recipe(cfg.recipe)
     model = factory.build_model(recipe, cfg)
     load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
@@ -265,12 +276,14 @@ def _inference_trainer(recipe, cfg: C.Config, model, data: dict):
 
     cfg.log.progress = "none"
     cfg.log.tensorboard = False
-    return Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data))
+    return Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data), **factory.trainer_objects(cfg))
 
 
 def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[str]] = None) -> dict:
     recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
-    data = factory.build_data(recipe, cfg)
+    data = factory.build_data(recipe, cfg, missing=f"checkpoint '{path}' names no data to evaluate on (recipe "
+                                                   f"'{recipe.name}'); pass --set data.factory=MODULE:FN, a function "
+                                                   f"of yours that returns (train, val, test)")
     if split not in data or data[split] is None:
         raise RecipeError(f"recipe '{recipe.name}' has no '{split}' split; choose one of "
                           f"{', '.join(k for k, v in data.items() if v is not None)}")
@@ -280,9 +293,10 @@ def run_evaluate(checkpoint: str, split: str = "test", overrides: Optional[list[
 
 def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
                 overrides: Optional[list[str]] = None, features: Optional[list[str]] = None,
-                all_outputs: bool = False) -> Path:
+                all_outputs: bool = False, activation: str = "auto") -> Path:
     """Predict; ``features`` names modules whose outputs are also saved, as ``.npy`` beside ``output``;
-    ``all_outputs``: the model's whole output, field by field, in ``output`` (``.npz`` or ``.safetensors``)."""
+    ``all_outputs``: the model's whole output, field by field, in ``output`` (``.npz`` or ``.safetensors``);
+    ``activation``: what is applied to the prediction (``Trainer.predict``'s)."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise RecipeError(f"predict --topk {topk}: expected an integer >= 1, the number of classes to report per "
                           f"input (default 5)")
@@ -297,7 +311,7 @@ def run_predict(checkpoint: str, inputs: str, output: str, topk: int = 5,
     with _inference_trainer(recipe, cfg, model, {}) as trainer, FeatureHooks(model, features or []) as hooks:
         if features and trainer.world_size > 1:
             raise RecipeError("predict --features runs in one process; start it without torchrun")
-        outputs = trainer.predict(x, outputs="all" if all_outputs else "prediction")
+        outputs = trainer.predict(x, activation=activation, outputs="all" if all_outputs else "prediction")
     if trainer.is_main:
         if all_outputs:
             write_fields(outputs, out)

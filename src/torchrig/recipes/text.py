@@ -220,7 +220,7 @@ class TextClassificationRecipe(Recipe):
         def predict_fn(step, batch):
             with step.autocast():
                 logits = step.model(*batch[:3])
-            return logits.float().softmax(dim=-1)
+            return step.activation(logits.float())  # predict(activation=...): softmax over the classes by default
 
         return {"predict_fn": predict_fn}
 

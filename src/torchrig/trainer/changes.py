@@ -98,6 +98,9 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
         if key == "model.python_class" and (a is None or b is None or str(a).startswith("torch.distributed.fsdp")):
             continue  # one side built from the config (a recipe, --model), the other in Python: maybe the same;
             # or saved under FSDP2 before its own subclass was seen through: not known
+        if key == "recipe" and (old.get("model.python_class") or new.get("model.python_class")):
+            continue  # a model built in Python trains on data from Python: the recipe (custom; digits before it
+            # was recorded so) names none of it
         note = ""
         if per_rank:
             if a * worlds[0] == b * worlds[1]:

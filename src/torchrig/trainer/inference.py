@@ -22,8 +22,8 @@ from ..metrics import MeanValue, Metric
 from . import outputs as O
 from .step import ModelCalls, default_eval_step
 
-ACTIVATIONS: dict[str, Callable] = {"softmax": lambda t: t.softmax(dim=-1), "sigmoid": torch.sigmoid,
-                                    "exp": torch.exp, "none": lambda t: t}
+ACTIVATIONS: dict[str, O.Activation] = {name: O.Activation(name, fn) for name, fn in (
+    ("softmax", None), ("sigmoid", torch.sigmoid), ("exp", torch.exp), ("none", lambda t: t))}
 
 
 @dataclasses.dataclass
@@ -171,9 +171,11 @@ def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, out
     inputs = predict_inputs(step.model, batch, step.io.label_key)
     with step.autocast():
         out = parallel.loss.whole(O.call_model(step.model, inputs, step.io.input_keys))  # split logits: whole
+    # softmax over the classes: dimension 1, or the last of a token model's (batch, positions, classes)
+    dim = step.predict_class_dim(out, inputs) if getattr(activation, "over_classes", False) else None
     if (outputs or getattr(step, "predict_outputs", "prediction")) == "prediction":
-        return O.predict_prediction(out, step.io.output_key, activation)
-    return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch))
+        return O.predict_prediction(out, step.io.output_key, activation, dim)
+    return O.predict_fields(out, step.io.output_key, activation, batch_size_of(batch), dim)
 
 
 # Probabilities for the known classification losses, given by name or as a loss object; "auto" is
@@ -182,7 +184,7 @@ _LOSS_ACTIVATIONS = {"cross_entropy": "softmax", "auto": "softmax", "nll": "exp"
                      "CrossEntropyLoss": "softmax", "NLLLoss": "exp", "BCEWithLogitsLoss": "sigmoid"}
 
 
-def activation_for(name: str, loss: Any) -> Callable:
+def activation_for(name: str, loss: Any) -> O.Activation:
     """``auto``: probabilities for the known classification losses (by name, or an ``nn.CrossEntropyLoss``,
     ``nn.NLLLoss`` or ``nn.BCEWithLogitsLoss`` object) of ``loss`` (the run's), raw outputs otherwise."""
     if name == "auto":
@@ -192,7 +194,7 @@ def activation_for(name: str, loss: Any) -> Callable:
     return ACTIVATIONS[name]
 
 
-def activation_for_loss(loss: Any) -> Callable:
+def activation_for_loss(loss: Any) -> O.Activation:
     """What ``activation="auto"`` applies for ``loss`` (a name or a loss object)."""
     if isinstance(loss, torch.nn.Module):
         key = type(loss).__name__ if type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss,
@@ -200,3 +202,18 @@ def activation_for_loss(loss: Any) -> Callable:
     else:
         key = loss if isinstance(loss, str) else ""
     return ACTIVATIONS[_LOSS_ACTIVATIONS.get(key, "none")]
+
+
+_APPLIED = {"softmax": "softmax over the classes", "sigmoid": "sigmoid of each output",
+            "exp": "exp of each output (probabilities from log-probabilities)"}
+
+
+def activation_line(activation: O.Activation, loss: str) -> str:
+    """The one line saying what ``activation="auto"`` chose for the run's ``loss`` (as the user named it), and how
+    to choose otherwise (``--activation`` on the command line, ``activation=`` in Python)."""
+    from ..errors import argument
+
+    if activation.name == "none":
+        return (f"predict: raw outputs (loss={loss} is no classification loss torchrig knows); "
+                f"{argument('activation', 'softmax')} for probabilities over the classes")
+    return f"predict: {_APPLIED[activation.name]} (from loss={loss}); {argument('activation', 'none')} for raw outputs"

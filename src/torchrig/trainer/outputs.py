@@ -44,13 +44,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
 from ..data import unshard
 from ..data.batches import BatchError, describe, forward_arguments
-from ..errors import TorchrigError
-from ..optim.losses import AutoLoss
+from ..errors import TorchrigError, setting
+from ..optim.losses import AutoLoss, tensor_loss
 
 
 class OutputError(TorchrigError, TypeError):
@@ -121,10 +122,11 @@ def _dict_prediction(output: Mapping, key: Any) -> Any:
                       f"set output_key to the key of the prediction")
 
 
-def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable],
-                        key: Any = None) -> tuple[Any, torch.Tensor]:
+def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable], key: Any = None,
+                        layout: Optional[Callable] = None) -> tuple[Any, torch.Tensor]:
     """The prediction, and the loss that trains: the user's loss if one was chosen, else the model's
-    own (when its output carries one), else ``loss_fn`` (the cross-entropy of ``loss="auto"``)."""
+    own (when its output carries one), else ``loss_fn`` (the cross-entropy of ``loss="auto"``). ``layout``:
+    ``(prediction, target)`` as the loss takes them (a token model's class-last logits flattened)."""
     prediction, own = unpack(output, key)
     if own is not None and uses_model_loss(loss_fn):
         return prediction, own
@@ -135,9 +137,56 @@ def prediction_and_loss(output: Any, target: Any, loss_fn: Optional[Callable],
         raise OutputError(f"the loss needs a tensor prediction, got {type(prediction).__name__} from the model's "
                           f"output; set output_key to the prediction's index or key")
     try:
-        return prediction, loss_fn(prediction, target)
+        return prediction, loss_fn(*(layout(prediction, target) if layout is not None else (prediction, target)))
     except (RuntimeError, IndexError, ValueError) as exc:
         raise explain_loss_error(exc, loss_fn, prediction, target) or exc
+
+
+# ----------------------------------------------------------------------------- the class dimension
+# PyTorch's losses and torchrig's metrics read classes in dimension 1: (batch, classes) or (batch, classes,
+# positions…) against targets (batch, positions…). A token model (an LM, a tagger) returns (batch, positions,
+# classes) instead. ``class_dim`` says which: 1, -1, or auto, decided once on the first batch.
+
+def layouts(prediction: Any, ids: Any) -> tuple[bool, bool]:
+    """Whether a sequence output ``prediction`` (3-D) fits, as ``(B, C, T)`` and as ``(B, T, C)``, an integer
+    tensor ``ids`` ``(B, T)`` (class-index targets, or the token ids a token model was given). ``(False, False)``:
+    no such pair (a 2-D output, float targets, an image's ``(N, C, H, W)``, read as PyTorch's unless ``class_dim``
+    says otherwise)."""
+    if not (isinstance(prediction, torch.Tensor) and isinstance(ids, torch.Tensor)) or prediction.ndim != 3 \
+            or ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        return False, False
+    p, t = tuple(prediction.shape), tuple(ids.shape)
+    return p[0] == t[0] and p[2] == t[1], p[:2] == t
+
+
+def class_dim(given: Any, prediction: Any, ids: Any, hugging_face: bool, what: str = "targets") -> int:
+    """1 or -1: where the classes of ``prediction`` are, by ``given`` (the config key ``class_dim``: 1, -1 or
+    auto). Under auto a Hugging Face model's logits are class-last; otherwise an output that fits ``ids`` (``what``
+    they are: targets, or predict's input ids) only with classes last is, one that fits both ways is a
+    :class:`BatchError` naming the key (a (8, 6, 6) output and (8, 6) targets), anything else is PyTorch's."""
+    if given in (1, -1):
+        return given
+    if hugging_face:
+        return -1
+    first, last = layouts(prediction, ids)
+    if last and first:
+        raise BatchError(f"the model's output {describe(prediction)} with {what} {describe(ids)} fits both "
+                         f"(batch, classes, positions) and (batch, positions, classes): which dimension holds the "
+                         f"classes cannot be told; set {setting('class_dim', 1)} (PyTorch's layout) or "
+                         f"{setting('class_dim', -1)} (classes last)")
+    return -1 if last else 1
+
+
+def classes_last(prediction: Any, target: Any) -> tuple[Any, Any]:
+    """``(prediction, target)`` of a class-last output as a class-index loss takes them: one row per position,
+    ``(N·T, C)`` against ``(N·T,)`` (or against ``(N·T, C)`` class probabilities); anything else as it is."""
+    if not (isinstance(prediction, torch.Tensor) and isinstance(target, torch.Tensor)) or prediction.ndim < 3:
+        return prediction, target
+    if target.ndim == prediction.ndim - 1:
+        return prediction.flatten(0, -2), target.flatten()
+    if target.shape == prediction.shape:
+        return prediction.flatten(0, -2), target.flatten(0, -2)
+    return prediction, target
 
 
 # ----------------------------------------------------------------------------- errors a batch causes
@@ -196,8 +245,18 @@ def explain_step_error(exc: BaseException, model: Any, inputs: Any, loss_fn: Any
 _MODULE_LOSSES = {"CrossEntropyLoss": "cross_entropy", "NLLLoss": "nll", "MSELoss": "mse", "L1Loss": "l1",
                   "SmoothL1Loss": "smooth_l1", "HuberLoss": "huber", "BCEWithLogitsLoss": "bce_with_logits",
                   "BCELoss": "bce"}
-_CLASS_INDEX = ("cross_entropy", "nll")
+CLASS_INDEX_LOSSES = ("cross_entropy", "nll")  # PyTorch's losses over class indices, classes in dimension 1
 _ELEMENTWISE = ("mse", "l1", "smooth_l1", "huber", "bce_with_logits", "bce")
+
+
+def reads_class_indices(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is PyTorch's cross-entropy or NLL loss (``loss: cross_entropy`` / ``nll`` / ``auto``,
+    ``nn.CrossEntropyLoss()``, ``F.cross_entropy`` ...), which reads the classes in dimension 1; a function of
+    the user's, whatever its name, is not."""
+    fn = tensor_loss(loss_fn)  # a named loss (auto: its cross-entropy): the torch function it calls
+    if isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return True
+    return getattr(fn, "func", fn) in (F.cross_entropy, F.nll_loss)  # functools.partial(F.cross_entropy, …)
 
 
 def loss_name(loss_fn: Any) -> str:
@@ -208,6 +267,16 @@ def loss_name(loss_fn: Any) -> str:
         return _MODULE_LOSSES[type(loss_fn).__name__]
     name = getattr(loss_fn, "name", None) or getattr(getattr(loss_fn, "func", loss_fn), "__name__", None)
     return str(name or type(loss_fn).__name__).replace("_loss", "")
+
+
+def loss_words(given: Any, configured: str) -> str:
+    """The run's loss as the user named it, for a line: the config's ``loss`` (a name, or the ``MODULE:FN`` the
+    command line built ``given`` from), else the object given in Python (``lm_loss``, ``CrossEntropyLoss()``)."""
+    if given is None or ":" in configured:
+        return configured
+    if isinstance(given, nn.Module):
+        return f"{type(given).__name__}()"
+    return str(getattr(given, "__name__", type(given).__name__))
 
 
 def _loss_words(loss_fn: Any) -> str:
@@ -242,7 +311,8 @@ def check_loss_fit(loss_fn: Any, prediction: Any, target: Any) -> None:
         return
     name = loss_name(loss_fn)
     words = _loss_words(loss_fn)
-    if name in _CLASS_INDEX and prediction.ndim >= 2 and prediction.shape[1] == 1 and not target.is_floating_point():
+    if name in CLASS_INDEX_LOSSES and prediction.ndim >= 2 and prediction.shape[1] == 1 \
+            and not target.is_floating_point():
         raise BatchError(f"{words} over the model's output {describe(prediction)} with targets {describe(target)}: "
                          f"over a single output it is 0 whatever the model does; for two classes use "
                          f"loss=bce_with_logits with targets 0./1. (y.float()), or give the model one output per "
@@ -271,7 +341,7 @@ def explain_loss_error(exc: BaseException, loss_fn: Any, prediction: Any, target
     if name in _ELEMENTWISE:
         return BatchError(f"{key} compares the output with targets of the same shape, but {pair} ({text}); "
                           f"{_elementwise_fit(prediction, target)}")
-    if name not in _CLASS_INDEX:
+    if name not in CLASS_INDEX_LOSSES:
         return None
     classes = prediction.shape[1] if prediction.ndim >= 2 else None
     if "out of bounds" in text and classes is not None:
@@ -292,9 +362,8 @@ def explain_loss_error(exc: BaseException, loss_fn: Any, prediction: Any, target
     if prediction.ndim >= 3 and prediction.ndim == target.ndim + 1 and tuple(prediction.shape[:-1]) == \
             tuple(target.shape):  # a token model's (batch, positions, classes), which PyTorch reads as (N, C, d)
         return BatchError(f"{key}: {pair}: an output of (batch, positions, classes) with a class per position, but "
-                          f"PyTorch's cross-entropy reads classes in dimension 1; flatten both "
-                          f"(F.cross_entropy(out.flatten(0, -2), y.flatten()) as the loss in Python), or have the "
-                          f"model return its own loss (loss=auto takes it, as from Hugging Face models)")
+                          f"the classes are read in dimension 1 (class_dim=1); set {setting('class_dim', -1)} "
+                          f"(classes last), or have the model return its own loss (loss=auto takes it)")
     if ("target" in text.lower() or "size" in text.lower()) and classes is not None:
         return BatchError(f"{key} cannot take these targets: {pair} ({text}); give one class index in "
                           f"[0, {classes - 1}] per sample")
@@ -330,41 +399,64 @@ def call_model(model: Callable, inputs: Any, input_keys: Optional[tuple] = None,
 PREDICT_OUTPUTS = ("prediction", "all")
 
 
-def predict_prediction(output: Any, key: Any, activation: Callable) -> torch.Tensor:
-    """One batch's prediction field on the CPU, the activation applied: what ``predict`` returns by default,
-    whatever the output's structure (the field the loss and the metrics use, see :func:`unpack`)."""
+class Activation:
+    """What ``predict`` applies to the prediction: ``softmax`` over the classes (dimension ``dim``: 1, or -1 for a
+    token model's ``(batch, positions, classes)``, see :func:`class_dim`), ``sigmoid`` or ``exp`` element-wise,
+    ``none``. ``activation(t)`` alone takes the classes in dimension 1 (a 1-D ``t``: its only one)."""
+
+    def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.name, self.fn = name, fn
+        self.over_classes = name == "softmax"  # needs the class dimension
+
+    def __call__(self, t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+        if self.over_classes:
+            return t.softmax(dim=(1 if t.ndim >= 2 else -1) if dim is None else dim)
+        return self.fn(t)
+
+    def __repr__(self) -> str:
+        return f"Activation({self.name})"
+
+
+def _activate(activation: Callable, t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    return activation(t, dim) if isinstance(activation, Activation) else activation(t)
+
+
+def predict_prediction(output: Any, key: Any, activation: Callable, dim: Optional[int] = None) -> torch.Tensor:
+    """One batch's prediction field on the CPU, the activation applied (over class dimension ``dim``): what
+    ``predict`` returns by default, whatever the output's structure (the field the loss and the metrics use, see
+    :func:`unpack`)."""
     if isinstance(output, torch.Tensor):
-        return activation(output.float()).cpu()
+        return _activate(activation, output.float(), dim).cpu()
     prediction, _ = unpack(output, key)
     if not isinstance(prediction, torch.Tensor):
         raise OutputError(f"predict: the model's {type(output).__name__} output holds no prediction tensor (only "
                           f"{describe(output)}); set output_key to the prediction's index or key, or call "
                           f"predict(data, outputs=\"all\") for the whole output")
-    return activation(prediction.float()).detach().cpu()
+    return _activate(activation, prediction.float(), dim).detach().cpu()
 
 
-def predict_fields(output: Any, key: Any, activation: Callable, n: int) -> Any:
-    """One batch's prediction on the CPU: the activation applied to the prediction, and for tuple /
-    dict outputs the same structure with every per-sample tensor (first dimension ``n``); other fields
-    (a loss, a key/value cache) are left out (None in a tuple, so that indices stay)."""
+def predict_fields(output: Any, key: Any, activation: Callable, n: int, dim: Optional[int] = None) -> Any:
+    """One batch's prediction on the CPU: the activation applied to the prediction (over class dimension
+    ``dim``), and for tuple / dict outputs the same structure with every per-sample tensor (first dimension
+    ``n``); other fields (a loss, a key/value cache) are left out (None in a tuple, so that indices stay)."""
     if isinstance(output, torch.Tensor):
-        return activation(output.float()).cpu()
+        return _activate(activation, output.float(), dim).cpu()
     if isinstance(output, (tuple, list)):
         unpack(output, key)  # checks the index
         index = (0 if key is None else key) % len(output)
-        return tuple(_field(v, n, activation if i == index else None) for i, v in enumerate(output))
+        return tuple(_field(v, n, activation if i == index else None, dim) for i, v in enumerate(output))
     if isinstance(output, Mapping):
         pred = _dict_prediction(output, key)
-        fields = {k: _field(v, n, activation if v is pred else None) for k, v in output.items() if k != "loss"}
+        fields = {k: _field(v, n, activation if v is pred else None, dim) for k, v in output.items() if k != "loss"}
         return {k: v for k, v in fields.items() if v is not None}
     return output
 
 
-def _field(value: Any, n: int, activation: Optional[Callable]) -> Optional[torch.Tensor]:
+def _field(value: Any, n: int, activation: Optional[Callable], dim: Optional[int]) -> Optional[torch.Tensor]:
     if not (isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n):
         return None
     if activation is not None:
-        value = activation(value.float())
+        value = _activate(activation, value.float(), dim)
     return value.detach().cpu()
 
 

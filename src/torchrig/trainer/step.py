@@ -82,13 +82,19 @@ class ModelCalls:
     def __init__(self, model: nn.Module, precision: Any, device: torch.device, *, loss_fn: Optional[Callable] = None,
                  models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, activation: Optional[Callable] = None,
-                 predict_outputs: str = "prediction"):
+                 predict_outputs: str = "prediction", class_dim: Any = "auto"):
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
         self.precision, self.device = precision, device
         self.metrics = metrics or []
         self.io = io or ModelIO()
         self.shift_labels = normalize.shifts_labels(model)
-        self.class_last = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
+        self.hugging_face = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
+        # where the prediction's classes are (the config key class_dim): 1 or -1, decided on the first batch
+        # under auto (outputs.class_dim); None until then
+        self.class_dim_setting = class_dim
+        self.class_dim: Optional[int] = class_dim if class_dim in (1, -1) else None
+        # a class-index loss of PyTorch's (cross_entropy, nll, by name or object) reads class-last logits flattened
+        self._class_index_loss = outputs.reads_class_indices(loss_fn)
         # a model the user spread over several devices: targets go to its output's device (parallel/placement.py)
         self.spread = len(parallel.devices_of(runtime.unwrap(model))) > 1
         self.weight = 1                 # 0 for a rank's filler micro-batch (its metrics count nothing)
@@ -143,23 +149,51 @@ class ModelCalls:
         if self.spread:
             target = parallel.to_output_device(output, target)
         if self.loss_parallel and parallel.loss.is_split(output):  # split logits, cross-entropy split likewise
-            return output, parallel.loss.split_loss(self._tensor_loss or self.loss_fn, output, target)
+            return output, parallel.loss.split_loss(self._tensor_loss or self.loss_fn,
+                                                     *self._loss_layout(output, target))
         if not self._loss_checked:  # the first batch: an output the loss cannot take is said now, in one line
             self._check_loss_fit(output, target)
         if type(output) is torch.Tensor and self._tensor_loss is not None and self.io.output_key is None:
+            prediction, target = self._loss_layout(output, target)
             try:  # a tensor output and a named loss: the loss function itself, without the wrappers' calls
-                return output, self._tensor_loss(output, target)
+                return output, self._tensor_loss(prediction, target)
             except (RuntimeError, IndexError, ValueError) as exc:
-                raise outputs.explain_loss_error(exc, self._tensor_loss, output, target) or exc
-        return outputs.prediction_and_loss(output, target, self.loss_fn, self.io.output_key)
+                raise outputs.explain_loss_error(exc, self._tensor_loss, prediction, target) or exc
+        return outputs.prediction_and_loss(output, target, self.loss_fn, self.io.output_key, self._loss_layout)
+
+    def _loss_layout(self, prediction: Any, target: Any) -> tuple[Any, Any]:
+        """``(prediction, target)`` as the loss takes them: a class-index loss of PyTorch's reads the classes in
+        dimension 1, so class-last logits ``(B, T, C)`` go to it as ``(B·T, C)`` against ``(B·T,)``. The user's own
+        loss gets the output as the model returned it."""
+        if self._class_index_loss and getattr(prediction, "ndim", 0) >= 3 \
+                and self.classes_at(prediction, target) == -1:
+            return outputs.classes_last(prediction, target)
+        return prediction, target
+
+    def classes_at(self, prediction: Any, target: Any) -> int:
+        """Where the classes of the model's predictions are (1 or -1): ``class_dim``, decided under auto by the first
+        prediction with ``target`` (integer class indices) that needs it (``outputs.class_dim``)."""
+        if self.class_dim is None:
+            self.class_dim = outputs.class_dim(self.class_dim_setting, prediction, target, self.hugging_face)
+        return self.class_dim
+
+    def predict_class_dim(self, prediction: Any, inputs: Any) -> int:
+        """The class dimension for predict's softmax: that of the fit or evaluation before (or ``class_dim``); else
+        decided from the inputs: a token model given ids ``(B, T)`` returns ``(B, T, C)``."""
+        if self.class_dim is None:
+            ids = inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs
+            prediction = prediction if isinstance(prediction, torch.Tensor) else \
+                outputs.unpack(prediction, self.io.output_key)[0]
+            self.class_dim = outputs.class_dim(self.class_dim_setting, prediction, ids, self.hugging_face,
+                                               what="input ids")
+        return self.class_dim
 
     def _check_loss_fit(self, output: Any, target: Any) -> None:
         self._loss_checked = True
-        if self.loss_fn is None or self.class_last or (type(output) is not torch.Tensor
-                                                       and outputs.uses_model_loss(self.loss_fn)):
-            return  # no loss of ours, token logits (B, T, classes), or the model's own loss may train
+        if self.loss_fn is None or (type(output) is not torch.Tensor and outputs.uses_model_loss(self.loss_fn)):
+            return  # no loss of ours, or the model's own loss may train
         prediction = output if type(output) is torch.Tensor else outputs.unpack(output, self.io.output_key)[0]
-        outputs.check_loss_fit(self.loss_fn, prediction, target)
+        outputs.check_loss_fit(self.loss_fn, *self._loss_layout(prediction, target))
 
     def update_metrics(self, output: Any, target: Any, weight: Optional[int] = None) -> None:
         """Update the metrics with the prediction of ``output`` (any model output, see ``unpack``); ``weight``: that
@@ -181,20 +215,21 @@ class ModelCalls:
         out = out.detach()
         if out.is_floating_point() and out.dtype != torch.float32:
             out, owned = out.float(), fresh  # a new tensor: only the target's freshness is left to vouch for
-        if self.class_last and out.ndim == 3 and isinstance(target, torch.Tensor) and target.ndim == 2:
+        if out.ndim >= 3 and isinstance(target, torch.Tensor) and target.ndim == out.ndim - 1 \
+                and self.classes_at(out, target) == -1:
             out, target = self._token_layout(out, target)
         for m in self.metrics:
             m.feed(out, target, owned)
 
     def _token_layout(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Hugging Face model's token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a
-        causal LM that computes its own loss predicts ``labels[:, 1:]`` from ``logits[:, :-1]``, so its metrics
-        compare those."""
-        if logits.shape[:2] != target.shape:
+        """Class-last token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a Hugging Face causal
+        LM that computes its own loss predicts ``labels[:, 1:]`` from ``logits[:, :-1]``, so its metrics compare
+        those."""
+        if logits.shape[:-1] != target.shape:
             return logits, target
         if self.shift_labels and outputs.uses_model_loss(self.loss_fn):
             logits, target = logits[:, :-1], target[:, 1:]
-        return logits.transpose(1, 2), target
+        return logits.movedim(-1, 1), target
 
 
 class Step(ModelCalls):
@@ -216,9 +251,9 @@ class Step(ModelCalls):
                  metrics: Optional[list] = None, state: Optional[TrainState] = None,
                  schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
                  groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
-                 loss_parallel: bool = False, fresh_batches: bool = False):
+                 loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto"):
         super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
-                         loss_parallel=loss_parallel, fresh_batches=fresh_batches)
+                         loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.options = o = options
         self.clip_grad_norm, self.clip_norm_type, self.clip_grad_value = o.clip_grad_norm, o.clip_norm_type, \

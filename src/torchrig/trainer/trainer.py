@@ -84,6 +84,7 @@ class Trainer:
         self.metrics_log: Optional[MetricsLogger] = None
         self.resumed_from: Optional[Path] = None
         self.plots: list = []  # the end-of-run plot's PNG paths
+        self._activation_said = False  # predict's line saying which activation auto chose: once
         self._val_loader: Optional[tuple] = None  # during fit: (val_data, its batches once built, its length)
         self._signals = runtime.StopSignal()
         self._spikes: Optional[SpikeGuard] = None  # on_spike: rollback, during fit
@@ -199,7 +200,7 @@ class Trainer:
                     io=O.ModelIO.from_config(self.cfg), groups=self.layout.groups, before_update=before_update,
                     loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
                                                         self.loss_fn),
-                    fresh_batches=fresh_batches)
+                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim)
 
     def _synced(self) -> list:
         """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
@@ -629,12 +630,17 @@ class Trainer:
         structure. ``outputs="all"``: a tuple / dict of per-sample fields for tuple / dict / ``ModelOutput``
         outputs. ``activation="auto"`` turns the prediction into probabilities for the classification losses,
         by name or object (softmax for cross_entropy and the default auto, exp for nll, sigmoid for
-        bce_with_logits); ``"none"`` keeps raw outputs.
+        bce_with_logits), and keeps any other loss's raw outputs; the first such call says which in one line.
+        ``"softmax"``, ``"sigmoid"``, ``"exp"`` or ``"none"`` choose. The softmax runs over the classes: dimension
+        1, or the last of a token model's ``(batch, positions, classes)`` (``class_dim``).
         """
         if outputs not in ("prediction", "all"):  # the parameter hides the outputs module here
             raise ValueError(f"predict(outputs={outputs!r}): expected \"prediction\" (the prediction tensor, the "
                              f"default) or \"all\" (the model's whole output, field by field)")
         act = inference.activation_for(activation, self._objects.get("loss", self.cfg.loss))
+        if activation == "auto" and not self._activation_said and (self.predict_fn is None or self.layout.pp > 1):
+            self._activation_said = True  # the default predict step applies it: said once
+            self.print(inference.activation_line(act, O.loss_words(self._objects.get("loss"), self.cfg.loss)))
         return inference.predict(self._eval_run(data, [], act, outputs), act, self.predict_fn, outputs)
 
     def _eval_run(self, data: Any, metrics: list, activation: Optional[Callable] = None,
@@ -643,9 +649,10 @@ class Trainer:
         model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
         own module, whose forward gathers the shards)."""
         model = self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
+        seen = self.step.class_dim if self.step is not None else None  # the class dimension this fit found
         step = ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
                           metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
-                          predict_outputs=outputs)
+                          predict_outputs=outputs, class_dim=seen or self.cfg.class_dim)
 
         def first_batch() -> Any:  # the data's first sample, for padding forwards on a rank without one
             one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 from .. import config as C
 from ..config.files import JSON_LIMIT, file_kind, read_regular
 from ..errors import TorchrigError
+from ..recipes.factory import naming
 from ..recipes.run import THIS_RUN, factories_read_back, joining_note, recipe_config, without_keys
 from ..trainer.changes import NOT_COMPARED, changed
 from .space import Space, TuneError
@@ -135,9 +136,10 @@ def resumed_config(manifest: dict, path: Path, given: Optional[C.Config], overri
             C.set_key(given, key.strip(), raw)
         given = C.validate(given)
         for key, spec in factories_read_back(given, overrides):
-            option = "--model" if key == "model.factory" else "--data"
+            option = {"model.factory": f"--model {spec}", "data.factory": f"--data {spec}"}.get(key) \
+                or naming(key, spec)
             raise TuneError(f"--resume: '{path}' names {key} '{spec}', code that torchrig imports only when this "
-                            f"command line names it: add {option} {spec} if it is yours, or start a new study")
+                            f"command line names it: add {option} if it is yours, or start a new study")
     refused, length = changed(saved, C.to_dict(given))
     if refused or length:
         shown = ", ".join(f"{k}={_plain(b)!r} (was {_plain(a)!r})" for k, a, b, _ in (refused + length)[:3])

@@ -232,7 +232,14 @@ def _param(key: str, spec: Any, source: str) -> Param:
             raise TuneError(f"{source}: key '{key}': choice needs a non-empty list of values, got {args!r}")
         if "step" in spec:
             raise TuneError(f"{source}: key '{key}': choice takes no step")
-        return Param(key, kind, choices=tuple(parse_scalar(a) if isinstance(a, str) else a for a in args))
+        choices = tuple(parse_scalar(a) if isinstance(a, str) else a for a in args)
+        named = next((c for c in choices for v in (c if isinstance(c, list) else [c])
+                      if isinstance(v, str) and ":" in v), None) if key in ("loss", "metrics") else None
+        if named is not None:  # code to import: the command line names it, a space (read back too) never
+            raise TuneError(f"{source}: key '{key}': the choice {named!r} names code of yours (MODULE:NAME), which "
+                            f"torchrig imports only when the command line names it; give it with --set {key}=..., "
+                            f"and search names only")
+        return Param(key, kind, choices=choices)
     integer = kind in ("int", "log_int")
     if not isinstance(args, list) or len(args) != 2:
         raise TuneError(f"{source}: key '{key}': {kind} needs [low, high], got {args!r}")

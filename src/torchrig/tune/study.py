@@ -116,10 +116,11 @@ def _per_trial_seed_class() -> type:
 def resolve_monitor(cfg: C.Config) -> tuple[str, str]:
     """(``checkpoint.monitor``, its mode) as the Trainer resolves them: the first validation metric by default."""
     from ..metrics import get_metrics, higher_is_better
+    from ..recipes.factory import trainer_objects
 
     name = cfg.checkpoint.monitor
-    if name is None:
-        metrics = get_metrics(cfg.metrics) if cfg.metrics else []
+    if name is None:  # metrics named MODULE:NAME imported as the trials import them
+        metrics = get_metrics(trainer_objects(cfg).get("metrics", cfg.metrics)) if cfg.metrics else []
         name = f"val/{metrics[0].name}" if metrics else "val/loss"
     mode = cfg.checkpoint.mode or ("max" if higher_is_better(name) else "min")
     return name, mode
