@@ -25,8 +25,8 @@ EXAMPLES = [
     ("optim.lr=.inf", "config key 'optim.lr': expected a finite number > 0, got inf"),
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
-    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, lm, log, model, optim, "
-                  "parallel, peft, pix2pix, profile, quantize, scheduler, spike, text"),
+    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, finetune, image, lm, log, model, "
+                  "optim, parallel, peft, pix2pix, profile, quantize, scheduler, spike, text"),
 ]
 
 

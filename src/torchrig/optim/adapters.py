@@ -1,10 +1,12 @@
 """LoRA adapters through the ``peft`` package, put into the user's model in place before any wrapping.
 
 ``peft.method: lora`` records the base model's identity (its class, its Hugging Face config when it has one and
-a sha256 of its weights), then injects peft's LoRA layers into the modules ``peft.target_modules`` names with
-``peft.inject_adapter_in_model``: the model keeps its class, its ``forward`` and its parameter names, the
-adapters are added beside the layers they adapt (``...c_attn.lora_A.default.weight``) and every other parameter
-is frozen; ``peft.modules_to_save`` train in full (peft keeps a trainable copy beside the frozen original).
+a sha256 of its weights), then puts peft's LoRA layers into the modules ``peft.target_modules`` names with
+``peft.get_peft_model``, which changes the model in place: the model keeps its class, its ``forward`` and its
+parameter names, the adapters are added beside the layers they adapt (``...c_attn.lora_A.default.weight``) and
+every other parameter is frozen; ``peft.modules_to_save`` train in full (peft keeps a trainable copy beside the
+frozen original). The Trainer trains the model itself; peft's ``PeftModel`` around it is kept for what only it
+does (``merge_and_unload``, ``save_pretrained`` of the adapter folder: ``torchrig export``).
 Checkpoints then hold what trains and the base's identity (``trainer/saving.py``), so adapters are never
 resumed onto, or loaded into, another base.
 
@@ -19,7 +21,7 @@ import fnmatch
 import hashlib
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -46,6 +48,7 @@ class Adapted:
     total: int                  # every parameter, counted once
     base: dict                  # the base model's identity: class, config, sha256, parameters
     base_dtype: Optional[str]
+    wrapper: Any = field(default=None, compare=False, repr=False)  # peft's PeftModel around the model
 
     def line(self) -> str:
         """``torchrig: LoRA r=8 on 24 modules: 0.59 M of 124 M parameters train`` (and the base's dtype)."""
@@ -142,21 +145,23 @@ def lora_config(model: nn.Module, p: Any) -> Any:
                       modules_to_save=save, fan_in_fan_out=conv1d)
 
 
-def inject(model: nn.Module, p: Any) -> int:
-    """peft's LoRA layers into ``model``, in place; returns how many layers got adapters."""
+def inject(model: nn.Module, p: Any) -> tuple[Any, int]:
+    """peft's LoRA layers into ``model``, in place; returns peft's ``PeftModel`` around it and how many layers got
+    adapters."""
     peft = _peft()
     config = lora_config(model, p)
     try:
-        with warnings.catch_warnings():  # its per-layer fan_in_fan_out corrections, said for every layer
+        with warnings.catch_warnings():  # its per-layer fan_in_fan_out corrections, transformers' deprecations
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
-            peft.inject_adapter_in_model(config, model)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            wrapper = peft.get_peft_model(model, config)
     except (ValueError, TypeError) as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"config key 'peft.target_modules': peft cannot adapt {type(model).__name__}: {text}") \
             from None
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return sum(isinstance(m, BaseTunerLayer) for m in model.modules())
+    return wrapper, sum(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 def prepare(model: nn.Module, cfg: Any, device: torch.device) -> Optional[Adapted]:
@@ -170,14 +175,14 @@ def prepare(model: nn.Module, cfg: Any, device: torch.device) -> Optional[Adapte
     base = identity(model)  # before anything changes: what the checkpoints' adapters belong to
     if p.base_dtype in ("nf4", "fp4"):
         quantize_4bit(model, p, device)  # before the adapters: peft then picks its bitsandbytes LoRA layers
-    modules = inject(model, p)
+    wrapper, modules = inject(model, p)
     if p.base_dtype in DTYPES:
         for param in model.parameters():
             if not param.requires_grad and param.is_floating_point():
                 param.data = param.data.to(DTYPES[p.base_dtype])
     params = {id(q): q for q in model.parameters()}.values()
     return Adapted(p.method, p.r, modules, sum(q.numel() for q in params if q.requires_grad),
-                   sum(q.numel() for q in params), base, p.base_dtype)
+                   sum(q.numel() for q in params), base, p.base_dtype, wrapper)
 
 
 def quantize_4bit(model: nn.Module, p: Any, device: torch.device) -> None:

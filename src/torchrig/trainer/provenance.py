@@ -79,4 +79,4 @@ def check_base(meta: dict, base: Optional[dict], path: Path) -> None:
         was = _shown(saved) if isinstance(saved, dict) else "no record of it"
         raise CheckpointError(f"checkpoint '{path}' holds adapters trained on another base model: {was} in the "
                               f"checkpoint, {_shown(base)} here; build the base it was trained on (the same model, "
-                              f"weights and seed), or start a new run")
+                              f"model.weights and seed)")
