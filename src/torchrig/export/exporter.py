@@ -29,6 +29,7 @@ folder of the run's own, not a link to one elsewhere.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import traceback
@@ -96,6 +97,8 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
     with torch.inference_mode():
         expected = model(*args, **kwargs)
     write, check = finetuned.adapter_format(got, max_difference) if format == "adapter" else _FORMATS[format]
+    if quantize:  # the tracer cannot see through torchao's tensors which sizes a layer fixes: the batch alone varies
+        write = functools.partial(write, batch_only=True)
     # written and checked in a new temporary folder beside the output; renamed into place (over a link there,
     # never through it) only when it reproduces the model
     with staged(out, root) as new:
