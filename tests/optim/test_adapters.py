@@ -167,3 +167,9 @@ def test_refusals_say_why_in_one_line(tmp_path):
         assert text in str(e.value) and "\n" not in str(e.value), (key, str(e.value))
     with pytest.raises(ConfigError, match="'peft.base_dtype': bf16 keeps the frozen base in bf16 .* set precision=bf16"):
         torchrig.Trainer(gpt2(), **settings(tmp_path, **{"peft.base_dtype": "bf16"}))
+    model = gpt2()
+    with pytest.raises(ConfigError, match="so an optimizer built before it holds none of them"):
+        torchrig.Trainer(model, torch.optim.AdamW(model.parameters()), **settings(tmp_path))
+    model = gpt2()  # a factory gets the parameters once the adapters are in
+    trainer = torchrig.Trainer(model, lambda params: torch.optim.SGD(params, lr=0.1), **settings(tmp_path))
+    assert len(trainer.optimizers["default"].param_groups[0]["params"]) == 16

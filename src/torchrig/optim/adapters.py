@@ -87,7 +87,7 @@ def identity(model: nn.Module) -> dict:
         t = state[name].detach()
         t = (t.cpu() if t.device.type != "cpu" else t).contiguous().reshape(-1)
         digest.update(f"{name}:{t.dtype}:{tuple(state[name].shape)};".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the bytes in place, no copy
     config = getattr(model, "config", None)
     hf = json.loads(config.to_json_string(use_diff=True)) if hasattr(config, "to_json_string") else None
     cls = type(model)
