@@ -67,3 +67,16 @@ def test_export_quantize_converts_a_qat_checkpoint(tmp_path, capsys):
     assert any("quantize" in str(n.target) or "int8" in str(n.target) for n in program.graph.nodes)
     rc, _, stderr = cli(["export", "--checkpoint", str(run), "--format", "onnx", "--quantize"], capsys)
     assert rc == 1 and "torchao's quantised tensors are written by torch.export only" in stderr
+
+
+def test_importing_torchao_after_torchrig_prints_nothing():
+    """torchao's import (by transformers and peft too) logs torch's deprecation of its enum registrations: noise on
+    stderr above a run's first line, which torchrig drops."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", "import torchrig.runtime, torchao.quantization"], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env())
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]

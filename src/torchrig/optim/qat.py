@@ -25,19 +25,12 @@ INSTALL = 'pip install "torchrig[finetune]"'
 
 def scheme(q: Any) -> Any:
     """torchao's config of ``quantize.qat`` (the post-training quantisation the fake quantisation imitates)."""
-    import logging
-
     import torch
 
-    pytree = logging.getLogger("torch.utils._pytree")  # torchao's import registers enums torch now warns about
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
     try:
         from torchao.quantization import (Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup)
     except ImportError:
         raise ConfigError(f"config key 'quantize.qat': {q.qat} needs the torchao package; {INSTALL}") from None
-    finally:
-        pytree.setLevel(level)
     group = PerGroup(q.group_size)
     if q.qat == "int8-dynamic-act-int4-weight":
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group)
