@@ -115,3 +115,23 @@ def test_classification_trains_the_head_in_full_beside_the_adapters(tmp_path, ca
 
     saved = load_file(tmp_path / "run" / "checkpoints" / "latest" / "model.safetensors")
     assert {k for k in saved if "score" in k} == {"score.modules_to_save.default.weight"}
+
+
+def test_a_local_model_folder_as_the_base(run, tmp_path, capsys):
+    """A Hugging Face folder (here: the merged export of a finetune run, with its tokenizer) fine-tuned again, its
+    tokenizer taking the data; its checkpoint evaluates against that folder's weights."""
+    base = tmp_path / "base"
+    assert cli(["export", "--checkpoint", run, "--format", "hf", "--merge", "--output", base], capsys)[0] == 0
+    text = corpus(tmp_path / "train.txt")
+    rc, _, err = cli(["train", "--recipe", "finetune", *sets(f"finetune.base={base}", f"data.path={text}",
+                                                             f"data.test_path={text}", *TINY,
+                                                             f"run_dir={tmp_path / 'again'}")], capsys)
+    assert "Loading weights" not in err
+    assert rc == 0, err
+    meta = json.loads((tmp_path / "again" / "checkpoints" / "latest" / "meta.json").read_text())
+    from safetensors.torch import load_file
+
+    merged = load_file(base / "model.safetensors")
+    assert meta["base"]["parameters"] == sum(t.numel() for t in merged.values())
+    rc, out, err = cli(["evaluate", "--checkpoint", tmp_path / "again"], capsys)
+    assert rc == 0 and "loss:" in out, err

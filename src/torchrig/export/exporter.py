@@ -42,6 +42,7 @@ from torch import nn
 
 from ..config.files import make_dir, staged
 from ..errors import TorchrigError, suggest
+from ..models.hub import no_progress_bars
 from . import finetuned
 
 FORMATS = {"torch-export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "hf": "", "adapter": ""}
@@ -486,21 +487,8 @@ def hf_model(model: nn.Module) -> nn.Module:
                       f"({', '.join(n for n, _ in outer)}); export one of them from Python with save_pretrained")
 
 
-@contextlib.contextmanager
-def _no_hf_bars():
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
 def _write_hf(model, args, kwargs, out: Path, cfg) -> None:
-    with _no_hf_bars():
+    with no_progress_bars():
         hf_model(model).save_pretrained(str(out), safe_serialization=True)
     tokenizer = Path(cfg.run_dir) / "tokenizer.json"
     if tokenizer.is_file() and not tokenizer.is_symlink():
@@ -517,7 +505,7 @@ def _check_hf(model, args, kwargs, out: Path, expected) -> float:
     from ..trainer.outputs import unpack
 
     inner = hf_model(model)
-    with _no_hf_bars():
+    with no_progress_bars():
         loaded = type(inner).from_pretrained(str(out)).eval()
     with torch.inference_mode():
         got = loaded(*args, **kwargs) if inner is model else unpack(loaded(*args, **kwargs))[0]

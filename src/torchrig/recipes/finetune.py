@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from .. import config as C
 from ..config import rules as R
+from ..models.hub import no_progress_bars
 from .base import Recipe, RecipeError
 from .common import say
 from .lm import NO_DROPOUT, LanguageModelRecipe
@@ -101,6 +102,11 @@ class FinetuneRecipe(Recipe):
     # -------------------------------------------------------------------------------- data
     def build_data(self, cfg: C.Config) -> dict[str, Any]:
         if self._causal(cfg):
+            tok = self._lm._tokenizer(cfg)
+            if tok.tokenizer.token_to_id("[SEP]") is None:  # what joins the documents of the packed sequences
+                raise RecipeError(f"the tokenizer {cfg.lm.tokenizer or ''} has no [SEP] token, which joins the "
+                                  f"documents packed into sequences; give lm.tokenizer a word-piece tokenizer.json "
+                                  f"(one a torchrig run saved, or exported with its model by torchrig export)")
             return self._lm.build_data(cfg)
         out = {}
         for split, data in self._text.build_data(cfg).items():
@@ -115,6 +121,11 @@ class FinetuneRecipe(Recipe):
             model = self._lm.build_model(cfg)  # GPT-2 from model.options, the data's vocabulary
         else:
             model = self._pretrained(cfg) if cfg.finetune.base is not None else self._classifier(cfg)
+        vocabulary = len(self._lm._tokenizer(cfg) if causal else self._text._tokenizer(cfg))
+        rows = model.get_input_embeddings().num_embeddings
+        if vocabulary > rows:
+            raise RecipeError(f"config key 'finetune.base': the model has {rows} token embeddings, fewer than the "
+                              f"{vocabulary} tokens of its tokenizer; give the tokenizer the model was trained with")
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # no key/value cache in the outputs: training needs none, torch.export none
         if not causal and cfg.peft.method is not None and not cfg.peft.modules_to_save:
@@ -152,7 +163,8 @@ class FinetuneRecipe(Recipe):
         extra = {} if causal else {"num_labels": len(cfg.text.labels)}
         try:
             cls = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-            return cls.from_pretrained(base, local_files_only=True, **extra)
+            with no_progress_bars():
+                return cls.from_pretrained(base, local_files_only=True, **extra)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RecipeError(f"config key 'finetune.base': '{base}' is not a Hugging Face model folder nor a model "
