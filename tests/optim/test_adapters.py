@@ -159,6 +159,7 @@ def test_refusals_say_why_in_one_line(tmp_path):
         ("parallel.tp", 2): "lora with parallel.tp=2 is not supported (a tensor-parallel plan splits nn.Linear",
         ("parallel.pp", 2): "lora with parallel.pp=2 is not supported (each stage would have to save",
         ("quantize.qat", "int4-weight-only"): "with peft.method=lora is not supported",
+        ("ema_decay", 0.9): "an EMA with peft.method=lora would average the frozen base too",
     }
     for (key, value), text in cases.items():
         extra = {"parallel.tp_plan": "auto"} if key == "parallel.tp" else {}

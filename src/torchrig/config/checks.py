@@ -130,6 +130,10 @@ def _finetune(cfg: Config) -> None:
                "each stage would have to save its own adapters and base identity, which torchrig does not do yet")
         raise ConfigError(f"config key 'peft.method': {p.method} with {split[0]} is not supported ({why}); use "
                           f"dist.strategy=ddp or fsdp (FSDP2 shards the frozen base)")
+    if p.method is not None and cfg.ema_decay is not None:
+        raise ConfigError(f"config key 'ema_decay': an EMA with peft.method={p.method} would average the frozen base "
+                          f"too (a second copy of the whole model, in every checkpoint), which is not supported; set "
+                          f"ema_decay=null")
     if q.qat is not None and p.method is not None:
         raise ConfigError(f"config key 'quantize.qat': {q.qat} with peft.method={p.method} is not supported (torchao's "
                           f"fake-quantised layers and peft's adapters would wrap the same Linear layers); set one of them")
