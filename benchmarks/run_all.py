@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 BENCHMARKS = ("whole_run", "overhead", "ddp_scaling", "memory", "async_checkpoint", "activation_checkpointing",
-              "compile", "fastpath", "workers", "import_time")
+              "compile", "fastpath", "workers", "import_time", "finetune")
 README = c.HERE.parent / "README.md"
 BEGIN, END = "<!-- benchmark table: written by benchmarks/run_all.py -->", "<!-- end of benchmark table -->"
 
@@ -116,6 +116,15 @@ def _row_more(name: str, r: dict, ok: str) -> list:
                 f"workers, as `auto` gave before: {1 / cheap['auto_vs_workers']:.2f}× slower than `auto`); "
                 f"transformed rows **{costly['auto_vs_best']:.2f}×** ({costly['arms']['auto']['median_step_us']:.0f} "
                 "µs/step); `auto` trains the weights worker processes train", "measured", "—"]
+    if name == "finetune":
+        a = r["arms"]
+        lora, full, bf16 = a["lora"], a["full"], a["lora-bf16"]
+        return [name, f"LoRA (rank 8, peft) / every parameter training, GPT-2 of {full['parameters'] / 1e6:.1f} M "
+                "parameters on CPU (one thread, batch 8 × 64 tokens): time per step, checkpoint size",
+                f"step **{lora['step_ratio']:.2f}×** ({lora['median_step_s'] * 1e3:.0f} vs "
+                f"{full['median_step_s'] * 1e3:.0f} ms); checkpoint **{lora['checkpoint_ratio']:.3f}×** "
+                f"({lora['checkpoint_bytes'] / 2**20:.2f} vs {full['checkpoint_bytes'] / 2**20:.2f} MiB); bf16 base "
+                f"{bf16['step_ratio']:.2f}× (CPU bf16 matmuls)", "measured", "—"]
     return [name, "", "", "", ok]
 
 

@@ -72,6 +72,8 @@ ALLOWED = {
     ("export/exporter.py", "_write_onnx", "onnx_program.save"): "as torch.export.save",
     ("export/exporter.py", "_write_safetensors", "save_model"): "as torch.export.save",
     ("export/exporter.py", "_write_hf", "save_pretrained"): "as torch.export.save",
+    ("export/finetuned.py", "adapter_format.write", "save_pretrained"): "peft's writer of the adapter folder, as "
+                                                                       "torch.export.save",
     ("tune/study.py", "open_storage", "optuna.storages.RDBStorage"):
         "library writer (SQLite): the study database and its journals are refused when they are links",
 }

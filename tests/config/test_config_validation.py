@@ -25,8 +25,8 @@ EXAMPLES = [
     ("optim.lr=.inf", "config key 'optim.lr': expected a finite number > 0, got inf"),
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
-    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, image, lm, log, model, optim, "
-                  "parallel, pix2pix, profile, scheduler, spike, text"),
+    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, finetune, image, lm, log, model, "
+                  "optim, parallel, peft, pix2pix, profile, quantize, scheduler, spike, text"),
 ]
 
 
@@ -182,6 +182,16 @@ BAD_VALUES = [
     ('ema_warmup=maybe', "true or false, got 'maybe'"),
     ('checkpoint.async_save=maybe', "true or false, got 'maybe'"),
     ('checkpoint.verify=sometimes', "true or false, got 'sometimes'"),
+    ('checkpoint.include_base=maybe', "true or false, got 'maybe'"),
+    ("peft.method=dora", "one of lora or null, got 'dora'"),
+    ('peft.r=0', 'an integer >= 1, got 0'),
+    ('peft.alpha=0', 'a finite number > 0, got 0'),
+    ('peft.dropout=1', 'a number in [0, 1), got 1'),
+    ('peft.target_modules=[]', "'all-linear' or a non-empty list of module-name patterns, got []"),
+    ("peft.modules_to_save=[1]", "a list of module-name patterns, got [1]"),
+    ("peft.base_dtype=int8", "one of bf16, fp16, nf4, fp4 or null, got 'int8'"),
+    ("quantize.qat=int2", "one of int8-dynamic-act-int4-weight, int4-weight-only or null, got 'int2'"),
+    ('quantize.group_size=0', 'an integer >= 1, got 0'),
 ]
 
 
@@ -193,7 +203,7 @@ def test_every_core_key_has_a_rule_and_a_bad_value_here():
         if not dataclasses.is_dataclass(value):
             core.add(f.name)
         elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist", "parallel",
-                        "spike"):
+                        "spike", "peft", "quantize"):
             core |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
     assert set(RULES) == core
     assert {o.split("=", 1)[0] for o, _ in BAD_VALUES} == core

@@ -42,6 +42,7 @@ TRAINER_KEYWORDS = {
     "scheduler": "scheduler.name", "scheduler_interval": "scheduler.interval",
     "channels_last": "model.channels_last", "compile": "model.compile",
     "activation_checkpointing": "model.activation_checkpointing",
+    "peft": "peft.method", "lora_r": "peft.r", "lora_alpha": "peft.alpha", "qat": "quantize.qat",
 }
 
 

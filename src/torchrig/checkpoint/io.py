@@ -404,16 +404,31 @@ def check_keys(saved: set, expected: set, source: str) -> None:
                               f"unexpected keys: {show(unexpected)}. Was it saved from a different model or config?")
 
 
-def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """``model.load_state_dict`` with a message that lists missing and unexpected keys."""
+def frozen_keys(model: nn.Module) -> set[str]:
+    """The ``state_dict`` keys of ``model``'s frozen parameters (``requires_grad=False``)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without its frozen parameters: what an adapted model's checkpoint holds (its buffers
+    stay: a frozen model's running statistics still change)."""
+    frozen = frozen_keys(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint",
+              frozen_kept: bool = False) -> None:
+    """``model.load_state_dict`` with a message that lists missing and unexpected keys. ``frozen_kept``: ``state``
+    holds what trains (:func:`trainable_state`) and the frozen parameters keep their values (a checkpoint of
+    adapters, whose base the caller has checked is this model's)."""
     got = set(state.keys())
-    check_keys(got, set(model.state_dict().keys()), source)
-    own = model.state_dict()
+    own = trainable_state(model) if frozen_kept else model.state_dict()
+    check_keys(got, set(own), source)
     bad = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in sorted(got)
            if state[k].shape != own[k].shape]
     if bad:
         raise CheckpointError(f"{source} does not match the model: shape mismatch for " + "; ".join(bad[:5]))
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not frozen_kept)
 
 
 def safe_torch_save(obj: Any, path: Path) -> str:

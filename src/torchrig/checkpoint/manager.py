@@ -30,7 +30,7 @@ from .background import BackgroundWriter, host_copy
 from .layout import PREFIX, checkpoint_name, weight_files
 from .io import (LINK_LIMIT, CheckpointError, CheckpointWriteError, file_checksum, fsync_dir, load_into,
                  load_weights_file, pause_point, read_checked, read_meta, refused, safe_torch_load, safe_torch_save,
-                 save_weights, say_unverified, write_bytes_atomic, write_json_atomic)
+                 save_weights, say_unverified, trainable_state, write_bytes_atomic, write_json_atomic)
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -151,8 +151,9 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_best: int = 1, *, writes: bool = True,
-                 sharded: bool = False, async_save: bool = False, pipeline: Any = None):
+                 sharded: bool = False, async_save: bool = False, pipeline: Any = None, trainable_only: bool = False):
         self.dir = Path(run_dir) / "checkpoints"
+        self.trainable_only = trainable_only  # the model's frozen parameters are not saved (an adapted model's base)
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.writes, self.sharded = writes, sharded
@@ -233,12 +234,13 @@ class CheckpointManager:
             state = {k: v.state_dict() for k, v in others.items()}  # on every rank: some are collectives
             state["optimizers"] = {k: o.state_dict() for k, o in optimizers.items()}
             path = None
+            weights = trainable_state(model) if self.trainable_only else model.state_dict()
             if self.writes and self._background is not None:
-                weights, state, files, metrics = host_copy((model.state_dict(), state, weight_files(others), metrics))
+                weights, state, files, metrics = host_copy((weights, state, weight_files(others), metrics))
                 self.submit(self.write, step, weights, state, config, meta, metrics, files=files)
                 path = self.dir / checkpoint_name(step)  # once written; `wait()` to be sure
             elif self.writes:
-                path = self.write(step, model.state_dict(), state, config, meta, metrics, files=weight_files(others))
+                path = self.write(step, weights, state, config, meta, metrics, files=weight_files(others))
         self.last_step = step
         return path
 
@@ -306,12 +308,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint '{path}' state.pt lacks the state of optimizer "
                                   f"{', '.join(repr(k) for k in lost)}, so it cannot resume exactly; set "
                                   f"resume_weights_only=true to load its weights only")
+        frozen_kept = meta.get("weights") == "trainable"  # a checkpoint of what trains: the base stays as it is
         if sharded_dir:
             from . import sharded
 
-            sharded.load(model, optimizers, path, print_fn, verify, self.pipeline)
+            sharded.load(model, optimizers, path, print_fn, verify, self.pipeline, frozen_kept)
         else:
-            load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
+            load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'", frozen_kept=frozen_kept)
         for obj in states.values():  # e.g. the EMA: None when the checkpoint has no such file
             if hasattr(obj, "weights_file"):
                 obj.load_weights(load_weights_file(path / obj.weights_file, verify)

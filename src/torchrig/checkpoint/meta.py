@@ -20,6 +20,7 @@ DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # a layout's degrees (parall
 STRATEGIES = ("none", "ddp", "fsdp", "dp")  # the data-parallel wrapper a checkpoint was saved under
 CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")  # one file's record in ``checksums``
 _HEX = re.compile(r"[0-9a-f]{64}")
+WEIGHTS = ("all", "trainable")  # what model.safetensors holds: every tensor, or an adapted model's trainable ones
 
 
 def shown(value: Any, width: int = 80) -> str:
@@ -52,6 +53,24 @@ def check_fields(meta: dict) -> None:
         raise _bad("optimizer_keys", meta["optimizer_keys"], "not 'by_name' (the one way torchrig keys them)")
     if "factories" in meta:
         _check_factories(meta["factories"])
+    if "weights" in meta and meta["weights"] not in WEIGHTS:
+        raise _bad("weights", meta["weights"], f"not one of {', '.join(WEIGHTS)}")
+    if "base" in meta:
+        _check_base(meta["base"])
+
+
+def _check_base(base: Any) -> None:
+    """``{"class": "module:qualname", "sha256": hex, "parameters": count, "config": mapping or null}``: the identity
+    of the base model an adapted checkpoint's adapters belong to."""
+    if not isinstance(base, dict):
+        raise _bad("base", base, "not a mapping of class, config, sha256 and parameters")
+    if not isinstance(base.get("sha256"), str) or not _HEX.fullmatch(base["sha256"]):
+        raise _bad("base.sha256", base.get("sha256"), "not a sha256 (64 hexadecimal digits)")
+    if not isinstance(base.get("class"), str):
+        raise _bad("base.class", base.get("class"), "not a string")
+    _count("base.parameters", base.get("parameters"), 0, MAX_STEP, "a parameter count")
+    if base.get("config") is not None and not isinstance(base["config"], dict):
+        raise _bad("base.config", base["config"], "not a mapping (a Hugging Face config) or null")
 
 
 def _check_layout(layout: Any, world_size: Any) -> None:

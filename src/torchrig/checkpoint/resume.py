@@ -40,15 +40,16 @@ def find_checkpoint(spec: str, run_dir: Path) -> Optional[Path]:
 
 
 def load_weights_only(model: nn.Module, path: Path, sharded: bool = False, verify: bool = True,
-                      pipeline: Any = None) -> None:
+                      pipeline: Any = None, frozen_kept: bool = False) -> None:
     """The weights of checkpoint ``path`` into ``model`` (an FSDP2 model with ``sharded=True``; a stage of
     ``pipeline``, the group of this rank's pipeline, takes its own part); ``verify=False`` (``checkpoint.verify``):
-    without checking them against meta.json's checksums, said in one line."""
+    without checking them against meta.json's checksums, said in one line; ``frozen_kept``: the checkpoint holds what
+    trains, and the model's frozen parameters keep their values."""
     if not verify:
         say_unverified(path)
     if sharded:
         from .sharded import load_full_weights
 
-        load_full_weights(model, path, verify, pipeline)  # the keys are checked there too
+        load_full_weights(model, path, verify, pipeline, frozen_kept)  # the keys are checked there too
     else:
-        load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
+        load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'", frozen_kept=frozen_kept)

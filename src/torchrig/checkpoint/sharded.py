@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from .io import CheckpointError, check_keys, load_weights_file, read_meta
+from .io import CheckpointError, check_keys, load_weights_file, read_meta, trainable_state
 from .layout import checkpoint_name, weight_files
 
 
@@ -44,12 +44,14 @@ def _dsd():
     return dsd
 
 
-def _options(flat: bool) -> Any:
+def _options(flat: bool, frozen_kept: bool = False) -> Any:
     """DCP's state-dict options. Pipeline stages hold different parameters, so each optimizer value is saved under
     its parameter's name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``: ``flat``) rather than in lists by
-    position, which every stage would write differently under the same key."""
+    position, which every stage would write differently under the same key. ``frozen_kept``: the frozen parameters
+    (an adapted model's base) are neither saved nor loaded."""
     dsd = _dsd()
-    return dsd.StateDictOptions(flatten_optimizer_state_dict=flat)
+    return dsd.StateDictOptions(flatten_optimizer_state_dict=flat, ignore_frozen_params=frozen_kept,
+                                strict=not frozen_kept)
 
 
 def _layout(meta: dict, pipeline: Any) -> dict:
@@ -58,25 +60,28 @@ def _layout(meta: dict, pipeline: Any) -> dict:
                 **({"optimizer_keys": "by_name"} if pipeline is not None else {}))
 
 
-def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: bool) -> dict[str, Any]:
+def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: bool, frozen_kept: bool = False) -> dict[str, Any]:
     """Model and optimizer state as DCP wants it: DTensor shards under FSDP (a pipeline stage's own tensors), keyed
-    by parameter name; ``flat`` (a pipeline's) the optimizer's values by parameter name too."""
+    by parameter name; ``flat`` (a pipeline's) the optimizer's values by parameter name too; ``frozen_kept``: the
+    trainable parameters only."""
     dsd = _dsd()
-    options = _options(flat)
+    options = _options(flat, frozen_kept)
     return {"model": dsd.get_model_state_dict(model, options=options),
             "optim": {name: dsd.get_optimizer_state_dict(model, opt, options=options)
                       for name, opt in optimizers.items()}}
 
 
-def full_weights(model: torch.nn.Module, pipeline: Any = None) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``). Collective: every rank calls it.
+def full_weights(model: torch.nn.Module, pipeline: Any = None, frozen_kept: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0 as plain CPU tensors (other ranks get ``{}``; ``frozen_kept``: its trainable
+    parameters and buffers). Collective: every rank calls it.
 
     A pipeline stage holds plain tensors of its own part: the stages of rank 0's ``pipeline`` (its group) send
     theirs to rank 0."""
     group = pipeline
     if group is None:
         dsd = _dsd()
-        return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dsd.get_model_state_dict(model, options=dsd.StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen_kept))
     import torch.distributed as dist
 
     own = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # FSDP2 shards of the stages:
@@ -97,8 +102,9 @@ def save(manager: Any, step: int, model: torch.nn.Module, optimizers: dict, othe
     """Write a checkpoint from every rank; returns its directory (on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    weights = full_weights(model, manager.pipeline)       # collective: gathers the full tensors on rank 0
-    shards = _sharded_state(model, optimizers, manager.pipeline is not None)  # local: this rank's pieces
+    kept = manager.trainable_only                         # an adapted model: its frozen base is not saved
+    weights = full_weights(model, manager.pipeline, kept)  # collective: gathers the full tensors on rank 0
+    shards = _sharded_state(model, optimizers, manager.pipeline is not None, kept)  # local: this rank's pieces
     state = {k: v.state_dict() for k, v in others.items()}  # collective (train metrics are summed over ranks)
     state["optimizers"] = {}                              # in sharded/, by parameter name
 
@@ -168,21 +174,22 @@ def _save_async(manager: Any, step: int, parts: tuple, config: Optional[dict], m
     return manager.dir / name
 
 
-def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True, pipeline: Any = None) -> None:
+def load_full_weights(model: torch.nn.Module, path: Path, verify: bool = True, pipeline: Any = None,
+                      frozen_kept: bool = False) -> None:
     """The full weights of checkpoint ``path`` (``model.safetensors``) sharded into an FSDP2 model (a stage of
-    ``pipeline`` takes its own part)."""
+    ``pipeline`` takes its own part; ``frozen_kept``: the checkpoint holds what trains, the base stays)."""
     dsd = _dsd()
     full = load_weights_file(path, verify)
-    own = model.state_dict()
+    own = trainable_state(model) if frozen_kept else model.state_dict()
     _check_keys(set(full), set(own), path, pipeline)
     if pipeline is not None:  # a pipeline stage takes its own part
         full = {k: v for k, v in full.items() if k in own}
     check_shapes({k: tuple(v.shape) for k, v in full.items()}, own, path)
-    dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True))
+    dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True, strict=not frozen_kept))
 
 
 def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callable[[str], None] = print,
-         verify: bool = True, pipeline: Any = None) -> None:
+         verify: bool = True, pipeline: Any = None, frozen_kept: bool = False) -> None:
     """Load model and optimizer state of checkpoint ``path``, at any world size (``pipeline``: the group of this
     rank's pipeline, whose stages each load their own part).
 
@@ -194,7 +201,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
     dsd = _dsd()
     path = Path(path)
     if not (path / SHARDS).exists():
-        load_full_weights(model, path, verify, pipeline)
+        load_full_weights(model, path, verify, pipeline, frozen_kept)
         return
     from . import safe_dcp
 
@@ -206,7 +213,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' is unreadable ({exc}); use another "
                               f"checkpoint, or its model.safetensors for the weights alone") from None
     flat = read_meta(path).get("optimizer_keys") == "by_name"  # saved by a pipeline
-    target = _sharded_state(model, optimizers, flat)
+    target = _sharded_state(model, optimizers, flat, frozen_kept)
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     _check_keys({k[len("model."):] for k in saved if k.startswith("model.")}, set(target["model"]), path, pipeline)
     check_shapes(shapes, target["model"], path)
@@ -224,7 +231,7 @@ def load(model: torch.nn.Module, optimizers: dict, path: Path, print_fn: Callabl
         raise CheckpointError(f"sharded checkpoint '{path / SHARDS}' does not fit this model or optimizer "
                               f"({str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}); "
                               f"was it saved from a different model or optimizer?") from None
-    options = _options(flat)
+    options = _options(flat, frozen_kept)
     dsd.set_model_state_dict(model, target["model"], options=options)
     for name, opt in optimizers.items():
         if name in target["optim"]:

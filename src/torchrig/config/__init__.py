@@ -20,14 +20,14 @@ from .loading import flat_keys, from_dict, load_config, read_yaml, set_key, to_d
 from .root import Config, aliases, declared_keys, get_key, groups, near_keys, register_section, sections
 from .schema import ConfigError, Key, Refused, Rule, key
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ParallelConfig, ProfileConfig, SchedulerConfig)
+                       ParallelConfig, PeftConfig, ProfileConfig, QuantizeConfig, SchedulerConfig)
 
 # The rule of every key of the top-level and built-in sections (recipe sections bring their own).
 RULES: dict[str, Rule] = {k.name: k.rule for k in declared_keys() if k.name.split(".")[0] not in sections()}
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "SchedulerConfig", "CheckpointConfig",
-    "LogConfig", "ProfileConfig", "DistConfig", "ParallelConfig", "load_config", "read_yaml", "to_dict", "from_dict", "flat_keys", "validate",
+    "LogConfig", "ProfileConfig", "DistConfig", "ParallelConfig", "PeftConfig", "QuantizeConfig", "load_config", "read_yaml", "to_dict", "from_dict", "flat_keys", "validate",
     "get_key", "set_key", "register_section", "sections", "key", "Key", "Rule", "Refused", "declared_keys",
     "aliases", "groups", "near_keys",
 ]

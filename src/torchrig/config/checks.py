@@ -17,7 +17,7 @@ def validate(cfg: Config) -> Config:
         section, _, name = k.name.rpartition(".")
         owner = get_key(cfg, section) if section else cfg
         setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
-    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel):
+    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel, _finetune):
         check(cfg)
     for name in sections():
         section_check = getattr(getattr(cfg, name), "validate", None)
@@ -112,3 +112,31 @@ def _pipeline(cfg: Config) -> None:
     if cfg.model.compile:
         raise ConfigError(f"config key 'model.compile': true with {pp}: the pipeline cuts the model's own forward at "
                           f"its blocks, which torch.compile cannot trace; set model.compile=false")
+
+
+def _finetune(cfg: Config) -> None:
+    """``peft`` and ``quantize``: what adapters and fake quantisation cannot be combined with."""
+    p, q = cfg.peft, cfg.quantize
+    if p.base_dtype is not None and p.method is None:
+        raise ConfigError(f"config key 'peft.base_dtype': {p.base_dtype} casts the frozen base of an adapted model, "
+                          f"and peft.method is null (nothing is frozen); set peft.method=lora, or peft.base_dtype=null")
+    if p.base_dtype in ("bf16", "fp16") and cfg.precision != p.base_dtype:
+        raise ConfigError(f"config key 'peft.base_dtype': {p.base_dtype} keeps the frozen base in {p.base_dtype} and the "
+                          f"adapters in fp32, which only autocast computes together; set precision={p.base_dtype}")
+    split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "pp") if getattr(cfg.parallel, k) != 1]
+    if p.method is not None and split:
+        why = ("a tensor-parallel plan splits nn.Linear and nn.Embedding layers, and LoRA replaces them with peft's "
+               "layers" if split[0].startswith("parallel.tp") else
+               "each stage would have to save its own adapters and base identity, which torchrig does not do yet")
+        raise ConfigError(f"config key 'peft.method': {p.method} with {split[0]} is not supported ({why}); use "
+                          f"dist.strategy=ddp or fsdp (FSDP2 shards the frozen base)")
+    if p.method is not None and cfg.ema_decay is not None:
+        raise ConfigError(f"config key 'ema_decay': an EMA with peft.method={p.method} would average the frozen base "
+                          f"too (a second copy of the whole model, in every checkpoint), which is not supported; set "
+                          f"ema_decay=null")
+    if q.qat is not None and p.method is not None:
+        raise ConfigError(f"config key 'quantize.qat': {q.qat} with peft.method={p.method} is not supported (torchao's "
+                          f"fake-quantised layers and peft's adapters would wrap the same Linear layers); set one of them")
+    if q.qat is not None and split:
+        raise ConfigError(f"config key 'quantize.qat': {q.qat} with {split[0]} is not supported (each rank would "
+                          f"quantise its piece of a weight with scales of its own); use dist.strategy=ddp or fsdp")

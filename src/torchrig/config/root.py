@@ -15,7 +15,7 @@ from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integ
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ParallelConfig, ProfileConfig, SchedulerConfig, SpikeConfig)
+                       ParallelConfig, PeftConfig, ProfileConfig, QuantizeConfig, SchedulerConfig, SpikeConfig)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
 
@@ -42,7 +42,7 @@ class Config:
     """The run, the device, the loss and the loop: the keys outside any section."""
 
     recipe: str = key("digits", TEXT, "the ready task torchrig train builds: digits, image-classification, "
-                                      "text-classification, pix2pix or custom")
+                                      "text-classification, language-model, finetune, pix2pix or custom")
     seed: int = key(0, integer(0, 2**32 - 1), "seeds Python, NumPy and torch; the data order is a function of "
                                               "(seed, epoch)")
     epochs: int = key(10, integer(1), "passes over the training data")
@@ -114,6 +114,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

@@ -1,5 +1,5 @@
 """The built-in config sections (``data``, ``model``, ``optim``, ``scheduler``, ``checkpoint``, ``log``,
-``profile``, ``dist``): every key once, with its type, default, rule, Trainer keyword and help."""
+``profile``, ``dist``, ``parallel``, ``peft``, ``quantize``, ``spike``): every key once, with its type, default, rule, Trainer keyword and help."""
 
 from __future__ import annotations
 
@@ -174,6 +174,9 @@ class CheckpointConfig:
                                        "only for the copy to host memory")
     verify: bool = key(True, BOOL, "check every checkpoint file read against the sha256 its meta.json recorded, and "
                                    "refuse a checkpoint without that record; false: load unchecked (said on every load)")
+    include_base: bool = key(False, BOOL, "with peft.method set: also save the frozen base model's weights (the whole "
+                                          "model per checkpoint); false: the trained weights, their optimizer state "
+                                          "and the base's identity (its config and a sha256 of its weights)")
 
 
 @dataclass
@@ -324,8 +327,61 @@ class ParallelConfig:
         alias="loss_parallel")
 
 
+def _targets(v: Any) -> Any:
+    if v == "all-linear":
+        return v
+    if isinstance(v, str):  # --set peft.target_modules=c_attn,c_proj
+        v = [part.strip() for part in v.split(",")]
+    accept(isinstance(v, (list, tuple)) and len(v) > 0, v)
+    return [accept(isinstance(k, str) and k.strip() != "", k) for k in v]
+
+
+TARGETS = Rule("'all-linear' or a non-empty list of module-name patterns", _targets)
+BASE_DTYPES = ("bf16", "fp16", "nf4", "fp4")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the peft package: LoRA adapters train, the base model stays frozen."""
+
+    method: Optional[str] = key(None, optional(choice("lora")),
+                                "lora: low-rank adapters (peft's LoRA) on peft.target_modules train and the rest of the "
+                                "model is frozen; checkpoints then hold what trains (checkpoint.include_base); null: "
+                                "every parameter trains", alias="peft")
+    r: int = key(8, integer(1), "LoRA rank: the inner size of each adapter", alias="lora_r")
+    alpha: float = key(16.0, POSITIVE, "LoRA scale: an adapter's output is multiplied by alpha / r",
+                       alias="lora_alpha")
+    dropout: float = key(0.0, number(0, 1, hi_open=True), "dropout on the adapters' inputs")
+    target_modules: Union[str, list] = key(
+        "all-linear", TARGETS,
+        "the modules that get adapters: all-linear (every Linear layer but a Hugging Face model's output layer), or "
+        "module-name patterns (fnmatch on named_modules() names; a bare name such as c_attn matches at any depth)")
+    modules_to_save: list = key([], list_of(TEXT, "a list of module-name patterns"),
+                                "modules trained in full beside the adapters, e.g. a classification head (patterns as "
+                                "in peft.target_modules)")
+    base_dtype: Optional[str] = key(
+        None, optional(choice(*BASE_DTYPES)),
+        "the frozen base's weights: bf16 or fp16 (adapters and their optimizer state stay fp32; needs precision "
+        "bf16 / fp16), nf4 or fp4 (4-bit through bitsandbytes: QLoRA, CUDA only); null: as the model was built")
+
+
+QAT_SCHEMES = ("int8-dynamic-act-int4-weight", "int4-weight-only")
+
+
+@dataclass
+class QuantizeConfig:
+    """Quantisation-aware training through torchao: training with fake-quantised Linear layers, then
+    ``torchrig export --quantize`` converts them to quantised ones."""
+
+    qat: Optional[str] = key(None, optional(choice(*QAT_SCHEMES)),
+                             "torchao's QAT scheme: int8-dynamic-act-int4-weight (int8 activations per token, int4 "
+                             "weights per group) or int4-weight-only (int4 weights per group); null: off", alias="qat")
+    group_size: int = key(32, integer(1), "input features per weight quantisation group (each quantised Linear "
+                                          "layer's in_features must be a multiple)")
+
+
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "ProfileConfig", "SchedulerConfig", "SpikeConfig"]
+           "ParallelConfig", "PeftConfig", "ProfileConfig", "QuantizeConfig", "SchedulerConfig", "SpikeConfig"]
 
 
 

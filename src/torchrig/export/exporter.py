@@ -10,7 +10,11 @@ Four formats, each through the library that owns it:
   ``safetensors.torch.load_model`` into the same ``nn.Module``;
 - ``hf``: ``save_pretrained`` of the Hugging Face model inside (the model itself, or its one
   ``transformers.PreTrainedModel`` sub-module), with the run's tokenizer when it has one, for
-  ``AutoModel*.from_pretrained(folder)``.
+  ``AutoModel*.from_pretrained(folder)``;
+- ``adapter``: a fine-tuned checkpoint's peft adapters alone, for ``PeftModel.from_pretrained(base, folder)``.
+
+A fine-tuned checkpoint's adapters are merged into its base first with ``--merge``, a QAT model's layers
+converted with ``--quantize`` (``finetuned.py``), each checked before the format's own check.
 
 The checkpoint is read as ``evaluate`` and ``predict`` read it (safetensors weights, a safe YAML config:
 no code from the checkpoint). The example inputs are the first samples of the recipe's data (``test``,
@@ -25,6 +29,7 @@ folder of the run's own, not a link to one elsewhere.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import traceback
@@ -37,8 +42,10 @@ from torch import nn
 
 from ..config.files import make_dir, staged
 from ..errors import TorchrigError, suggest
+from ..models.hub import no_progress_bars
+from . import finetuned
 
-FORMATS = {"torch-export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "hf": ""}
+FORMATS = {"torch-export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "hf": "", "adapter": ""}
 EXAMPLES = 3  # samples in the example batch: more than 1, so the batch dimension is not specialised to 1
 ATOL = 1e-5
 
@@ -64,27 +71,35 @@ class Exported:
 
 
 def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None, *, inputs: Optional[str] = None,
-                      overrides: Optional[list[str]] = None, overwrite: bool = False, atol: float = ATOL) -> Exported:
+                      overrides: Optional[list[str]] = None, overwrite: bool = False, atol: float = ATOL,
+                      merge: bool = False, quantize: bool = False) -> Exported:
     """Export the model of ``checkpoint`` (a checkpoint, run directory or ``.../latest``) as ``format``.
 
-    ``output`` defaults to ``RUN_DIR/export/<checkpoint name><suffix>`` (a folder for ``hf``). An existing
-    output is refused unless ``overwrite``. Returns the path and the checked difference."""
-    from ..recipes.run import load_for_inference
+    ``output`` defaults to ``RUN_DIR/export/<checkpoint name><suffix>`` (a folder for ``hf`` and ``adapter``). An
+    existing output is refused unless ``overwrite``. ``merge``: peft adapters folded into the base first;
+    ``quantize``: a QAT model's fake-quantised layers converted first (see ``export/finetuned.py``). Returns the
+    path and the checked difference."""
+    from ..recipes.run import load_checkpoint_model
 
     if format not in FORMATS:
         raise ExportError(f"--format {format!r} is not an export format{suggest(format, FORMATS)}; choose one of "
                           f"{', '.join(FORMATS)}")
-    recipe, cfg, model, path = load_for_inference(checkpoint, overrides)
-    model = model.to("cpu").eval()
+    got = load_checkpoint_model(checkpoint, overrides)
+    finetuned.check_flags(got, format, merge, quantize)
+    recipe, cfg, path = got.recipe, got.cfg, got.path
+    model = finetuned.widened(got, got.model.to("cpu")).eval()
     default = f"{path.name}{FORMATS[format]}" if FORMATS[format] else f"{path.name}-{format}"
     out = Path(output).expanduser() if output else Path(cfg.run_dir) / "export" / default
     _check_output(out, format, overwrite)
     root = _given_folder(out, Path(cfg.run_dir))
     make_dir(out.parent, root)  # RUN_DIR/export a link (to a folder elsewhere) is refused here
     args, kwargs = example_inputs(recipe, cfg, model, inputs)
+    model, folded = finetuned.fold(got, model, args, kwargs, merge, quantize, atol, max_difference)
     with torch.inference_mode():
         expected = model(*args, **kwargs)
-    write, check = _FORMATS[format]
+    write, check = finetuned.adapter_format(got, max_difference) if format == "adapter" else _FORMATS[format]
+    if quantize:  # the tracer cannot see through torchao's tensors which sizes a layer fixes: the batch alone varies
+        write = functools.partial(write, batch_only=True)
     # written and checked in a new temporary folder beside the output; renamed into place (over a link there,
     # never through it) only when it reproduces the model
     with staged(out, root) as new:
@@ -98,7 +113,7 @@ def export_checkpoint(checkpoint: str, format: str, output: Optional[str] = None
             raise ExportError(f"the {format} export of '{path}' does not reproduce the model: max |difference| "
                               f"{diff:.3g} > {atol:g} on {_count(args, kwargs)} samples; nothing was written to "
                               f"{out}")
-    return Exported(out, format, diff, _count(args, kwargs), note)
+    return Exported(out, format, diff, _count(args, kwargs), folded + note)
 
 
 def _given_folder(out: Path, run_dir: Path) -> Path:
@@ -181,13 +196,13 @@ def _shrunk(args: tuple, kwargs: dict, dims: list[set[int]]) -> Optional[tuple[t
 
 
 def _check_output(out: Path, format: str, overwrite: bool) -> None:
-    if format != "hf" and out.suffix.lower() != FORMATS[format]:
+    if FORMATS[format] and out.suffix.lower() != FORMATS[format]:
         raise ExportError(f"--output {out}: a {format} export is a {FORMATS[format]} file; name it "
                           f"{out.with_suffix(FORMATS[format]).name}")
     if out.exists() or out.is_symlink():
         if not overwrite:
             raise ExportError(f"--output {out} already exists; choose another path or add --overwrite")
-        if out.is_dir() and not out.is_symlink() and format != "hf":
+        if out.is_dir() and not out.is_symlink() and FORMATS[format]:
             raise ExportError(f"--output {out} is a folder; a {format} export is a file")
 
 
@@ -474,21 +489,8 @@ def hf_model(model: nn.Module) -> nn.Module:
                       f"({', '.join(n for n, _ in outer)}); export one of them from Python with save_pretrained")
 
 
-@contextlib.contextmanager
-def _no_hf_bars():
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
 def _write_hf(model, args, kwargs, out: Path, cfg) -> None:
-    with _no_hf_bars():
+    with no_progress_bars():
         hf_model(model).save_pretrained(str(out), safe_serialization=True)
     tokenizer = Path(cfg.run_dir) / "tokenizer.json"
     if tokenizer.is_file() and not tokenizer.is_symlink():
@@ -505,7 +507,7 @@ def _check_hf(model, args, kwargs, out: Path, expected) -> float:
     from ..trainer.outputs import unpack
 
     inner = hf_model(model)
-    with _no_hf_bars():
+    with no_progress_bars():
         loaded = type(inner).from_pretrained(str(out)).eval()
     with torch.inference_mode():
         got = loaded(*args, **kwargs) if inner is model else unpack(loaded(*args, **kwargs))[0]

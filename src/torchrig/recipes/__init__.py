@@ -7,6 +7,7 @@ from ..errors import suggest
 from .base import Recipe, RecipeError
 from .custom import CustomRecipe
 from .digits import DigitsRecipe
+from .finetune import FinetuneRecipe
 from .image import ImageClassificationRecipe
 from .lm import LanguageModelRecipe
 from .pix2pix import Pix2PixRecipe
@@ -17,6 +18,7 @@ _RECIPES: dict[str, type[Recipe]] = {
     "image-classification": ImageClassificationRecipe,
     "text-classification": TextClassificationRecipe,
     "language-model": LanguageModelRecipe,
+    "finetune": FinetuneRecipe,
     "pix2pix": Pix2PixRecipe,
     "custom": CustomRecipe,
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .. import config as C
 from ..errors import suggest
@@ -243,8 +243,25 @@ def given_verify(overrides: Optional[list[str]]) -> bool:
     return probe.checkpoint.verify
 
 
+class Loaded(NamedTuple):
+    """A checkpoint's model as ``evaluate``, ``predict`` and ``export`` use it."""
+
+    recipe: Any
+    cfg: C.Config
+    model: Any              # the recipe's model with the checkpoint's weights (and its adapters, if any)
+    path: Path              # the checkpoint directory
+    adapted: Any            # optim.adapters.Adapted (peft's PeftModel around the model) or None
+    meta: dict              # its meta.json
+
+
 def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     """(recipe, cfg, model with the checkpoint's weights, checkpoint dir) on the configured device."""
+    got = load_checkpoint_model(checkpoint, overrides)
+    return got.recipe, got.cfg, got.model, got.path
+
+
+def load_checkpoint_model(checkpoint: str, overrides: Optional[list[str]] = None) -> Loaded:
+    """The model of ``checkpoint`` with its weights, and what it was built from (see :class:`Loaded`)."""
     from ..checkpoint import CheckpointError, load_into, load_weights_file, read_checkpoint, resolve, say_unverified
 
     path, verify = resolve(checkpoint), given_verify(overrides)
@@ -266,9 +283,39 @@ def load_for_inference(checkpoint: str, overrides: Optional[list[str]] = None):
     if cfg.model.python_class and "recipe" not in given_keys(overrides):
         cfg.recipe = "custom"  # its data came from Python (recorded as digits before custom was recorded)
     recipe = get_recipe(cfg.recipe)
+    model, adapted = fine_tuned_model(recipe, cfg, meta, path)
+    load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'",
+              frozen_kept=meta.get("weights") == "trainable")
+    return Loaded(recipe, cfg, model, path, adapted, meta)
+
+
+def base_model(recipe, cfg: C.Config, meta: dict):
+    """The recipe's model as the run built it before any adapter: from the same seed (a model built from its config
+    gets the run's initial weights) and, for a checkpoint of adapters alone, ``model.init`` and ``model.weights``."""
+    from ..runtime import seed_everything
+
+    seed_everything(cfg.seed)
     model = factory.build_model(recipe, cfg)
-    load_into(model, load_weights_file(path, verify), source=f"checkpoint '{path}'")
-    return recipe, cfg, model, path
+    if meta.get("weights") == "trainable":
+        prepare_model(model, cfg)  # the base the run trained on: model.init, and model.weights given again
+    return model
+
+
+def fine_tuned_model(recipe, cfg: C.Config, meta: dict, path: Path):
+    """``(model, adapters)``: the recipe's model as the run built it, with its peft adapters and torchao's fake
+    quantisation as the run put them in (``adapters``: ``optim.adapters.Adapted`` or None). A checkpoint of adapters
+    alone (``weights: trainable``) needs the base the run trained them on: built again from the same seed,
+    ``model.init`` and ``model.weights`` (given again: a checkpoint never names a file to read), then checked
+    against the base's sha256 the checkpoint recorded."""
+    from ..optim import adapters, qat
+    from ..runtime import select_device
+    from ..trainer.provenance import check_base
+
+    model = base_model(recipe, cfg, meta)
+    adapted = adapters.prepare(model, cfg, select_device(cfg.device, 0))
+    check_base(meta, adapted.base if adapted else None, path)
+    qat.prepare(model, cfg.quantize)
+    return model, adapted
 
 
 def _inference_trainer(recipe, cfg: C.Config, model, data: dict):
@@ -276,6 +323,7 @@ def _inference_trainer(recipe, cfg: C.Config, model, data: dict):
 
     cfg.log.progress = "none"
     cfg.log.tensorboard = False
+    cfg.peft, cfg.quantize = type(cfg.peft)(), type(cfg.quantize)()  # the model holds its adapters already
     return Trainer(model, config=cfg, **recipe.trainer_kwargs(cfg, data), **factory.trainer_objects(cfg))
 
 

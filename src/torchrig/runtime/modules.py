@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+# torchao (imported by transformers and peft wherever it is installed) registers enum types with torch's pytree,
+# which torch answers with a deprecation line for each on stderr, before any line of the run: those lines alone are
+# dropped
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "register_constant() on Enum subclasses" not in record.getMessage())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

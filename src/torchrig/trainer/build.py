@@ -42,7 +42,7 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
                      device: torch.device, split: bool = False) -> dict[str, torch.optim.Optimizer]:
     """Optimizers by name ("default" for one): from names, instances or factories of parameters. ``split``: the
     layout replaced or dropped parameters (FSDP2, tensor or pipeline parallelism), so an optimizer built before
-    the Trainer holds the wrong ones."""
+    the Trainer holds the wrong ones; so does one built before ``peft.method`` added the adapters."""
     o = cfg.optim
     base = runtime.unwrap(model)
 
@@ -56,6 +56,10 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
         if isinstance(value, str):
             return by_name(value, module)
         if isinstance(value, torch.optim.Optimizer):
+            if cfg.peft.method is not None:
+                raise ConfigError(f"config key 'peft.method': {cfg.peft.method} puts the adapters in when the Trainer "
+                                  f"is built, so an optimizer built before it holds none of them; pass the optimizer "
+                                  f"by name or as a factory (a callable taking the parameters)")
             if strategy == "fsdp" or split:
                 what = ("strategy 'fsdp' replaces the parameters with sharded ones" if strategy == "fsdp" else
                         "parallel.tp / parallel.pp split the parameters over the ranks")
@@ -63,8 +67,8 @@ def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,
                     f"{what}, so an optimizer built before the Trainer cannot be used; pass the optimizer by name "
                     f"or as a factory (a callable taking the parameters)")
             return value
-        if callable(value):
-            return value(module.parameters())
+        if callable(value):  # with adapters, the parameters that train (the frozen base needs no optimizer)
+            return value(p for p in module.parameters() if p.requires_grad or cfg.peft.method is None)
         raise TypeError(f"optimizer {key!r} must be a name, a torch.optim.Optimizer or a callable(params), "
                         f"got {type(value).__name__}")
 

@@ -40,7 +40,7 @@ HARMLESS = frozenset({
     "data.eval_batch_size", "data.val_path", "data.test_path", "eval_every_epochs",
     # when checkpoints are written and how many are kept (not what the best one is measured by)
     "checkpoint.every_steps", "checkpoint.every_epochs", "checkpoint.keep_last", "checkpoint.keep_best",
-    "checkpoint.save_final", "checkpoint.async_save",
+    "checkpoint.save_final", "checkpoint.async_save", "checkpoint.include_base",
     # what is logged and shown
     "log.", "profile.",
 })

@@ -63,6 +63,7 @@ class FitContext:
     config_builds_model: bool       # the config rebuilds the model (the CLI); else its class is recorded
     say: Callable[[str], None]      # one line for the user, from the main process
     notify: Callable[..., None]     # notify(hook, *args): the fit's callbacks, given the Trainer
+    base: Optional[dict] = None     # peft adapters: the base model's identity (optim.adapters.identity), else None
 
     @property
     def sharded(self) -> bool:

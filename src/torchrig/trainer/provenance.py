@@ -20,12 +20,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from torch import nn
 
 from .. import config as C
 from .. import runtime
+from ..checkpoint import CheckpointError
 
 
 PYTHON_RECIPE = "custom"  # the recipe recorded for a run whose model and data came from Python: it has no data
@@ -79,3 +81,25 @@ def factory_files(cfg: C.Config) -> dict[str, dict[str, Any]]:
             continue
         out[key] = {"spec": spec, "module": module.__name__, "file": os.path.realpath(path), "sha256": digest}
     return out
+
+
+def _shown(base: dict) -> str:
+    cls = str(base.get("class", "?")).rpartition(":")[2]
+    return f"{cls} sha256 {str(base.get('sha256', ''))[:12]}… ({base.get('parameters', 0):,} parameters)"
+
+
+def check_base(meta: dict, base: Optional[dict], path: Path) -> None:
+    """A checkpoint of adapters (``meta.json``'s ``weights: trainable``) loads only onto the base model they were
+    trained on: ``base`` is this model's identity (``optim.adapters.identity``; None: no adapters here)."""
+    if meta.get("weights") != "trainable":
+        return  # the whole model is in the checkpoint
+    saved = meta.get("base")
+    if base is None:
+        raise CheckpointError(f"checkpoint '{path}' holds the adapters of a fine-tuned model without its base, and "
+                              f"this run adds no adapters; set peft.method (and the peft keys) as that run did, or use "
+                              f"a checkpoint saved with checkpoint.include_base=true")
+    if not isinstance(saved, dict) or saved.get("sha256") != base["sha256"]:
+        was = _shown(saved) if isinstance(saved, dict) else "no record of it"
+        raise CheckpointError(f"checkpoint '{path}' holds adapters trained on another base model: {was} in the "
+                              f"checkpoint, {_shown(base)} here; build the base it was trained on (the same model, "
+                              f"model.weights and seed)")

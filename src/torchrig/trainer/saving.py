@@ -56,6 +56,9 @@ def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> 
     meta["layout"] = c.layout.degrees()  # the degrees it was saved in: a resume in another layout says so
     meta["strategy"] = c.layout.strategy  # the data-parallel wrapper: none, ddp, fsdp
     meta["plan"] = c.plan.record()  # what the run derived from its config: per-process batch, accumulation
+    meta["weights"] = "trainable" if c.checkpoints.trainable_only else "all"  # model.safetensors: adapters, or all
+    if c.base is not None:
+        meta["base"] = c.base  # the base model the adapters belong to (a resume onto another is refused)
     factories = provenance.factory_files(c.cfg)
     if factories:
         meta["factories"] = factories
@@ -75,12 +78,14 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
         c.say(f"torchrig: resume={spec}: {c.run_dir} holds no checkpoint yet; training starts at step 0")
         return None, 0, 0
     verify = c.cfg.checkpoint.verify
+    meta = read_meta(path)
+    provenance.check_base(meta, c.base, path)  # adapters load onto the base they were trained on, or not at all
     if c.cfg.resume_weights_only:
-        load_weights_only(c.model, path, sharded=c.sharded, verify=verify, pipeline=c.layout.groups.pipeline)
+        load_weights_only(c.model, path, sharded=c.sharded, verify=verify, pipeline=c.layout.groups.pipeline,
+                          frozen_kept=meta.get("weights") == "trainable")
         c.say(f"torchrig: loaded the weights of {path}; optimizer, schedule and step start fresh "
               f"(resume_weights_only=true)")
         return None, 0, 0
-    meta = read_meta(path)
     saved_layout = layout_of(meta)
     now = c.layout.degrees()
     changes.check(read_config(path, verify), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,

@@ -30,7 +30,7 @@ from ..observe.finish import end_of_run, finished_where
 from ..observe.metrics_logger import MetricsLogger
 from ..observe.run_logger import RunLogger
 from ..observe.throughput import FlopCount, fit_callbacks
-from ..optim import losses
+from ..optim import adapters, losses, qat
 from ..optim.ema import build_ema, ema_weights
 from . import build, inference, saving
 from . import outputs as O
@@ -94,6 +94,9 @@ class Trainer:
         try:
             self._setup_runtime()
             self._place(model)
+            # fine-tuning, in place before any wrapping: peft's LoRA adapters (the rest frozen), torchao's QAT layers
+            self.adapted = adapters.prepare(model, self.cfg, self.device)
+            self._qat_line = qat.prepare(model, self.cfg.quantize)
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
                                                           self.precision.dtype, self.layout)
@@ -339,7 +342,8 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(self.run_dir, ck.keep_last, ck.keep_best, writes=self.is_main,
                                              sharded=self.layout.sharded, async_save=ck.async_save,
-                                             pipeline=self.layout.groups.pipeline)
+                                             pipeline=self.layout.groups.pipeline,
+                                             trainable_only=self.adapted is not None and not ck.include_base)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.layout.groups, self.device,
                                          staged=cfg.on_nonfinite == "skip")  # a skipped window's loss: not logged
@@ -366,7 +370,8 @@ class Trainer:
             checkpoints=self.checkpoints, early_stopping=self.early_stopping, callbacks=self.callbacks,
             data=self._data, ema=self.ema, spikes=self._spikes, signals=self._signals, run_dir=self.run_dir,
             config_builds_model=self.config_builds_model, say=self.print,
-            notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args))
+            notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args),
+            base=self.adapted.base if self.adapted is not None else None)
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -398,6 +403,9 @@ class Trainer:
                                          start_step=self.global_step, config=cfg)  # and the trackers
         if cfg.log.summary:
             self.print(self.summary())
+        for line in (self.adapted.line() if self.adapted else None, self._qat_line):  # what trains, what is quantised
+            if line:
+                self.print(line)
         p = self.plan
         split = f" · {self.layout.describe()}" if self.layout.mesh is not None else ""
         if self.layout.pipeline is not None:  # the schedule, and the stages a rank holds when more than one
