@@ -12,7 +12,8 @@ REQUIRED = ("numpy", "pyyaml", "safetensors", "tqdm", "scikit-learn", "matplotli
 EXTRAS = {"torchvision": "vision", "pillow": "vision", "tensorboard": "tensorboard", "tokenizers": "text",
           "transformers": "text", "timm": "timm", "datasets": "hf", "torchdata": "torchdata", "mlflow": "mlflow",
           "wandb": "wandb", "optuna": "tune", "onnx": "export", "onnxscript": "export", "onnxruntime": "export",
-          "torchmetrics": "metrics", "ipywidgets": "notebook", "ray": "ray"}
+          "torchmetrics": "metrics", "ipywidgets": "notebook", "ray": "ray",
+          "peft": "finetune", "torchao": "finetune"}
 
 
 def extras() -> dict[str, str]:
