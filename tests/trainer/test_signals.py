@@ -322,8 +322,10 @@ def test_cli_train_sigterm_then_resume(tmp_path):
     assert code == 143, err[-2000:]
     step = int(resolve("latest", run).name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with the same command and --set run_dir={run} --set resume=latest" in err
-    done = subprocess.run([PYTHON, *args, "--set", "resume=latest"], capture_output=True, text=True,
+           f"continue with torchrig train --set run_dir={run} --set resume=latest" in err
+    # the short command the line names: the run's own settings (epochs=2, the checkpoint interval ...) are read back
+    done = subprocess.run([PYTHON, "-m", "torchrig.cli", "train", "--set", f"run_dir={run}", "--set", "resume=latest",
+                           "--set", "log.plot=false", "--set", "log.tensorboard=false"], capture_output=True, text=True,
                           env=subprocess_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed at step {step}" in done.stderr

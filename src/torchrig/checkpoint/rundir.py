@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from .. import runtime
 from ..config.files import LINES_LIMIT, open_own, read_lines, refuse_link, replace_link, write_atomic
-from ..errors import setting
+from ..errors import setting, suggest
 from .io import CheckpointError
 from .manager import follow_link
 
@@ -161,6 +161,44 @@ def _owner(fd: int, patience: float = 1.0) -> str:
         time.sleep(0.01)
 
 
+def check_resumable(run_dir: Optional[str | Path], resume: Optional[str]) -> None:
+    """Refuse ``resume=latest`` (or ``best``) in a ``run_dir`` that does not exist: most likely a typo, which would
+    otherwise train a new run from step 0 and end with success. An existing empty folder (a scheduler's first start
+    of a job whose every start says ``resume=latest``) starts at step 0, as does a restart by torchrun."""
+    if resume not in ("latest", "best") or not run_dir or runtime.restart_count() > 0:
+        return
+    path = Path(run_dir)
+    if path.exists() or path.is_symlink():
+        return
+    near = suggest(str(run_dir), _run_dirs_near(path), n=3)
+    raise RunDirError(f"run_dir '{run_dir}' does not exist, so {setting('resume', resume)} has no run to continue"
+                      f"{near}{' ' if near else '. '}To start a new run there, leave out {setting('resume', resume)}, "
+                      f"or create the folder first (an empty run_dir starts at step 0)")
+
+
+def _run_dirs_near(path: Path, limit: int = 2000) -> list[str]:
+    """The folders at ``path``'s depth under its nearest existing ancestor (``runs/cli`` for ``runs/clii``, and for
+    ``rnus/cli`` too), as ``path`` spells them; at most ``limit`` are looked at."""
+    missing: list[str] = []
+    base = path
+    while not base.is_dir() and base != base.parent:
+        missing.insert(0, base.name)
+        base = base.parent
+    level = [base]
+    for _ in missing:
+        below: list[Path] = []
+        for folder in level:
+            try:
+                with os.scandir(folder) as entries:
+                    below += [folder / e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+            except OSError:
+                continue
+            if len(below) >= limit:
+                break
+        level = below[:limit]
+    return [str(p) for p in level]
+
+
 # ----------------------------------------------------------------------------- what a directory holds
 
 
@@ -292,14 +330,18 @@ class RunDir:
         self.checked = False  # a second fit() of the same Trainer continues its own run
 
     def open(self, run_dir: Optional[str], root: str | Path, new_run: bool, overwrite: bool,
-             say: Callable[[str], None] = print, newest: bool = False) -> Path:
-        """``newest``: without ``run_dir``, go on in the newest numbered run (``resume`` latest / best; a
-        restart does anyway) rather than in a new one; a checkpoint named by its path resumes into a new run."""
+             say: Callable[[str], None] = print, resume: Optional[str] = None) -> Path:
+        """``resume`` latest / best: without ``run_dir``, go on in the newest numbered run (a restart does anyway)
+        rather than in a new one, and with one, refuse a folder that does not exist; a checkpoint named by its path
+        resumes into a new run."""
+        newest = resume in ("latest", "best")
         if self.path is None:
             self.path = Path(run_dir) if run_dir else numbered_run_dir(root, say, resume=newest)
         error: Optional[BaseException] = None
         if runtime.get_rank() == 0:
             try:
+                if not self.checked:
+                    check_resumable(run_dir, resume)
                 self._open_main(new_run and not self.checked, overwrite, say)
             except Exception as exc:  # told to the other ranks too, so that none waits for rank 0
                 error = exc

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import same_run, settings
+from ..errors import continue_run
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
@@ -59,7 +59,7 @@ class RunStopped(SystemExit):
         """The loop's stop: after optimizer step ``step``, whose checkpoint is in ``run_dir``. The way on names
         the run: ``resume=latest`` alone would resume the newest run of the recipe, which may be another."""
         return cls(signum, f"at step {step}; checkpoint {run_dir}/checkpoints/step-{step:08d}; continue with "
-                           f"{same_run()} {settings(('run_dir', str(run_dir)), ('resume', 'latest'))}", step)
+                           f"{continue_run(run_dir)}", step)
 
     def __str__(self) -> str:
         return self.message

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .. import config as C
 from .. import runtime
-from ..errors import setting
+from ..errors import setting, short_resume
 
 HARMLESS = frozenset({
     # how long (see RUN_LENGTH_SCHEDULES), where, with how many threads and processes (the world size is
@@ -38,6 +38,8 @@ HARMLESS = frozenset({
     # how batches are delivered (the same samples in the same order), and what is evaluated when
     "data.num_workers", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor", "data.fast_path",
     "data.eval_batch_size", "data.val_path", "data.test_path", "eval_every_epochs",
+    # the weights a run started from: a resume loads the checkpoint's over them
+    "model.weights",
     # when checkpoints are written and how many are kept (not what the best one is measured by)
     "checkpoint.every_steps", "checkpoint.every_epochs", "checkpoint.keep_last", "checkpoint.keep_best",
     "checkpoint.save_final", "checkpoint.async_save",
@@ -113,10 +115,10 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
 
 
 def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Callable[[str], None],
-          worlds: tuple[int, int] = (1, 1)) -> None:
+          worlds: tuple[int, int] = (1, 1), run_dir: Any = None) -> None:
     """Refuse to resume from ``checkpoint`` (whose config is ``saved``; ``worlds``: the saved and the
-    current number of processes) with changed settings, or, with ``allow``, say in one line what is no
-    longer exact. A new run length passes; when the schedule follows it, one line says that the learning
+    current number of processes; ``run_dir``: the run it continues) with changed settings, or, with ``allow``,
+    say in one line what is no longer exact. A new run length passes; when the schedule follows it, one line says that the learning
     rates from here on are not those of a run this long."""
     if not isinstance(saved, dict):
         return
@@ -134,8 +136,10 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
         say(f"torchrig: resume_changes=allow: resuming from '{checkpoint}' with changed settings, so the run is no "
             f"longer exact: {_list(refused)}")
         return
+    short = short_resume(run_dir) if run_dir is not None else ""
+    back = f"set them back ({short} takes the run's own settings)" if short else "set them back"
     raise C.ConfigError(f"resuming from '{checkpoint}' with changed settings would not be exact: {_list(refused)}; "
-                        f"set them back, start a new run (another run_dir, or {setting('overwrite', True)}), or "
+                        f"{back}, start a new run (another run_dir, or {setting('overwrite', True)}), or "
                         f"resume anyway with {setting('resume_changes', 'allow')}")
 
 
