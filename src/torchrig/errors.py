@@ -20,18 +20,20 @@ class TorchrigError(Exception):
     """A problem with the user's input or environment; the message names it, the bad value and the fix."""
 
 
-def suggest(name: str, options: Iterable[str], *, listing: str = "", n: int = 1, cutoff: float = 0.6) -> str:
+def suggest(name: str, options: Iterable[str], *, listing: str = "", n: int = 1, cutoff: float = 0.6,
+            prefix: str = "") -> str:
     """The end of an "unknown ``name``" message, worded the same everywhere.
 
     ``"; did you mean 'adam'?"`` when one of ``options`` is close to ``name`` (up to ``n`` of them:
-    ``"; did you mean 'a', 'b' or 'c'?"``), else ``""``. A ``listing`` sentence (e.g.
+    ``"; did you mean 'a', 'b' or 'c'?"``), else ``""``; each shown with ``prefix`` before it (the section of a
+    key: ``'optim.lr'`` for ``optim.lrr``, matched among the section's own names). A ``listing`` sentence (e.g.
     ``"Valid names: sgd, adam"``) follows the hint, or ends the message on its own:
     ``"; did you mean 'adam'? Valid names: sgd, adam"`` / ``". Valid names: sgd, adam"``.
     """
     close = difflib.get_close_matches(str(name), [str(o) for o in options], n=n, cutoff=cutoff)
     hint = ""
     if close:
-        quoted = [f"'{c}'" for c in close]
+        quoted = [f"'{prefix}{c}'" for c in close]
         shown = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
         hint = f"; did you mean {shown}?"
     if not listing:

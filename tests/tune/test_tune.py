@@ -116,7 +116,7 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "space.yaml").write_text("optim.lrr: {log_uniform: [1e-5, 1e-1]}\n")
     assert main(["tune", "--space", "space.yaml", "--trials", "2"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "torchrig: error: space.yaml: unknown config key 'optim.lrr'; did you mean 'lr'?"
+    assert err == "torchrig: error: space.yaml: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"
     (tmp_path / "space.yaml").write_text("optim.lr: {choice: [0.003]}\n")
     assert main(["tune", "--space", "space.yaml"]) == 1
     assert "a new study needs --trials N" in capsys.readouterr().err

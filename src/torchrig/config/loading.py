@@ -20,8 +20,10 @@ from .rules import parse_scalar
 from .schema import ConfigError, check_value, hints, refusal, rule_of
 
 
-def _suggest(name: str, options: list[str], what: str = "keys") -> str:
-    return suggest(name, options, cutoff=0.5) or f"; valid {what}: {', '.join(sorted(set(options)))}"
+def _suggest(name: str, options: list[str], what: str = "keys", prefix: str = "") -> str:
+    """``; did you mean 'optim.lr'?`` (``name`` matched among the bare ``options`` of section ``prefix``), else the
+    list of them."""
+    return suggest(name, options, cutoff=0.5, prefix=prefix) or f"; valid {what}: {', '.join(sorted(set(options)))}"
 
 
 def _section_hint(obj: Any, mapping: bool) -> str:
@@ -42,7 +44,7 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
         if key not in known:
             near = near_keys(str(key)) if isinstance(obj, Config) else []
             hint = (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near  # a key without its section
-                    else _suggest(str(key), known))
+                    else _suggest(str(key), known, prefix=prefix))
             raise ConfigError(f"unknown config key '{full}'{hint}{_section_hint(obj, isinstance(value, dict))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -82,7 +84,8 @@ def set_key(cfg: Any, dotted: str, value: Any) -> None:
                     return
                 raise ConfigError(f"config key '{shown}' has no sub-key '{parts[i + 1]}'")
             groups = [n for n in known if dataclasses.is_dataclass(getattr(target, n, None))]
-            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, groups, 'sections')}"
+            raise ConfigError(f"unknown config section '{shown}'"
+                              f"{_suggest(part, groups, 'sections', prefix=shown[:len(shown) - len(part)])}"
                               f"{_section_hint(target, True)}")
         target = getattr(target, part)
     _apply_mapping(target, {parts[-1]: value}, prefix=".".join(parts[:-1]) + "." if len(parts) > 1 else "")
