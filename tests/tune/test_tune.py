@@ -113,6 +113,11 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
     from torchrig.cli import main
 
     monkeypatch.chdir(tmp_path)
+    assert main(["tune", "--space", "space.yaml", "--trials", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip() == "torchrig: error: search space file 'space.yaml' does not exist; write the keys to search " \
+                          "in it, e.g. 'optim.lr: {log_uniform: [1e-4, 3e-2]}' (docs/tuning.md shows every kind)"
+    assert "writing to" not in out and not (tmp_path / "runs" / "tune" / "1").exists()  # no folder named, none left
     (tmp_path / "space.yaml").write_text("optim.lrr: {log_uniform: [1e-5, 1e-1]}\n")
     assert main(["tune", "--space", "space.yaml", "--trials", "2"]) == 1
     err = capsys.readouterr().err.strip()
@@ -121,9 +126,13 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
     assert main(["tune", "--space", "space.yaml"]) == 1
     assert "a new study needs --trials N" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "tune" / "1" / "study.json").exists()
-    assert main(["tune", "--space", "space.yaml", "--trials", "1", *[f"--set={s}" for s in ["epochs=1", *QUIET]]]) == 0
+    assert main(["tune", "--space", "space.yaml", "--trials", "1",
+                 *[f"--set={s}" for s in ["epochs=1", "run_dir=elsewhere", *QUIET]]]) == 0
     out = capsys.readouterr().out
     assert "writing to runs/tune/1" in out and "tune: best trial 0 · val/accuracy" in out
+    assert f"tune: run_dir elsewhere is not used: each trial is a run in {Path('runs/tune/1/trials')}/N, and the " \
+           f"study's folder is --study-dir (study_dir=)" in out
+    assert not (tmp_path / "elsewhere").exists()
     assert (tmp_path / "runs" / "tune" / "1" / "best.yaml").exists()
 
 
