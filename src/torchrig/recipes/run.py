@@ -48,15 +48,15 @@ def run_train(cfg: C.Config, out=print) -> dict:
     from .. import runtime
     from ..checkpoint.rundir import check_not_in_use, discard_unused, numbered_run_dir
 
-    owns_group, numbered = False, not cfg.run_dir
+    owns_group, numbered, where = False, not cfg.run_dir, Announce(out)
     try:
         if numbered:
             owns_group = join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
-            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out,
+            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=where.lines.append,
                                                   resume=cfg.resume in ("latest", "best")))  # a path: a new run
         elif runtime.is_main_process():
             check_not_in_use(cfg.run_dir)  # at once, before seconds of building data and model
-        return _train(cfg, out)
+        return _train(cfg, out, where)
     except BaseException:
         if numbered and cfg.run_dir and runtime.get_rank() == 0:
             discard_unused(Path(cfg.run_dir))
@@ -64,6 +64,20 @@ def run_train(cfg: C.Config, out=print) -> dict:
     finally:
         if owns_group:
             runtime.destroy_process_group()
+
+
+class Announce:
+    """Says which numbered run directory a run writes to once it starts training (``on_fit_start``): a start that
+    fails before says nothing of a folder that is then removed (the error, or the end of the run, names it)."""
+
+    def __init__(self, out=print) -> None:
+        self.lines: list[str] = []  # filled on rank 0 only
+        self.out = out
+
+    def on_fit_start(self, trainer: Any) -> None:
+        for line in self.lines:
+            self.out(line)
+        self.lines.clear()
 
 
 def join_process_group(cfg: C.Config) -> bool:
@@ -120,10 +134,10 @@ def run_without_training(config: Optional[str], overrides: list[str], recipe: Op
             trainer.close()
 
 
-def _train(cfg: C.Config, out) -> dict:
+def _train(cfg: C.Config, out, where: Announce) -> dict:
     from ..runtime import stop_phase
 
-    recipe, data, trainer = build_run(cfg)
+    recipe, data, trainer = build_run(cfg, [where])
     try:
         run = trainer.open_run()  # locked and checked before the recipe writes its files there
         if trainer.is_main:
