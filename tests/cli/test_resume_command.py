@@ -89,21 +89,3 @@ def test_an_existing_empty_run_dir_starts_at_step_0(tmp_path, monkeypatch, capsy
     assert main(["train", *QUICK, "--set", "run_dir=job", "--set", "resume=latest", "--set", "max_steps=2"]) == 0
     assert "torchrig: resume=latest: job holds no checkpoint yet; training starts at step 0" in capsys.readouterr().out
     assert _saved(tmp_path / "job", "max_steps") == 2
-
-
-def test_the_python_api_refuses_a_run_dir_that_does_not_exist(tmp_path):
-    import torch
-
-    import torchrig
-    from torchrig.checkpoint.rundir import RunDirError
-
-    (tmp_path / "runs" / "exp1").mkdir(parents=True)
-    trainer = torchrig.Trainer(torch.nn.Linear(4, 2), run_dir=str(tmp_path / "runs" / "exp"), resume="latest",
-                               progress="none", plot=False, tensorboard=False)
-    with pytest.raises(RunDirError) as err:
-        trainer.fit((torch.randn(8, 4), torch.randint(0, 2, (8,))))
-    assert str(err.value) == (
-        f"run_dir '{tmp_path / 'runs' / 'exp'}' does not exist, so resume=\"latest\" has no run to continue; did you "
-        f"mean '{tmp_path / 'runs' / 'exp1'}'? To start a new run there, leave out resume=\"latest\", or create the "
-        f"folder first (an empty run_dir starts at step 0)")
-    assert not (tmp_path / "runs" / "exp").exists()

@@ -162,9 +162,11 @@ def _owner(fd: int, patience: float = 1.0) -> str:
 
 
 def check_resumable(run_dir: Optional[str | Path], resume: Optional[str]) -> None:
-    """Refuse ``resume=latest`` (or ``best``) in a ``run_dir`` that does not exist: most likely a typo, which would
-    otherwise train a new run from step 0 and end with success. An existing empty folder (a scheduler's first start
-    of a job whose every start says ``resume=latest``) starts at step 0, as does a restart by torchrun."""
+    """Refuse ``resume=latest`` (or ``best``) in a ``run_dir`` that does not exist: on the command line most likely a
+    typo, which would otherwise train a new run from step 0 and end with success. An existing empty folder (a
+    scheduler's first start of a job whose every start says ``resume=latest``) starts at step 0, as does a restart
+    by torchrun. (``Trainer(resume="latest")`` in a script that makes its own run_dir on the first start is not
+    checked: the script names the folder once, in code.)"""
     if resume not in ("latest", "best") or not run_dir or runtime.restart_count() > 0:
         return
     path = Path(run_dir)
@@ -330,18 +332,14 @@ class RunDir:
         self.checked = False  # a second fit() of the same Trainer continues its own run
 
     def open(self, run_dir: Optional[str], root: str | Path, new_run: bool, overwrite: bool,
-             say: Callable[[str], None] = print, resume: Optional[str] = None) -> Path:
-        """``resume`` latest / best: without ``run_dir``, go on in the newest numbered run (a restart does anyway)
-        rather than in a new one, and with one, refuse a folder that does not exist; a checkpoint named by its path
-        resumes into a new run."""
-        newest = resume in ("latest", "best")
+             say: Callable[[str], None] = print, newest: bool = False) -> Path:
+        """``newest``: without ``run_dir``, go on in the newest numbered run (``resume`` latest / best; a
+        restart does anyway) rather than in a new one; a checkpoint named by its path resumes into a new run."""
         if self.path is None:
             self.path = Path(run_dir) if run_dir else numbered_run_dir(root, say, resume=newest)
         error: Optional[BaseException] = None
         if runtime.get_rank() == 0:
             try:
-                if not self.checked:
-                    check_resumable(run_dir, resume)
                 self._open_main(new_run and not self.checked, overwrite, say)
             except Exception as exc:  # told to the other ranks too, so that none waits for rank 0
                 error = exc

@@ -175,7 +175,7 @@ class Trainer:
         before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
         new_run = self.cfg.resume is None and runtime.restart_count() == 0
         path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
-                              resume=self.cfg.resume)
+                              newest=self.cfg.resume in ("latest", "best"))
         self._run_dir = path
         return path
 
