@@ -24,6 +24,7 @@ from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
+from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
@@ -298,6 +299,7 @@ class Trainer:
         return batches
 
     def _train(self, plan: FitPlan) -> dict:
+        self._check_val_data(plan.val_data)
         self._run_callbacks.call("on_fit_start", self)
         self._signals.stop_at_steps()
         try:
@@ -642,18 +644,35 @@ class Trainer:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
         model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
         own module, whose forward gathers the shards)."""
+        return inference.EvalRun(self._eval_batches(data), self._eval_calls(metrics, activation, outputs),
+                                 [self.wrapped, *self.models.values()], self.device, self.dp_size,
+                                 self.layout.lockstep and self.world_size > 1, lambda: self._first_samples(data),
+                                 self._signals.beat_now, self.layout.groups)
+
+    def _eval_calls(self, metrics: list, activation: Optional[Callable] = None,
+                    outputs: str = "prediction") -> ModelCalls:
         model = self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
-        step = ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
+        return ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
                           metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
                           predict_outputs=outputs)
 
-        def first_batch() -> Any:  # the data's first sample, for padding forwards on a rank without one
-            one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
-            return to_device(next(iter(one)), self.device)
+    def _first_samples(self, data: Any, n: int = 1) -> Any:
+        """The first ``n`` samples of ``data`` as one evaluation batch on the device (padding forwards of a rank
+        without a sample; the validation data's check before training)."""
+        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=n))
+        return to_device(next(iter(one)), self.device)
 
-        return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
-                                 self.dp_size, self.layout.lockstep and self.world_size > 1, first_batch,
-                                 self._signals.beat_now, self.layout.groups)
+    def _check_val_data(self, val_data: Any) -> None:
+        """Validation data that does not fit the model fails before training, not after the first epoch: one
+        evaluation step on its first two samples (two: a forward that squeezes its batch dimension would fail on one
+        alone), on every rank (a tensor-parallel or FSDP forward is collective). A stream is not read ahead (it may
+        not be read twice), a pipeline's stages are not probed (their forward is the schedule's), and an ``eval_fn``
+        of the user's is not called an extra time (it may count, write samples …)."""
+        if val_data is None or self.eval_fn is not None or self.layout.pipeline is not None \
+                or isinstance(val_data, Batches) or is_iterable_source(val_data):
+            return
+        inference.probe(self._eval_calls([]), lambda: self._first_samples(val_data, 2),
+                        [self.wrapped, *self.models.values()])
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:
