@@ -527,6 +527,26 @@ def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_signal_to_the_launcher_is_said_received_once(tmp_path):
+    """torchrun passes a SIGTERM on to every rank; the line saying so comes once, from rank 0, and both stop."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _kill_all(proc, pids)
+    out = log.read_text()
+    received = [line for line in out.splitlines() if "SIGTERM received" in line]
+    assert received == ["torchrig: SIGTERM received; stopping after the current optimizer step with a checkpoint "
+                        "(send it again to exit at once)"], out[-3000:]
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out, out[-3000:]
+
+
+@pytest.mark.slow
 def test_workers_end_with_a_launcher_killed_by_sigkill(tmp_path):
     """They stop as torchrun would have stopped them: SIGTERM, the step under way, a checkpoint."""
     run = tmp_path / "run"
