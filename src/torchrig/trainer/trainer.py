@@ -47,6 +47,18 @@ from .step import ModelCalls, Step, StepOptions, default_step
 from .window import Window, Windows
 
 
+def _known_warnings_quiet(method: Callable) -> Callable:
+    """``fit`` / ``evaluate`` / ``predict`` / ``find_lr`` without the warnings torch gives for what torchrig does on purpose
+    (``parallel.tensor_parallel.quiet_cpu_alltoall``)."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
+        with parallel.tensor_parallel.quiet_cpu_alltoall(self.layout.tp > 1 and self.device.type == "cpu"):
+            return method(self, *args, **kwargs)
+    return call
+
+
 class Trainer:
     """Train, evaluate and predict with the user's model, data and optimizer, unchanged.
 
@@ -227,6 +239,7 @@ class Trainer:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
 
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def find_lr(self, data: Any, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 200,
                 smooth: float = 0.9, diverge: float = 4.0, plot: Any = None) -> Any:
         """An exponential learning-rate sweep (``steps`` batches from ``start_lr`` to ``end_lr``) on a copy of the
@@ -262,6 +275,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ fit
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {}); a stop signal
         raises ``RunStopped``, in the loop after the step under way and its checkpoint (``runtime.signals``)."""
@@ -614,6 +628,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluate / predict
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def evaluate(self, data: Any, ema: bool = True) -> dict:
         """Loss (per-sample mean) and metrics over every sample once, reduced across ranks; with the EMA
         weights when the run keeps an EMA (``ema_decay``) and ``ema`` is true."""
@@ -623,6 +638,7 @@ class Trainer:
         return results
 
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def predict(self, data: Any, activation: str = "auto", outputs: str = "prediction") -> Any:
         """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
