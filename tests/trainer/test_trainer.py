@@ -243,6 +243,14 @@ def test_progress_bar_and_none(make_trainer, data, capsys):
     assert not re.search(r"· batch \d+/5  ", capsys.readouterr().err)
 
 
+def test_the_bar_counts_optimizer_steps_as_the_epoch_line_does(make_trainer, data, capsys):
+    """5 batches an epoch, 2 a step (as a pipeline's micro-batches are): 3 steps, counted by the bar too."""
+    make_trainer(progress="bar", accumulate=2, epochs=2).fit(data)
+    err = capsys.readouterr().err
+    assert re.search(r"epoch 2/2 \|[^|]*\| 3/3 ", err), err
+    assert "epoch 2/2 · step 6" in err and not re.search(r"\| \d+/5 ", err)
+
+
 def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monkeypatch):
     from torchrig.observe.run_logger import RunLogger
 

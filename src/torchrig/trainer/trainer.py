@@ -263,8 +263,9 @@ class Trainer:
         shards = ((self.layout.dp_shard if self.layout.pp > 1 else self.world_size)  # a pipeline: this rank's stages
                   if self.strategy == "fsdp" else 1)
         split = self.layout.describe() if self.layout.tp > 1 or self.layout.pp > 1 else ""
+        whole = self.layout.pipeline.whole_parameters if self.layout.pipeline is not None else None
         return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
-                             self.ema is not None, split)
+                             self.ema is not None, split, whole)
 
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
@@ -487,7 +488,9 @@ class Trainer:
         self.wrapped.train()
         for m in self.models.values():
             m.train()
-        out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start)
+        # the bar counts optimizer steps, as the epoch's line does (a window starts at a multiple of accumulate)
+        out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start, steps=plan.steps_per_epoch,
+                        steps_done=-(-start // self.plan.accumulate))
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
@@ -513,10 +516,10 @@ class Trainer:
                 window.add(batch, plan.batches.weight(i), i)
             i += 1
             state.batch_in_epoch = i
-            out.advance()
             if not window.full:  # inside an accumulation window
                 continue
             values = window.finish()  # the optimizer step is counted
+            out.advance()
             if self._spikes is not None:  # a spike: back to the snapshot, leaving Rollback for _loop
                 self._spikes.check(window.first, window.size, self.step.grad_norm, saving.states(self.fit_context))
             if ema is not None:
