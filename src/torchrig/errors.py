@@ -65,14 +65,13 @@ def same_run() -> str:
 
 
 def short_resume(run_dir: object) -> str:
-    """The command that continues the run in ``run_dir`` while ``torchrig train`` runs, else "": ``torchrig train
-    --set run_dir=R --set resume=latest`` (it reads the run's settings back from its checkpoint), under a launcher
-    (torchrun sets WORLD_SIZE, srun SLURM_NTASKS) the same launch command ending in ``train --set …``."""
-    if not _COMMAND_LINE or _COMMAND_LINE[-1] != "train":
-        return ""
-    pairs = settings(("run_dir", str(run_dir)), ("resume", "latest"))
+    """``torchrig train --set run_dir=R --set resume=latest`` while ``torchrig train`` runs in one process (it reads
+    the run's settings back from its checkpoint), else "". Under a launcher (torchrun sets WORLD_SIZE, srun
+    SLURM_NTASKS) the layout's keys (``parallel``, ``dist``) are the command's own, so the same command is named."""
     launched = any(os.environ.get(k, "1").strip() not in ("", "0", "1") for k in ("WORLD_SIZE", "SLURM_NTASKS"))
-    return f"the same launch command, ending in train {pairs}" if launched else f"torchrig train {pairs}"
+    if not _COMMAND_LINE or _COMMAND_LINE[-1] != "train" or launched:
+        return ""
+    return f"torchrig train {settings(('run_dir', str(run_dir)), ('resume', 'latest'))}"
 
 
 def continue_run(run_dir: object) -> str:
