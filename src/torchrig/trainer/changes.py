@@ -38,14 +38,15 @@ HARMLESS = frozenset({
     # how batches are delivered (the same samples in the same order), and what is evaluated when
     "data.num_workers", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor", "data.fast_path",
     "data.eval_batch_size", "data.val_path", "data.test_path", "eval_every_epochs",
-    # the weights a run started from: a resume loads the checkpoint's over them
-    "model.weights",
     # when checkpoints are written and how many are kept (not what the best one is measured by)
     "checkpoint.every_steps", "checkpoint.every_epochs", "checkpoint.keep_last", "checkpoint.keep_best",
     "checkpoint.save_final", "checkpoint.async_save",
     # what is logged and shown
     "log.", "profile.",
 })
+# What a run started from that a checkpoint's own state replaces: not compared when resuming from one (a study's
+# next trial, which starts afresh, compares it).
+REPLACED_ON_RESUME = frozenset({"model.weights"})
 # Keys that say how to start, not what to compute: never compared.
 NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite", "checkpoint.verify"})
 # Schedules whose length is the run's length (epochs, max_steps): a new length passes (a longer run is how a
@@ -123,6 +124,7 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
     if not isinstance(saved, dict):
         return
     refused, length = changed(saved, now, worlds)
+    refused = [diff for diff in refused if diff[0] not in REPLACED_ON_RESUME]
     schedule = str((now.get("scheduler") or {}).get("name") or "").lower().replace("-", "_")
     if length and schedule == "onecycle":  # re-planned on load (saving.replan_one_cycles): a closed form in the step
         say(f"torchrig: the onecycle schedule follows the run's length, which changed ({_list(length)}): from here on "
