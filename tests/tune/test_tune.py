@@ -205,3 +205,21 @@ def test_two_ddp_ranks_prune_together_without_a_hang(tmp_path):
     assert [r["state"] for r in rows] == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"]  # and a trial after it
     assert r.output.count("2 process(es) on cpu · strategy ddp") == 4
     assert (tmp_path / "ddp" / "trials" / "2" / "PRUNED").exists()
+
+
+def test_a_study_given_no_config_searches_the_default_digits_job(tmp_path):
+    """Without a config, the trials are the digits job as ``torchrig train`` runs it: its recipe's epochs, optimizer
+    and validation split (held out of the training images, never the test split)."""
+    from torchrig.recipes.run import build_config
+    from torchrig.tune.study import open_study
+
+    session = open_study(tmp_path / "s", base=None, space={"optim.lr": {"log_uniform": [1e-4, 3e-2]}}, trials=1,
+                         sampler=None, pruner=None, storage=None, resume=False, out=lambda s: None)
+    try:
+        config = json.loads((tmp_path / "s" / "study.json").read_text())["config"]
+        job = build_config()
+        assert (config["epochs"], config["optim"]["name"], config["data"]["val_fraction"], config["metrics"]) == \
+            (job.epochs, job.optim.name, job.data.val_fraction, job.metrics) == (15, "adamw", 0.2, ["accuracy", "top5", "f1"])
+    finally:
+        session.lock.release()
+
