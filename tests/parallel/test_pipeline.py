@@ -501,7 +501,8 @@ def test_the_summary_of_a_pipeline_stage_gives_the_whole_model_and_this_process_
     held = sum(p.numel() for p in model.parameters())
     assert pipe.whole_parameters == whole and 0 < held < whole
     lines = model_summary(model, whole=pipe.whole_parameters, layout="pp=2").splitlines()
-    assert " ".join(" ".join(lines[:2]).split()).startswith(f"torchrig: model TokenNet · {whole:,} parameters; this process's stages "
-                                          f"hold {held:,}, all trainable · ")  # the header, wrapped at 80 columns
+    header = " ".join(" ".join(lines[:2]).split())  # wrapped at 80 columns
+    assert header.startswith(f"torchrig: model TokenNet · {whole:,} parameters; this process's stages hold {held:,}, "
+                             f"all trainable · ")
     assert [line.split()[:3] for line in lines if line.split()[:2] == ["this", "process"]] == \
         [["this", "process", f"{held:,}"]]  # the table's last row: this process's part, not the model's total

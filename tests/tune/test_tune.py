@@ -219,7 +219,8 @@ def test_a_study_given_no_config_searches_the_default_digits_job(tmp_path):
         config = json.loads((tmp_path / "s" / "study.json").read_text())["config"]
         job = build_config()
         assert (config["epochs"], config["optim"]["name"], config["data"]["val_fraction"], config["metrics"]) == \
-            (job.epochs, job.optim.name, job.data.val_fraction, job.metrics) == (15, "adamw", 0.2, ["accuracy", "top5", "f1"])
+            (job.epochs, job.optim.name, job.data.val_fraction, job.metrics) == \
+            (15, "adamw", 0.2, ["accuracy", "top5", "f1"])
     finally:
         session.lock.release()
 

@@ -119,8 +119,8 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
           worlds: tuple[int, int] = (1, 1), run_dir: Any = None) -> None:
     """Refuse to resume from ``checkpoint`` (whose config is ``saved``; ``worlds``: the saved and the
     current number of processes; ``run_dir``: the run it continues) with changed settings, or, with ``allow``,
-    say in one line what is no longer exact. A new run length passes; when the schedule follows it, one line says that the learning
-    rates from here on are not those of a run this long."""
+    say in one line what is no longer exact. A new run length passes; when the schedule follows it, one line says
+    that the learning rates from here on are not those of a run this long."""
     if not isinstance(saved, dict):
         return
     refused, length = changed(saved, now, worlds)

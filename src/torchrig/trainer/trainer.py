@@ -48,8 +48,8 @@ from .window import Window, Windows
 
 
 def _known_warnings_quiet(method: Callable) -> Callable:
-    """``fit`` / ``evaluate`` / ``predict`` / ``find_lr`` without the warnings torch gives for what torchrig does on purpose
-    (``parallel.tensor_parallel.quiet_cpu_alltoall``)."""
+    """``fit`` / ``evaluate`` / ``predict`` / ``find_lr`` without the warnings torch gives for what torchrig does on
+    purpose (``parallel.tensor_parallel.quiet_cpu_alltoall``)."""
     import functools
 
     @functools.wraps(method)
