@@ -514,7 +514,7 @@ def test_validation_data_that_does_not_fit_the_model_fails_before_the_first_step
     wrong = TensorDataset(torch.randn(10, 5), torch.randint(0, 3, (10,)))  # TinyNet takes 4 features
     with pytest.raises(BatchError) as err:
         trainer.fit(data, val_data=wrong)
-    assert str(err.value).startswith("the validation data, checked before training: the model's forward failed on "
+    assert str(err.value).startswith("checking the validation data before training: the model's forward failed on "
                                      "a batch of inputs float32 (2, 5): ")
     assert trainer.global_step == 0 and not (run_dir / "checkpoints").exists()
 

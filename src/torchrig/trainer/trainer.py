@@ -682,9 +682,8 @@ class Trainer:
         return to_device(next(iter(one)), self.device)
 
     def _check_val_data(self, val_data: Any) -> None:
-        """Validation data that does not fit the model fails before training, not after the first epoch: one
-        evaluation step on its first two samples (two: a forward that squeezes its batch dimension would fail on one
-        alone), on every rank (a tensor-parallel or FSDP forward is collective). A stream is not read ahead (it may
+        """Validation data that does not fit the model fails before training, not after the first epoch: the model's
+        forward on its first two samples (two: a forward that squeezes its batch dimension would fail on one alone), on every rank (a tensor-parallel or FSDP forward is collective). A stream is not read ahead (it may
         not be read twice), a pipeline's stages are not probed (their forward is the schedule's), and an ``eval_fn``
         of the user's is not called an extra time (it may count, write samples …)."""
         if val_data is None or self.eval_fn is not None or self.layout.pipeline is not None \
