@@ -79,3 +79,24 @@ def test_cli_names_the_type_of_an_unexpected_error(monkeypatch, capsys):
     assert cli.main(["doctor"]) == cli.EXIT_ERROR
     assert capsys.readouterr().err == \
         "torchrig: error: ValueError: internal (run with --debug for the traceback)\n"
+
+
+@pytest.mark.parametrize("command, env, expected", [
+    ("train", {}, "torchrig train --set run_dir=runs/x --set resume=latest"),  # the run's settings are read back
+    ("train", {"WORLD_SIZE": "2"}, "the same command and --set run_dir=runs/x --set resume=latest"),  # a launcher's
+    ("train", {"SLURM_NTASKS": "4"}, "the same command and --set run_dir=runs/x --set resume=latest"),  # layout keys
+    ("tune", {}, "the same command and --set run_dir=runs/x --set resume=latest"),
+    (None, {}, 'the same Trainer arguments and run_dir="runs/x", resume="latest"'),
+])
+def test_how_to_continue_a_run_where_the_user_is(monkeypatch, command, env, expected):
+    from torchrig.errors import command_line, continue_run
+
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if command is None:
+        assert continue_run("runs/x") == expected
+    else:
+        with command_line(command):
+            assert continue_run("runs/x") == expected

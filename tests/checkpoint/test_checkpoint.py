@@ -132,6 +132,40 @@ def test_best_k_by_monitored_metric(make_trainer, data, run_dir, mode, best_epoc
     assert meta["metrics"]["val/score"] == {"max": 0.9, "min": 0.5}[mode]
 
 
+def test_a_tie_of_the_monitored_value_goes_to_the_lower_validation_loss(make_trainer, data, run_dir):
+    Scripted.script = [0.9, 0.9, 0.5, 0.9, 0.9]  # a small validation split saturates: ties are the rule
+    trainer = make_trainer(epochs=5, metrics=[Scripted()], keep_last=1, keep_best=1, monitor="val/score",
+                           batch_size=40)
+    trainer.fit(data, val_data=data)
+    tied = [row for row in trainer.history if row["val/score"] == 0.9]
+    expected = min(tied, key=lambda row: (row["val/loss"], -row["step"]))["step"]
+    assert expected != 1  # the first of the tied epochs: what the first tie kept before
+    assert os.readlink(run_dir / "checkpoints" / "best") == f"step-{expected:08d}"
+    best = json.loads((run_dir / "checkpoints" / "index.json").read_text())["best"]
+    assert best == [{"name": f"step-{expected:08d}", "value": 0.9,
+                     "loss": [r["val/loss"] for r in tied if r["step"] == expected][0]}]
+
+
+@pytest.mark.parametrize("entries,expected", [
+    ([("step-00000002", 1.0, None), ("step-00000004", 1.0, None)], ["step-00000004", "step-00000002"]),
+    ([("step-00000002", 1.0, 0.3), ("step-00000004", 1.0, 0.5), ("step-00000006", 1.0, 0.3)],
+     ["step-00000006", "step-00000002", "step-00000004"]),
+    ([("step-00000002", 1.0, 0.1), ("step-00000004", 0.5, 0.01)], ["step-00000002", "step-00000004"]),
+    ([("step-00000002", 1.0, float("nan")), ("step-00000004", 1.0, 0.2)], ["step-00000004", "step-00000002"]),
+])
+def test_best_k_ranks_by_value_then_loss_then_the_later_step(tmp_path, entries, expected):
+    manager = CheckpointManager(tmp_path, keep_best=3)
+    (tmp_path / "checkpoints").mkdir()
+    for name, value, loss in entries:
+        (tmp_path / "checkpoints" / name).mkdir()
+        manager.track_best(name, value, "max", loss=loss)
+    assert [b["name"] for b in manager.index["best"]] == expected
+    assert os.readlink(tmp_path / "checkpoints" / "best") == expected[0]
+    again = CheckpointManager(tmp_path, keep_best=3)  # read back from index.json: the same entries
+    assert again.index["best"] == manager.index["best"]
+    assert all(b.get("loss") == b.get("loss") for b in again.index["best"])  # no NaN written
+
+
 def test_monitor_defaults_to_first_validation_metric(make_trainer, data, run_dir):
     trainer = make_trainer(epochs=2, metrics=["accuracy"])
     trainer.fit(data, val_data=data)

@@ -63,7 +63,7 @@ def test_train_yaml_file_and_overrides(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,fragments", [
     (["train", "--set", "epochs=abc"], ["config key 'epochs': expected an integer >= 1, got 'abc'"]),
-    (["train", "--set", "optim.lrr=1"], ["unknown config key 'optim.lrr'; did you mean 'lr'?"]),
+    (["train", "--set", "optim.lrr=1"], ["unknown config key 'optim.lrr'; did you mean 'optim.lr'?"]),
     (["train", "--set", "epochs"], ["override 'epochs' is not KEY=VALUE"]),
     (["train", "missing.yaml"], ["config file 'missing.yaml' does not exist"]),
     (["train", "--recipe", "digitz"], ["unknown recipe 'digitz'; did you mean 'digits'? Valid recipes: custom, digits, "]),

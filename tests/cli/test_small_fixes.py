@@ -166,3 +166,20 @@ def test_torchrig_warnings_are_one_line_on_the_command_line(monkeypatch):
     assert ours == "torchrig: warning: strategy 'dp' needs two GPUs\n"
     theirs = warnings.formatwarning("deprecated", UserWarning, "/site-packages/other/x.py", 7, "x = 1")
     assert theirs.startswith("/site-packages/other/x.py:7: UserWarning: deprecated")
+
+
+def test_a_numbered_run_is_named_once_it_starts_and_not_by_a_start_that_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("import torch\n\ndef model(cfg):\n    return torch.nn.Linear(4, 2)\n\n"
+                                      "def data(cfg):\n    raise ValueError('no data here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    capsys.readouterr()
+    assert main(["train", "--model", "mine:model", "--data", "mine:data"]) == 1
+    out, err = capsys.readouterr()
+    assert "raised ValueError: no data here" in err
+    assert "runs/custom/1" not in out + err and not (tmp_path / "runs" / "custom" / "1").exists()
+    assert main(["train", "--set", "max_steps=1", "--set", "log.progress=none", "--set", "log.plot=false",
+                 "--set", "log.tensorboard=false", "--set", "log.summary=false"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("torchrig: run_dir not set; writing to runs/digits/1 (last -> 1)\n")
+    assert "torchrig: 1 process(es) on cpu" in err  # printed before: the line comes when training starts

@@ -101,11 +101,11 @@ def test_bad_types_name_the_key(override, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'lr'?"),
+    ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
     ("epoch=3", "unknown config key 'epoch'; did you mean 'epochs'?"),
-    ("data.batchsize=3", "unknown config key 'data.batchsize'; did you mean 'batch_size'?"),
+    ("data.batchsize=3", "unknown config key 'data.batchsize'; did you mean 'data.batch_size'?"),
     ("optimm.lr=1", "unknown config section 'optimm'; did you mean 'optim'?"),
-    ("checkpoint.evry_steps=1", "unknown config key 'checkpoint.evry_steps'; did you mean 'every_steps'?"),
+    ("checkpoint.evry_steps=1", "unknown config key 'checkpoint.evry_steps'; did you mean 'checkpoint.every_steps'?"),
     ("seed.x=1", "config key 'seed' has no sub-key 'x'"),
     ("zzzzzz=1", "unknown config key 'zzzzzz'; valid keys: accumulate, checkpoint, class_dim, clip_grad_norm, "),
 ])
@@ -151,7 +151,7 @@ def test_malformed_overrides(item, message):
 def test_yaml_unknown_key_in_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optim:\n  lrr: 0.1\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'; did you mean 'lr'\?"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'; did you mean 'optim.lr'\?"):
         load_config(path)
 
 

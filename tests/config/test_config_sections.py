@@ -59,9 +59,9 @@ def torch_linear():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("image.sise=3", "unknown config key 'image.sise'; did you mean 'size'?"),
-    ("pix2pix.sampels=3", "unknown config key 'pix2pix.sampels'; did you mean 'samples'?"),
-    ("text.max_lenght=3", "unknown config key 'text.max_lenght'; did you mean 'max_length'?"),
+    ("image.sise=3", "unknown config key 'image.sise'; did you mean 'image.size'?"),
+    ("pix2pix.sampels=3", "unknown config key 'pix2pix.sampels'; did you mean 'pix2pix.samples'?"),
+    ("text.max_lenght=3", "unknown config key 'text.max_lenght'; did you mean 'text.max_length'?"),
     ("imag.size=3", "unknown config section 'imag'; did you mean 'image'?"),
 ])
 def test_unknown_keys_in_sections_suggest(override, message):
@@ -178,7 +178,7 @@ def test_set_key_parses_like_an_override():
     set_key(cfg, "optim.group_lr.head", "1e-2")
     set_key(cfg, "image.size", 16)
     assert cfg.optim.lr == 0.5 and cfg.optim.group_lr == {"head": 1e-2} and cfg.image.size == 16
-    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'; did you mean 'lr'"):
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'; did you mean 'optim.lr'"):
         set_key(cfg, "optim.lrr", 1)
     with pytest.raises(ConfigError, match="config key 'epochs' has no sub-key 'max'"):
         set_key(cfg, "epochs.max", 1)

@@ -203,9 +203,10 @@ def train(scenario: str, out: Path) -> None:
             torch.save(p, out / f"{name}.pt")
     if rank == 0:
         (out / "seen.json").write_text(json.dumps(seen))
-    if scenario == "tp":  # the same processes go on with the non-finite decision and the checkpoints
+    if scenario == "tp":  # the same processes go on with the non-finite decision, the checkpoints, a reshard
         nonfinite(out, group)
         resume(out, group)
+        reshards(out, group)
     first.close()
 
 
@@ -249,6 +250,37 @@ def resume(out: Path, group: dict) -> None:
     resumed = params(t2.model)
     if rank == 0:
         torch.save({"whole": whole, "resumed": resumed, "steps": (t.global_step, t2.global_step)}, out / "resume.pt")
+
+
+class Reshards(nn.Module):
+    """A forward that moves a split activation from one dimension to another (batch-split to feature-split and
+    back): on a CPU mesh torch's DTensor does it by an all-gather, and warns that gloo has no all-to-all."""
+
+    tp_plan = {"fc": "colwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = self.fc.weight.device_mesh
+        h = DTensor.from_local(self.fc(x), mesh, [Shard(1)]).redistribute(mesh, [Shard(0)])
+        return self.head(h.redistribute(mesh, [Shard(1)]).full_tensor())
+
+
+def reshards(out: Path, group: dict) -> None:
+    """tp=2 with a forward that reshards (fit, evaluate, predict): the test reads this run's warnings in the logs."""
+    from torchrig import Trainer
+
+    data = features(BATCH * 2, FEATURES)
+    t = Trainer(build(Reshards), **settings(out / "reshards", **{"parallel.tp": 2, "parallel.tp_plan": "auto"}),
+                **group)
+    t.fit(data)
+    t.evaluate(data)
+    t.predict(data.tensors[0])
+    (out / f"reshards-{group['rank']}").write_text("done")
 
 
 if __name__ == "__main__":

@@ -488,3 +488,21 @@ def test_an_error_inside_a_later_stage_is_one_line_naming_the_stage_and_the_bloc
     assert errors == ["torchrig: error: pipeline stage 2 of 2 (rank 1) failed in block '3' (Bad): ValueError: the "
                       "hidden state has a NaN in row 3"], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "StageOutput" not in r.output
+
+
+def test_the_summary_of_a_pipeline_stage_gives_the_whole_model_and_this_process_s_share():
+    from torchrig.observe.summary import model_summary
+    from torchrig.parallel import Pipeline
+
+    model = W.TokenNet()
+    whole = sum(p.numel() for p in model.parameters())
+    pipe = Pipeline(model, plan_stages(model, "auto", 2), rank=0, pp=2, per_rank=1, schedule="gpipe", group=None,
+                    device=torch.device("cpu"))
+    held = sum(p.numel() for p in model.parameters())
+    assert pipe.whole_parameters == whole and 0 < held < whole
+    lines = model_summary(model, whole=pipe.whole_parameters, layout="pp=2").splitlines()
+    header = " ".join(" ".join(lines[:2]).split())  # wrapped at 80 columns
+    assert header.startswith(f"torchrig: model TokenNet · {whole:,} parameters; this process's stages hold {held:,}, "
+                             f"all trainable · ")
+    assert [line.split()[:3] for line in lines if line.split()[:2] == ["this", "process"]] == \
+        [["this", "process", f"{held:,}"]]  # the table's last row: this process's part, not the model's total

@@ -181,6 +181,16 @@ def test_the_non_finite_decision_is_the_same_on_every_rank(tp_run):
 
 
 @pytest.mark.slow
+def test_the_cpu_alltoall_warning_is_not_shown(tp_run):
+    """A forward that reshards a split activation makes torch's DTensor warn, from every rank, that gloo has no
+    all-to-all (an all-gather does its work: known and harmless): not shown while torchrig runs the model."""
+    for rank in (0, 1):
+        assert (tp_run / f"reshards-{rank}").read_text() == "done"
+        log = (tp_run / f"tp-{rank}.err").read_text() + (tp_run / f"tp-{rank}.out").read_text()
+        assert "does not support alltoall" not in log, log[-3000:]
+
+
+@pytest.mark.slow
 def test_fsdp_times_tensor_parallel_matches_one_process(tmp_path):
     """dp_shard=2 × tp=2 on four processes: FSDP2 over the data-parallel sub-mesh, TP inside; loss counts and
     metrics reduced over the two data-parallel ranks only, so one process with a batch twice as large agrees."""

@@ -37,11 +37,14 @@ HARMLESS = [
 
 
 def _message(checkpoint, shown: str, cli: bool = False) -> str:
-    """The refusal, naming the settings as the user writes them: Trainer keywords in Python, --set on the CLI."""
+    """The refusal, naming the settings as the user writes them: Trainer keywords in Python, --set on the CLI,
+    where the short command that takes the run's own settings is named too."""
     how = ("--set overwrite=true", "--set resume_changes=allow") if cli else ("overwrite=True",
                                                                               'resume_changes="allow"')
-    return (f"resuming from '{checkpoint}' with changed settings would not be exact: {shown}; set them back, start "
-            f"a new run (another run_dir, or {how[0]}), or resume anyway with {how[1]}")
+    short = f" (torchrig train --set run_dir={checkpoint.parent.parent} --set resume=latest takes the run's own " \
+            f"settings)" if cli else ""
+    return (f"resuming from '{checkpoint}' with changed settings would not be exact: {shown}; set them back{short}, "
+            f"start a new run (another run_dir, or {how[0]}), or resume anyway with {how[1]}")
 
 
 def _snapshot(run_dir) -> dict:

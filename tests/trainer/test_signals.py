@@ -322,8 +322,10 @@ def test_cli_train_sigterm_then_resume(tmp_path):
     assert code == 143, err[-2000:]
     step = int(resolve("latest", run).name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}; " \
-           f"continue with the same command and --set run_dir={run} --set resume=latest" in err
-    done = subprocess.run([PYTHON, *args, "--set", "resume=latest"], capture_output=True, text=True,
+           f"continue with torchrig train --set run_dir={run} --set resume=latest" in err
+    # the short command the line names: the run's own settings (epochs=2, the checkpoint interval ...) are read back
+    done = subprocess.run([PYTHON, "-m", "torchrig.cli", "train", "--set", f"run_dir={run}", "--set", "resume=latest",
+                           "--set", "log.plot=false", "--set", "log.tensorboard=false"], capture_output=True, text=True,
                           env=subprocess_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed at step {step}" in done.stderr
@@ -522,6 +524,26 @@ def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
     assert "torchrig launch: the run stopped cleanly on SIGTERM (exit 143); rank 0's line above says where; to " \
            "continue, run the same command with resume='latest'" in out.splitlines(), out[-3000:]
     assert "error" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_launcher_is_said_received_once(tmp_path):
+    """torchrun passes a SIGTERM on to every rank; the line saying so comes once, from rank 0, and both stop."""
+    run = tmp_path / "run"
+    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
+    pids = []
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _kill_all(proc, pids)
+    out = log.read_text()
+    received = [line for line in out.splitlines() if "SIGTERM received" in line]
+    assert received == ["torchrig: SIGTERM received; stopping after the current optimizer step with a checkpoint "
+                        "(send it again to exit at once)"], out[-3000:]
+    step = int(resolve("latest", run).name.split("-")[1])
+    assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out, out[-3000:]
 
 
 @pytest.mark.slow

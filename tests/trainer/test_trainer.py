@@ -130,7 +130,8 @@ def test_train_eval_switching_and_inference_mode(make_trainer, data):
     trainer = make_trainer(model, epochs=2, batch_size=20)  # 2 train + 2 val batches per epoch
     trainer.fit(data, val_data=data)
     train, val = (True, False, True), (False, True, False)
-    assert model.calls == [train, train, val, val] * 2
+    check = (False, False, False)  # the validation data's check before training: eval mode under no_grad
+    assert model.calls == [check] + [train, train, val, val] * 2
     model.calls.clear()
     trainer.evaluate(data)
     trainer.predict(data)
@@ -240,6 +241,14 @@ def test_progress_bar_and_none(make_trainer, data, capsys):
     assert "epoch 1/1 |" in err and not re.search(r"· batch \d+/5  ", err)
     make_trainer(progress="none", log_every=1, overwrite=True).fit(data)
     assert not re.search(r"· batch \d+/5  ", capsys.readouterr().err)
+
+
+def test_the_bar_counts_optimizer_steps_as_the_epoch_line_does(make_trainer, data, capsys):
+    """5 batches an epoch, 2 a step (as a pipeline's micro-batches are): 3 steps, counted by the bar too."""
+    make_trainer(progress="bar", accumulate=2, epochs=2).fit(data)
+    err = capsys.readouterr().err
+    assert re.search(r"epoch 2/2 \|[^|]*\| 3/3 ", err), err
+    assert "epoch 2/2 · step 6" in err and not re.search(r"\| \d+/5 ", err)
 
 
 def test_metrics_jsonl_rows_are_plain_numbers(make_trainer, data, run_dir, monkeypatch):
@@ -493,3 +502,43 @@ def test_fp16_gradients_are_unscaled_before_clipping():
     # clipped to norm 1 -> (0.6, 0.8), then one SGD step at lr 1
     assert torch.allclose(model.weight.detach(), torch.tensor([[0.4, 1.2]]), atol=1e-6)
     assert scaler.get_scale() == 2.0 ** 10 and step.state.skipped_steps == 0
+
+
+# ----------------------------------------------------------------------------- validation data checked before training
+
+
+def test_validation_data_that_does_not_fit_the_model_fails_before_the_first_step(make_trainer, data, run_dir):
+    from torchrig.data.batches import BatchError
+
+    trainer = make_trainer(epochs=2)
+    wrong = TensorDataset(torch.randn(10, 5), torch.randint(0, 3, (10,)))  # TinyNet takes 4 features
+    with pytest.raises(BatchError) as err:
+        trainer.fit(data, val_data=wrong)
+    assert str(err.value).startswith("checking the validation data before training: the model's forward failed on "
+                                     "a batch of inputs float32 (2, 5): ")
+    assert trainer.global_step == 0 and not (run_dir / "checkpoints").exists()
+
+
+def test_the_validation_check_leaves_every_random_generator_as_it_was(make_trainer, data, tmp_path):
+    """The check reads samples of an augmenting data set (torch, Python and NumPy draws): the generators at the
+    first step are those of a fit without validation data, so a resumed run draws what an unbroken one does."""
+    import random
+
+    import numpy as np
+    from helpers import AugmentedDataset
+
+    x, y = make_classification(n=10)
+
+    def generators_at_start(val_data, where):
+        seen = {}
+
+        class Look:
+            def on_fit_start(self, trainer):
+                seen.update(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state()[1])
+
+        make_trainer(epochs=1, callbacks=[Look()], run_dir=str(tmp_path / where)).fit(data, val_data=val_data)
+        return seen
+
+    plain, checked = generators_at_start(None, "plain"), generators_at_start(AugmentedDataset(x, y), "checked")
+    assert torch.equal(plain["torch"], checked["torch"]) and plain["python"] == checked["python"]
+    assert np.array_equal(plain["numpy"], checked["numpy"])

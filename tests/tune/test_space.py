@@ -37,7 +37,7 @@ def test_kinds_become_optuna_distributions(cfg, tmp_path):
 
 
 @pytest.mark.parametrize("space, message", [
-    ({"optim.lrr": {"log_uniform": [1e-5, 1e-1]}}, "unknown config key 'optim.lrr'; did you mean 'lr'?"),
+    ({"optim.lrr": {"log_uniform": [1e-5, 1e-1]}}, "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
     ({"optimizer.lr": {"uniform": [0.1, 0.2]}}, "unknown config section 'optimizer'"),
     ({"optim.momentum": {"uniform": [0.5, 1.0]}}, "config key 'optim.momentum': expected a number in [0, 1), got 1.0"),
     ({"data.batch_size": {"int": [0, 64]}}, "config key 'data.batch_size': expected an integer >= 1, got 0"),

@@ -341,7 +341,7 @@ def test_a_full_disk_during_a_trial_leaves_it_to_the_resume(tmp_path, monkeypatc
     with pytest.raises(TuneError) as info:
         torchrig.tune(None, SPACE, 1, study_dir="broken", **args)
     assert str(info.value) == (
-        f"trial 0 stopped: no space left on device while saving checkpoint step 41 to "
+        f"trial 0 stopped: no space left on device while saving checkpoint step 36 to "
         f"{Path('broken') / 'trials' / '0' / 'checkpoints'}; it is kept as running and continues from its latest "
         f"checkpoint: free some space, then continue the study with torchrig tune --study-dir broken --resume")
     assert [t[1] for t in trials_of(tmp_path / "broken")] == ["RUNNING"]

@@ -50,8 +50,8 @@ def test_a_small_study_of_the_digits_job(tmp_path, monkeypatch, capsys):
         assert record["state"] == r["state"].lower() and record["params"] == r["params"]
         epochs = [row for row in read_jsonl(run / "metrics.jsonl") if "val/accuracy" in row]
         assert {e["epoch"]: e["val/accuracy"] for e in epochs} == r["reported"]
-        # trained with its parameters: the digits job's 1295 training samples make 41 steps of 32, 21 of 64
-        assert epochs[0]["step"] == {32: 41, 64: 21}[r["params"]["data.batch_size"]]
+        # trained with its parameters: the digits job's 1151 training samples make 36 steps of 32, 18 of 64
+        assert epochs[0]["step"] == {32: 36, 64: 18}[r["params"]["data.batch_size"]]
         schedule.add(round(epochs[0]["lr"] / r["params"]["optim.lr"], 9))
         if r["state"] == "COMPLETE":
             assert r["value"] == max(r["reported"].values()) and len(epochs) == 2
@@ -113,17 +113,26 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
     from torchrig.cli import main
 
     monkeypatch.chdir(tmp_path)
+    assert main(["tune", "--space", "space.yaml", "--trials", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip() == "torchrig: error: search space file 'space.yaml' does not exist; write the keys to search " \
+                          "in it, e.g. 'optim.lr: {log_uniform: [1e-4, 3e-2]}' (docs/tuning.md shows every kind)"
+    assert "writing to" not in out and not (tmp_path / "runs" / "tune" / "1").exists()  # no folder named, none left
     (tmp_path / "space.yaml").write_text("optim.lrr: {log_uniform: [1e-5, 1e-1]}\n")
     assert main(["tune", "--space", "space.yaml", "--trials", "2"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "torchrig: error: space.yaml: unknown config key 'optim.lrr'; did you mean 'lr'?"
+    assert err == "torchrig: error: space.yaml: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"
     (tmp_path / "space.yaml").write_text("optim.lr: {choice: [0.003]}\n")
     assert main(["tune", "--space", "space.yaml"]) == 1
     assert "a new study needs --trials N" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "tune" / "1" / "study.json").exists()
-    assert main(["tune", "--space", "space.yaml", "--trials", "1", *[f"--set={s}" for s in ["epochs=1", *QUIET]]]) == 0
+    assert main(["tune", "--space", "space.yaml", "--trials", "1",
+                 *[f"--set={s}" for s in ["epochs=1", "run_dir=elsewhere", *QUIET]]]) == 0
     out = capsys.readouterr().out
     assert "writing to runs/tune/1" in out and "tune: best trial 0 · val/accuracy" in out
+    assert f"tune: run_dir elsewhere is not used: each trial is a run in {Path('runs/tune/1/trials')}/N, and the " \
+           f"study's folder is --study-dir (study_dir=)" in out
+    assert not (tmp_path / "elsewhere").exists()
     assert (tmp_path / "runs" / "tune" / "1" / "best.yaml").exists()
 
 
@@ -196,3 +205,22 @@ def test_two_ddp_ranks_prune_together_without_a_hang(tmp_path):
     assert [r["state"] for r in rows] == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"]  # and a trial after it
     assert r.output.count("2 process(es) on cpu · strategy ddp") == 4
     assert (tmp_path / "ddp" / "trials" / "2" / "PRUNED").exists()
+
+
+def test_a_study_given_no_config_searches_the_default_digits_job(tmp_path):
+    """Without a config, the trials are the digits job as ``torchrig train`` runs it: its recipe's epochs, optimizer
+    and validation split (held out of the training images, never the test split)."""
+    from torchrig.recipes.run import build_config
+    from torchrig.tune.study import open_study
+
+    session = open_study(tmp_path / "s", base=None, space={"optim.lr": {"log_uniform": [1e-4, 3e-2]}}, trials=1,
+                         sampler=None, pruner=None, storage=None, resume=False, out=lambda s: None)
+    try:
+        config = json.loads((tmp_path / "s" / "study.json").read_text())["config"]
+        job = build_config()
+        assert (config["epochs"], config["optim"]["name"], config["data"]["val_fraction"], config["metrics"]) == \
+            (job.epochs, job.optim.name, job.data.val_fraction, job.metrics) == \
+            (15, "adamw", 0.2, ["accuracy", "top5", "f1"])
+    finally:
+        session.lock.release()
+

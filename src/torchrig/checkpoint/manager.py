@@ -429,15 +429,17 @@ class CheckpointManager:
         self._prune()
         write_json_atomic(self.index_path, self.index)
 
-    def track_best(self, name: str, value: float, mode: str) -> None:
-        """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best)."""
+    def track_best(self, name: str, value: float, mode: str, loss: Optional[float] = None) -> None:
+        """Keep checkpoint ``name`` among the ``keep_best`` best by ``value`` ("min" or "max" is best); a tie goes
+        to the lower ``loss`` (the split's loss, when the value is another metric), then to the later step."""
         if not self.writes or self.keep_best <= 0 or math.isnan(value):
             return
-        self.submit(self._track_best, name, value, mode)  # with async saves: after the save of `name`
+        self.submit(self._track_best, name, value, mode, loss)  # with async saves: after the save of `name`
 
-    def _track_best(self, name: str, value: float, mode: str) -> None:
-        best = [b for b in self.index["best"] if b["name"] != name] + [{"name": name, "value": value}]
-        best.sort(key=lambda b: b["value"], reverse=(mode == "max"))
+    def _track_best(self, name: str, value: float, mode: str, loss: Optional[float] = None) -> None:
+        entry = {"name": name, "value": value, **({"loss": loss} if _number(loss) else {})}
+        best = [b for b in self.index["best"] if b["name"] != name] + [entry]
+        best.sort(key=lambda b: _best_rank(b, mode))
         self.index["best"] = best[: self.keep_best]
         if self.index["best"] and self.index["best"][0]["name"] == name:
             _link(name, self.dir / "best")
@@ -457,15 +459,28 @@ class CheckpointManager:
                 self.index["checkpoints"].remove(name)
 
 
+def _best_rank(entry: dict, mode: str) -> tuple[float, float, int]:
+    """The sort key of a best-checkpoint entry, best first: its value, then its loss (none ranks last),
+    then the later step."""
+    loss = entry.get("loss", math.inf)
+    return (entry["value"] if mode == "min" else -entry["value"], loss, -int(entry["name"][len(PREFIX):]))
+
+
 def _plain_index(index: Any) -> dict[str, Any]:
     """``index.json`` as torchrig writes it, or ValueError. Only names of checkpoints (``step-N``) are kept:
     pruning removes the directories it names, and a crafted ``../../x`` or ``/home/x`` must never be one."""
     if not isinstance(index, dict):
         raise ValueError("not a mapping")
     names = [n for n in index.get("checkpoints") or [] if isinstance(n, str) and re.fullmatch(r"step-\d+", n)]
-    best = [b for b in index.get("best") or [] if isinstance(b, dict) and isinstance(b.get("name"), str)
-            and re.fullmatch(r"step-\d+", b["name"]) and isinstance(b.get("value"), (int, float))]
+    best = [{"name": b["name"], "value": float(b["value"]),
+             **({"loss": float(b["loss"])} if _number(b.get("loss")) else {})}
+            for b in index.get("best") or [] if isinstance(b, dict) and isinstance(b.get("name"), str)
+            and re.fullmatch(r"step-\d+", b["name"]) and _number(b.get("value"))]
     return {"checkpoints": names, "best": best}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def read_checkpoint(path: Path, verify: bool = True) -> tuple[dict, dict, Optional[dict]]:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from .. import runtime
 from ..config.files import LINES_LIMIT, open_own, read_lines, refuse_link, replace_link, write_atomic
-from ..errors import setting
+from ..errors import setting, suggest
 from .io import CheckpointError
 from .manager import follow_link
 
@@ -159,6 +159,46 @@ def _owner(fd: int, patience: float = 1.0) -> str:
         if text or time.monotonic() > deadline:
             return text
         time.sleep(0.01)
+
+
+def check_resumable(run_dir: Optional[str | Path], resume: Optional[str]) -> None:
+    """Refuse ``resume=latest`` (or ``best``) in a ``run_dir`` that does not exist: on the command line most likely a
+    typo, which would otherwise train a new run from step 0 and end with success. An existing empty folder (a
+    scheduler's first start of a job whose every start says ``resume=latest``) starts at step 0, as does a restart
+    by torchrun. (``Trainer(resume="latest")`` in a script that makes its own run_dir on the first start is not
+    checked: the script names the folder once, in code.)"""
+    if resume not in ("latest", "best") or not run_dir or runtime.restart_count() > 0:
+        return
+    path = Path(run_dir)
+    if path.exists() or path.is_symlink():
+        return
+    near = suggest(str(run_dir), _run_dirs_near(path), n=3)
+    raise RunDirError(f"run_dir '{run_dir}' does not exist, so {setting('resume', resume)} has no run to continue"
+                      f"{near}{' ' if near else '. '}To start a new run there, leave out {setting('resume', resume)}, "
+                      f"or create the folder first (an empty run_dir starts at step 0)")
+
+
+def _run_dirs_near(path: Path, limit: int = 2000) -> list[str]:
+    """The folders at ``path``'s depth under its nearest existing ancestor (``runs/cli`` for ``runs/clii``, and for
+    ``rnus/cli`` too), as ``path`` spells them; at most ``limit`` are looked at."""
+    missing: list[str] = []
+    base = path
+    while not base.is_dir() and base != base.parent:
+        missing.insert(0, base.name)
+        base = base.parent
+    level = [base]
+    for _ in missing:
+        below: list[Path] = []
+        for folder in level:
+            try:
+                with os.scandir(folder) as entries:
+                    below += [folder / e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+            except OSError:
+                continue
+            if len(below) >= limit:
+                break
+        level = below[:limit]
+    return [str(p) for p in level]
 
 
 # ----------------------------------------------------------------------------- what a directory holds

@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None, *, until_exit: bool = False) -> int:
     handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
     stop = _stop_signal(args.command)
     try:
-        with command_line():  # messages name settings as --set does
+        with command_line(args.command):  # messages name settings as --set does
             return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("torchrig: interrupted", file=sys.stderr)

@@ -20,8 +20,10 @@ from .rules import parse_scalar
 from .schema import ConfigError, check_value, hints, refusal, rule_of
 
 
-def _suggest(name: str, options: list[str], what: str = "keys") -> str:
-    return suggest(name, options, cutoff=0.5) or f"; valid {what}: {', '.join(sorted(set(options)))}"
+def _suggest(name: str, options: list[str], what: str = "keys", prefix: str = "") -> str:
+    """``; did you mean 'optim.lr'?`` (``name`` matched among the bare ``options`` of section ``prefix``), else the
+    list of them."""
+    return suggest(name, options, cutoff=0.5, prefix=prefix) or f"; valid {what}: {', '.join(sorted(set(options)))}"
 
 
 def _section_hint(obj: Any, mapping: bool) -> str:
@@ -42,7 +44,7 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str = "") -> None:
         if key not in known:
             near = near_keys(str(key)) if isinstance(obj, Config) else []
             hint = (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near  # a key without its section
-                    else _suggest(str(key), known))
+                    else _suggest(str(key), known, prefix=prefix))
             raise ConfigError(f"unknown config key '{full}'{hint}{_section_hint(obj, isinstance(value, dict))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -82,7 +84,8 @@ def set_key(cfg: Any, dotted: str, value: Any) -> None:
                     return
                 raise ConfigError(f"config key '{shown}' has no sub-key '{parts[i + 1]}'")
             groups = [n for n in known if dataclasses.is_dataclass(getattr(target, n, None))]
-            raise ConfigError(f"unknown config section '{shown}'{_suggest(part, groups, 'sections')}"
+            raise ConfigError(f"unknown config section '{shown}'"
+                              f"{_suggest(part, groups, 'sections', prefix=shown[:len(shown) - len(part)])}"
                               f"{_section_hint(target, True)}")
         target = getattr(target, part)
     _apply_mapping(target, {parts[-1]: value}, prefix=".".join(parts[:-1]) + "." if len(parts) > 1 else "")
@@ -110,29 +113,31 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     return validate(cfg)
 
 
-def read_yaml(path: str | Path) -> dict:
-    """The mapping of a YAML config file: a regular file of at most 1 MiB whose aliases expand little
-    (see ``files``), or a ConfigError naming the file."""
+def read_yaml(path: str | Path, what: str = "config file",
+              missing: str = "pass an existing YAML file or none for the defaults") -> dict:
+    """The mapping of a YAML file (``what``: "config file", "search space file" …): a regular file of at most 1 MiB
+    whose aliases expand little (see ``files``), or a ConfigError naming the file; ``missing`` says what to do
+    when there is none."""
     import yaml
 
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"config file '{p}' does not exist; pass an existing YAML file or none for the defaults")
+        raise ConfigError(f"{what} '{p}' does not exist; {missing}")
     if p.is_dir():
-        raise ConfigError(f"config file '{p}' is a directory; pass a YAML file")
+        raise ConfigError(f"{what} '{p}' is a directory; pass a YAML file")
     try:
-        raw = files.read_regular(p, files.YAML_LIMIT, "config file", "pass a YAML config file", ConfigError)
-        data = files.parse_yaml(raw.decode("utf-8"), str(p), "config file", ConfigError)
+        raw = files.read_regular(p, files.YAML_LIMIT, what, f"pass a YAML {what}", ConfigError)
+        data = files.parse_yaml(raw.decode("utf-8"), str(p), what, ConfigError)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file '{p}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"{what} '{p}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file '{p}' is not a text file (UTF-8 YAML); pass a YAML config file") from None
+        raise ConfigError(f"{what} '{p}' is not a text file (UTF-8 YAML); pass a YAML {what}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{p}' must hold a mapping of keys, found {type(data).__name__}")
+        raise ConfigError(f"{what} '{p}' must hold a mapping of keys, found {type(data).__name__}")
     return data
 
 

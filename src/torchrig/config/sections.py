@@ -161,7 +161,8 @@ class CheckpointConfig:
     every_epochs: int = key(1, integer(0), "save at the end of every N epochs; 0: off",
                             alias="checkpoint_every_epochs")
     keep_last: int = key(2, integer(1), "the most recent checkpoints kept", alias="keep_last")
-    keep_best: int = key(1, integer(0), "the best checkpoints kept, by checkpoint.monitor", alias="keep_best")
+    keep_best: int = key(1, integer(0), "the best checkpoints kept, by checkpoint.monitor (a tie: the lower loss of "
+                                        "the same split, val/loss, then the later step)", alias="keep_best")
     monitor: Optional[str] = key(None, optional(TEXT), "the value that ranks checkpoints and early stopping, e.g. "
                                                        "val/accuracy; null: the first val metric, else val/loss",
                                  alias="monitor")

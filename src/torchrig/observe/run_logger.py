@@ -140,16 +140,20 @@ class RunLogger:
             print(text, file=self.stream, flush=True)
 
     # -- progress ----------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, epochs: int, total: Optional[int], initial: int = 0) -> None:
-        """``total``: the epoch's batches; None for a stream without a length (the bar counts without a total)."""
+    def start_epoch(self, epoch: int, epochs: int, total: Optional[int], initial: int = 0,
+                    steps: Optional[int] = None, steps_done: int = 0) -> None:
+        """``total``: the epoch's batches (``initial`` of them done), which the plain lines count; None for a stream
+        without a length. The bar counts optimizer steps, as the epoch's line does: ``steps`` (``steps_done`` of them
+        done; None: without a total), one per :meth:`advance`."""
         self._epoch, self._epochs, self._total = epoch, epochs, total
+        total, initial = steps, steps_done
         self._t0 = time.perf_counter()
         if self.mode == "bar" and self.notebook:
             from tqdm.notebook import tqdm as notebook_tqdm
 
             self._budget = 200
             self._bar = notebook_tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", leave=True,
-                                      unit="batch")
+                                      unit="step")
         elif self.mode == "bar":
             from tqdm import tqdm
 
@@ -160,7 +164,7 @@ class RunLogger:
             self._budget = terminal.bar_budget(desc, total, self._columns)
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, ncols=self._columns,
                              bar_format=terminal.BAR_FORMAT if total is not None else terminal.BAR_FORMAT_OPEN,
-                             leave=True, unit="batch")
+                             leave=True, unit="step")
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:

@@ -101,18 +101,22 @@ def optimizer_state(optimizers: Any, model: nn.Module) -> tuple[Optional[int], s
 
 
 def model_summary(model: nn.Module, optimizers: Any = None, precision: str = "fp32", shards: int = 1,
-                  ema: bool = False, layout: str = "") -> str:
+                  ema: bool = False, layout: str = "", whole: Optional[int] = None) -> str:
     """The summary table (fits 80 columns) and the memory estimate of one process: ``1/shards`` of plain tensors
     (FSDP2 about to shard them), the local pieces of DTensors, and ``layout`` (``tp=2 × pp=2``) named when the model
-    is split."""
+    is split. ``whole``: the parameters of the whole model when ``model`` holds only this process's pipeline stages
+    (the header gives both; the table is this process's)."""
     rows = _rows(model)
     if len(rows) > MAX_ROWS:
         rest = rows[MAX_ROWS - 1:]
         rows = rows[:MAX_ROWS - 1] + [[f"… {len(rest)} more", "", *(sum(r[i] for r in rest) for i in range(2, 6))]]
-    total = ["total", "", *(sum(r[i] for r in rows) for i in range(2, 6))]
+    staged = whole is not None and whole != sum(r[2] for r in rows)
+    total = ["this process" if staged else "total", "", *(sum(r[i] for r in rows) for i in range(2, 6))]
     params = [p for p in model.parameters()]
     trainable = total[3]
-    head = f"torchrig: model {type(model).__name__} · {_count(total[2])} parameters"
+    head = f"torchrig: model {type(model).__name__} · " + (
+        f"{_count(whole)} parameters; this process's stages hold {_count(total[2])}" if staged
+        else f"{_count(total[2])} parameters")
     head += ", all trainable" if total[4] == 0 else f" ({_count(trainable)} trainable, {_count(total[4])} frozen)"
     lines = _wrap(head + f" · {size(total[5])}", 80)
     table = [["module", "type", "params", "trainable", "frozen", "size"]]

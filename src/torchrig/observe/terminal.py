@@ -16,7 +16,7 @@ MIN_BAR = 10  # cells of the bar itself, whatever the width
 SEP = " · "
 # desc, " |", bar, "| ", "n/total", " ", "elapsed<remaining" and tqdm's ", " before the postfix
 BAR_FORMAT = "{desc} |{bar}| {n_fmt}/{total_fmt} {elapsed}<{remaining}{postfix}"
-BAR_FORMAT_OPEN = "{desc} · {n_fmt} batches {elapsed} · {rate_fmt}{postfix}"  # a stream's epoch: no total
+BAR_FORMAT_OPEN = "{desc} · {n_fmt} steps {elapsed} · {rate_fmt}{postfix}"  # a stream's epoch: no total
 
 
 def fmt(v: Any) -> str:

@@ -368,6 +368,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, plan: Plan, *, rank: int, pp: int, per_rank: int, schedule: str,
                  group: Any, device: torch.device):
         self.model, self.plan, self.device, self.group = model, plan, device, group
+        self.whole_parameters = sum(p.numel() for p in model.parameters())  # the whole model's, before the cut
         self.schedule_name = schedule
         self.num_stages = len(plan.ranges)
         self.v_shape = schedule == "zbv_zero_bubble"

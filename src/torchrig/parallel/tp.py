@@ -27,8 +27,10 @@ all-reduce per pair joins them. An attention module must take its local head cou
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -36,6 +38,29 @@ from ..errors import suggest
 from .mesh import ParallelConfigError
 
 KEY = "parallel.tp_plan"
+# torch's DTensor, on a CPU (gloo) mesh, moving a split tensor from one dimension to another
+CPU_ALLTOALL = "CPU process group does not support alltoall yet"
+
+
+class _NotCpuAlltoall(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(CPU_ALLTOALL)
+
+
+@contextlib.contextmanager
+def quiet_cpu_alltoall(active: bool) -> Iterator[None]:
+    """While torchrig runs a split model (``active``: tensor parallel on a CPU mesh), torch's warning that gloo has no
+    all-to-all and an all-gather does its work is not shown: known and harmless (the same values), yet said by every
+    rank. Only that message of only that logger: every other warning stays."""
+    if not active:
+        yield
+        return
+    logger, quiet = logging.getLogger("torch.distributed.tensor._collective_utils"), _NotCpuAlltoall()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _styles() -> dict[str, Callable[[], Any]]:

@@ -22,7 +22,6 @@ model.factory=…``) to use another one, such as an installed package or a proje
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import types
@@ -329,51 +328,3 @@ def python_built_message(path: Any, python_class: str,
     return (f"checkpoint '{path}': this checkpoint was saved from a model and data built in Python "
             f"({python_class.replace(':', '.')}); rebuild them in Python and {then}, or pass --set "
             f"model.factory=MODULE:FN and --set data.factory=MODULE:FN{data}, functions of yours that build them")
-
-
-def resumed_run(cfg: C.Config, given: frozenset = frozenset()) -> tuple[list[str], Optional[str]]:
-    """For ``train --set resume=…`` without ``--model`` / ``--data``: the factories (as overrides) and
-    the recipe that the checkpoint to resume was trained with, so the same model and data are rebuilt; and its
-    ``loss`` / ``metrics`` named ``MODULE:NAME`` unless ``given`` (the keys this command sets) holds them."""
-    if cfg.resume is None or cfg.model.factory or cfg.data.factory:
-        return [], None
-    from ..checkpoint import CheckpointError, read_config, read_meta, resolve
-
-    try:  # config.yaml and meta.json alone (regular files, capped, safe YAML), not the optimizer state beside them
-        path = resolve(cfg.resume, cfg.run_dir)
-        saved = read_config(path, cfg.checkpoint.verify) if path is not None else None
-        meta = read_meta(path) if path is not None else None
-    except (CheckpointError, OSError, ValueError):
-        return [], None  # the resume itself reports what is wrong with the checkpoint
-    if not isinstance(saved, dict):
-        return [], None
-    model, data = saved.get("model") or {}, saved.get("data") or {}
-    if not (isinstance(model, dict) and isinstance(data, dict)):
-        return [], None
-    if model.get("python_class") and not model.get("factory"):
-        raise FactoryError(python_built_message(path, model["python_class"], "pass resume= to its Trainer", ""))
-    extra = []
-    for key, saved_section in (("model", model), ("data", data)):
-        if isinstance(saved_section.get("factory"), str):
-            check_saved_spec(saved_section["factory"], f"{key}.factory", path, meta)
-            extra.append(f"{key}.factory={saved_section['factory']}")
-            options = saved_section.get("options")
-            if options and not getattr(cfg, key).options:  # the factory's own keywords, unless given again
-                extra.append(f"{key}.options={json.dumps(options)}")
-    return extra + _resumed_code(saved, given, path, meta), (saved.get("recipe") if extra else None)
-
-
-def _resumed_code(saved: dict, given: frozenset, path: Path, meta: Any) -> list[str]:
-    """``loss=SPEC`` / ``metrics=[…]`` overrides for the ``MODULE:NAME`` loss and metrics the checkpoint's config
-    names (each checked by :func:`check_saved_spec`), unless this command line sets those keys."""
-    extra = []
-    if "loss" not in given and is_spec(saved.get("loss")):
-        check_saved_spec(saved["loss"], "loss", path, meta)
-        extra.append(f"loss={saved['loss']}")
-    metrics = saved.get("metrics")
-    if "metrics" not in given and isinstance(metrics, list) and any(is_spec(m) for m in metrics):
-        for i, m in enumerate(metrics):
-            if is_spec(m):
-                check_saved_spec(m, f"metrics[{i}]", path, meta)
-        extra.append(f"metrics={json.dumps(metrics)}")
-    return extra

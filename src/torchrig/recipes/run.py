@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional
 
 from .. import config as C
 from ..errors import suggest
-from ..trainer.provenance import code_specs
+from ..trainer.provenance import code_specs, is_spec
 from . import factory, get_recipe
 from .base import RecipeError, check_output_kind, saved_bytes, write_output
 
@@ -22,17 +22,18 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def build_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                  recipe: Optional[str] = None) -> C.Config:
-    """Defaults < the recipe's defaults < the YAML file < ``--set`` overrides (< ``--recipe``)."""
+    """Defaults < the recipe's defaults < (a resume: the run's own config, see :func:`resumed_config`) < the YAML
+    file < ``--set`` overrides (< ``--recipe``)."""
     probe = C.load_config(path, overrides)  # validates keys early and tells which recipe is asked for
     file_map = C.read_yaml(path) if path else {}
     named = recipe or "recipe" in file_map or any(o.partition("=")[0].strip() == "recipe" for o in overrides or [])
-    given = frozenset(C.flat_keys(file_map)) | given_keys(overrides)
-    resumed, resumed_recipe = factory.resumed_run(probe, given)  # resume: the --model / --data the run was trained with
-    overrides = resumed + list(overrides or [])
+    given = list(overrides or []) + [f"{key}=" for key in C.flat_keys(file_map)]  # the keys this command names
+    saved = resumed_config(probe, given)
+    saved_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
     # your own data (--data) without a recipe named: the recipe with no data of its own
-    own_data = probe.data.factory or any(o.startswith("data.factory=") for o in resumed)
-    name = recipe or (probe.recipe if named else resumed_recipe or ("custom" if own_data else probe.recipe))
-    return recipe_config(name, file_map, overrides)
+    own_data = probe.data.factory or saved_data.get("factory")
+    name = recipe or (probe.recipe if named else saved.get("recipe") or ("custom" if own_data else probe.recipe))
+    return recipe_config(name, _merge(saved, file_map), overrides)
 
 
 def recipe_config(name: str, mapping: dict, overrides: Optional[list[str]] = None) -> C.Config:
@@ -48,15 +49,15 @@ def run_train(cfg: C.Config, out=print) -> dict:
     from .. import runtime
     from ..checkpoint.rundir import check_not_in_use, discard_unused, numbered_run_dir
 
-    owns_group, numbered = False, not cfg.run_dir
+    owns_group, numbered, where = False, not cfg.run_dir, Announce(out)
     try:
         if numbered:
             owns_group = join_process_group(cfg)  # the ranks must agree on the number: rank 0 tells them
-            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=out,
+            cfg.run_dir = str(numbered_run_dir(Path("runs") / cfg.recipe, say=where.lines.append,
                                                   resume=cfg.resume in ("latest", "best")))  # a path: a new run
         elif runtime.is_main_process():
             check_not_in_use(cfg.run_dir)  # at once, before seconds of building data and model
-        return _train(cfg, out)
+        return _train(cfg, out, where)
     except BaseException:
         if numbered and cfg.run_dir and runtime.get_rank() == 0:
             discard_unused(Path(cfg.run_dir))
@@ -64,6 +65,20 @@ def run_train(cfg: C.Config, out=print) -> dict:
     finally:
         if owns_group:
             runtime.destroy_process_group()
+
+
+class Announce:
+    """Says which numbered run directory a run writes to once it starts training (``on_fit_start``): a start that
+    fails before says nothing of a folder that is then removed (the error, or the end of the run, names it)."""
+
+    def __init__(self, out=print) -> None:
+        self.lines: list[str] = []  # filled on rank 0 only
+        self.out = out
+
+    def on_fit_start(self, trainer: Any) -> None:
+        for line in self.lines:
+            self.out(line)
+        self.lines.clear()
 
 
 def join_process_group(cfg: C.Config) -> bool:
@@ -120,10 +135,10 @@ def run_without_training(config: Optional[str], overrides: list[str], recipe: Op
             trainer.close()
 
 
-def _train(cfg: C.Config, out) -> dict:
+def _train(cfg: C.Config, out, where: Announce) -> dict:
     from ..runtime import stop_phase
 
-    recipe, data, trainer = build_run(cfg)
+    recipe, data, trainer = build_run(cfg, [where])
     try:
         run = trainer.open_run()  # locked and checked before the recipe writes its files there
         if trainer.is_main:
@@ -217,6 +232,93 @@ def inference_config(saved: dict, path: Path, overrides: Optional[list[str]] = N
         key, _, raw = item.partition("=")
         C.set_key(cfg, key.strip(), raw)
     return C.validate(cfg)
+
+
+# Keys that a resume takes from the run it continues although evaluate does not (they are in a section of
+# ``THIS_RUN``): plain switches of what is computed, which a resume would otherwise refuse as changed.
+RESUME_TAKES = ("dist.sync_batchnorm", "dist.broadcast_buffers")
+# Keys that a resume never takes from the run: besides ``THIS_RUN``, whether changed settings are allowed (a
+# resume that once allowed them must not allow the next one's).
+RESUME_DROPS = (*THIS_RUN, "resume_changes")
+
+
+def resumed_config(probe: C.Config, given: list[str]) -> dict:
+    """For ``train --set resume=…``: the config of the checkpoint to resume, as the mapping this command's config
+    file and ``--set`` go on top of, so that a resume needs no setting typed again (a changed one is then refused
+    or allowed as before, ``trainer/changes.py``). {} when there is no checkpoint to read (yet).
+
+    ``config.yaml`` is a stranger's file, read as ``evaluate`` reads it: the keys of ``RESUME_DROPS`` take this
+    command's values, a factory it names is imported only when it is the run's own file (unless ``given``, this
+    command's ``KEY=VALUE`` items, names it). ``resume_weights_only`` starts a new run from those weights: only the
+    recipe and the factories that rebuild the same model and data are taken."""
+    if probe.resume is None:
+        return {}
+    from ..checkpoint import CheckpointError, read_config, read_meta, resolve
+    from ..checkpoint.rundir import check_resumable
+
+    check_resumable(probe.run_dir, probe.resume)  # at once, before seconds of building data and model
+    try:  # config.yaml and meta.json alone (regular files, capped, safe YAML), not the optimizer state beside them
+        path = resolve(probe.resume, probe.run_dir)
+        saved = read_config(path, probe.checkpoint.verify) if path is not None else None
+        meta = read_meta(path) if path is not None else None
+    except (CheckpointError, OSError, ValueError):
+        return {}  # the resume itself reports what is wrong with the checkpoint
+    if not isinstance(saved, dict):
+        return {}
+    kept = _model_source(without_keys(saved)) if probe.resume_weights_only else _resumed_keys(saved)
+    try:
+        cfg = C.from_dict(kept)
+    except C.ConfigError as exc:
+        raise CheckpointError(f"'{path / 'config.yaml'}' does not hold a config this torchrig can resume ({exc}); "
+                              f"resume from another checkpoint, or start a new run") from None
+    for key, spec in factories_read_back(cfg, given):  # code the checkpoint names: only the run's own file
+        factory.check_saved_spec(spec, key, path, meta)
+    built = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    if built.get("python_class") and not (built.get("factory") or probe.model.factory):
+        raise factory.FactoryError(factory.python_built_message(path, str(built["python_class"]),
+                                                                "pass resume= to its Trainer", ""))
+    _say_resumed(saved, path, probe.resume, whole=not probe.resume_weights_only)
+    return kept
+
+
+def _resumed_keys(saved: dict) -> dict:
+    """``saved`` without ``RESUME_DROPS``, with ``RESUME_TAKES`` put back."""
+    kept = without_keys(saved, RESUME_DROPS)
+    for key in RESUME_TAKES:
+        section, _, name = key.partition(".")
+        owner = saved.get(section)
+        if isinstance(owner, dict) and name in owner:
+            kept.setdefault(section, {})[name] = owner[name]
+    return kept
+
+
+def _model_source(kept: dict) -> dict:
+    """What of ``kept`` rebuilds the same model and data: the recipe, and each factory with its options."""
+    out: dict = {}
+    for section in ("model", "data"):
+        part = kept.get(section)
+        if isinstance(part, dict) and part.get("factory"):
+            out[section] = {k: part[k] for k in ("factory", "options") if k in part}
+    if out and "recipe" in kept:
+        out["recipe"] = kept["recipe"]
+    for key in ("loss", "metrics"):  # a loss or metrics of the user's own code (MODULE:NAME) belong to the model too
+        value = kept.get(key)
+        if is_spec(value) or (isinstance(value, list) and any(is_spec(m) for m in value)):
+            out[key] = value
+    return out
+
+
+def _say_resumed(saved: dict, path: Path, resume: str, whole: bool) -> None:
+    from .. import runtime
+
+    if not runtime.is_main_process():
+        return
+    note = joining_note(saved, f"checkpoint '{path}'")
+    if note:
+        print(note)
+    if whole:
+        print(f"torchrig: resume={resume}: the run's settings are read back from {path / 'config.yaml'}; this "
+              f"command's config file and --set go on top")
 
 
 def factories_read_back(cfg: C.Config, overrides: Optional[list[str]] = None) -> list[tuple[str, str]]:

@@ -39,7 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import same_run, settings
+from ..errors import continue_run
+from .dist import is_main_process
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
@@ -59,7 +60,7 @@ class RunStopped(SystemExit):
         """The loop's stop: after optimizer step ``step``, whose checkpoint is in ``run_dir``. The way on names
         the run: ``resume=latest`` alone would resume the newest run of the recipe, which may be another."""
         return cls(signum, f"at step {step}; checkpoint {run_dir}/checkpoints/step-{step:08d}; continue with "
-                           f"{same_run()} {settings(('run_dir', str(run_dir)), ('resume', 'latest'))}", step)
+                           f"{continue_run(run_dir)}", step)
 
     def __str__(self) -> str:
         return self.message
@@ -146,9 +147,11 @@ class StopSignal:
             return
         _Watcher.handled += 1
         name = signal_name(signum)
+        # a launcher (torchrun, srun) passes a signal to every rank: what they would all say, rank 0 says once
+        say = _say if is_main_process() else (lambda line: None)
         if self.received:
             lost = ", without a checkpoint" if self.at_steps or self._saving else ""
-            _say(f"\ntorchrig: second {name}: exiting now{lost}")
+            say(f"\ntorchrig: second {name}: exiting now{lost}")
             os._exit(128 + signum)
         self.received = signum
         if self._agreed:  # already stopping (with the other ranks): let it finish
@@ -157,11 +160,11 @@ class StopSignal:
             _say(f"\nstopped by {name} {self.where}")
             os._exit(128 + signum)
         if self.at_steps:
-            _say(f"\ntorchrig: {name} received; stopping after the current optimizer step with a checkpoint "
-                 f"(send it again to exit at once)")
+            say(f"\ntorchrig: {name} received; stopping after the current optimizer step with a checkpoint "
+                f"(send it again to exit at once)")
         elif self._saving:
-            _say(f"\ntorchrig: {name} received; stopping once the checkpoint being written is complete "
-                 f"(send it again to exit at once)")
+            say(f"\ntorchrig: {name} received; stopping once the checkpoint being written is complete "
+                f"(send it again to exit at once)")
         else:
             raise self.stopped(signum)
 

@@ -76,6 +76,15 @@ class Monitor:
         self.mode = mode or ("max" if name and _higher_is_better(name, metrics) else "min")
         self.best: Optional[float] = None
 
+    @property
+    def tie_breaker(self) -> Optional[str]:
+        """The loss that ranks checkpoints whose monitored value ties (``val/accuracy`` 1.0 at several epochs):
+        the loss of the same split (``val/loss``), lower is better; None when the monitor is that loss."""
+        if not self.name:
+            return None
+        split, _, base = self.name.rpartition("/")
+        return None if base == "loss" else (f"{split}/loss" if split else "loss")
+
     def improved(self, value: float) -> bool:
         """Record ``value``; True if it beats the best so far (NaN never does)."""
         if math.isnan(value):
@@ -109,7 +118,8 @@ class EarlyStopping:
 
 
 class BestCheckpoint:
-    """Keep the ``keep_best`` checkpoints with the best monitored value, and the ``best`` link."""
+    """Keep the ``keep_best`` checkpoints with the best monitored value, and the ``best`` link. A tie of the
+    monitored value goes to the lower loss of the same split (``Monitor.tie_breaker``), then to the later step."""
 
     def __init__(self, monitor: Monitor, explicit: bool):
         self.monitor, self.explicit = monitor, explicit
@@ -119,7 +129,9 @@ class BestCheckpoint:
             return
         if self.monitor.name in metrics:
             if path is not None:
-                trainer.checkpoints.track_best(path.name, float(metrics[self.monitor.name]), self.monitor.mode)
+                tie = metrics.get(self.monitor.tie_breaker) if self.monitor.tie_breaker else None
+                trainer.checkpoints.track_best(path.name, float(metrics[self.monitor.name]), self.monitor.mode,
+                                               loss=None if tie is None else float(tie))
         elif self.explicit and any(k.startswith("val/") for k in metrics):
             # A typo in checkpoint.monitor would silently keep no best checkpoint: say so once validation ran.
             raise ConfigError(f"config key 'checkpoint.monitor': {self.monitor.name!r} is not a logged value; choose "

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .. import config as C
 from .. import runtime
-from ..errors import setting
+from ..errors import setting, short_resume
 
 HARMLESS = frozenset({
     # how long (see RUN_LENGTH_SCHEDULES), where, with how many threads and processes (the world size is
@@ -44,6 +44,9 @@ HARMLESS = frozenset({
     # what is logged and shown
     "log.", "profile.",
 })
+# What a run started from that a checkpoint's own state replaces: not compared when resuming from one (a study's
+# next trial, which starts afresh, compares it).
+REPLACED_ON_RESUME = frozenset({"model.weights"})
 # Keys that say how to start, not what to compute: never compared.
 NOT_COMPARED = frozenset({"resume", "resume_weights_only", "resume_changes", "overwrite", "checkpoint.verify"})
 # Schedules whose length is the run's length (epochs, max_steps): a new length passes (a longer run is how a
@@ -116,14 +119,15 @@ def changed(saved: dict, now: dict, worlds: tuple[int, int] = (1, 1)) -> tuple[l
 
 
 def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Callable[[str], None],
-          worlds: tuple[int, int] = (1, 1)) -> None:
+          worlds: tuple[int, int] = (1, 1), run_dir: Any = None) -> None:
     """Refuse to resume from ``checkpoint`` (whose config is ``saved``; ``worlds``: the saved and the
-    current number of processes) with changed settings, or, with ``allow``, say in one line what is no
-    longer exact. A new run length passes; when the schedule follows it, one line says that the learning
-    rates from here on are not those of a run this long."""
+    current number of processes; ``run_dir``: the run it continues) with changed settings, or, with ``allow``,
+    say in one line what is no longer exact. A new run length passes; when the schedule follows it, one line says
+    that the learning rates from here on are not those of a run this long."""
     if not isinstance(saved, dict):
         return
     refused, length = changed(saved, now, worlds)
+    refused = [diff for diff in refused if diff[0] not in REPLACED_ON_RESUME]
     schedule = str((now.get("scheduler") or {}).get("name") or "").lower().replace("-", "_")
     if length and schedule == "onecycle":  # re-planned on load (saving.replan_one_cycles): a closed form in the step
         say(f"torchrig: the onecycle schedule follows the run's length, which changed ({_list(length)}): from here on "
@@ -137,8 +141,10 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
         say(f"torchrig: resume_changes=allow: resuming from '{checkpoint}' with changed settings, so the run is no "
             f"longer exact: {_list(refused)}")
         return
+    short = short_resume(run_dir) if run_dir is not None else ""
+    back = f"set them back ({short} takes the run's own settings)" if short else "set them back"
     raise C.ConfigError(f"resuming from '{checkpoint}' with changed settings would not be exact: {_list(refused)}; "
-                        f"set them back, start a new run (another run_dir, or {setting('overwrite', True)}), or "
+                        f"{back}, start a new run (another run_dir, or {setting('overwrite', True)}), or "
                         f"resume anyway with {setting('resume_changes', 'allow')}")
 
 

@@ -42,16 +42,36 @@ class EvalRun:
 
 
 @contextlib.contextmanager
-def _eval_mode(modules: list):
+def _eval_mode(modules: list, grad_off: Callable = torch.inference_mode):
     was = [m.training for m in modules]
     for m in modules:
         m.eval()
     try:
-        with torch.inference_mode():
+        with grad_off():
             yield
     finally:
         for m, w in zip(modules, was):
             m.train(w)
+
+
+def probe(step: ModelCalls, first_batch: Callable[[], Any], modules: list) -> None:
+    """The model's forward on ``first_batch()`` (the validation data's first samples) before training, so that inputs
+    the model cannot take fail now rather than after the first epoch (the loss is left to the training step, which
+    says what does not fit on a training batch). Eval mode under ``no_grad`` (not ``inference_mode``: a cache the
+    forward fills must stay usable in training), and every random generator left as it was, those the loader draws
+    from included: an exact resume draws what an unbroken run draws."""
+    from ..errors import TorchrigError
+
+    state = runtime.rng_state()
+    try:
+        batch = first_batch()
+        inputs, target = step.split(batch)
+        with _eval_mode(modules, torch.no_grad), step.autocast():
+            step.forward(inputs, target=target)
+    except TorchrigError as exc:
+        raise type(exc)(f"checking the validation data before training: {exc}") from None
+    finally:
+        runtime.set_rng_state(state)
 
 
 def run(r: EvalRun, forward: Callable[[ModelCalls, Any], Any],

@@ -90,7 +90,8 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     now = c.layout.degrees()
     changes.check(read_config(path, verify), provenance.saved_config(c.cfg, c.model, c.config_builds_model), path,
                   allow=c.cfg.resume_changes == "allow", say=c.say,
-                  worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)))
+                  worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)),
+                  run_dir=c.run_dir)
     restored = states(c)
     planned = {k: s.state_dict() for k, s in c.schedulers.items() if isinstance(s, torch.optim.lr_scheduler.OneCycleLR)}
     c.checkpoints.load(path, restored, print_fn=c.say, verify=verify)

@@ -24,6 +24,7 @@ from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
+from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
@@ -44,6 +45,18 @@ from .state import MetricStates, TrainState
 from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
 from .window import Window, Windows
+
+
+def _known_warnings_quiet(method: Callable) -> Callable:
+    """``fit`` / ``evaluate`` / ``predict`` / ``find_lr`` without the warnings torch gives for what torchrig does on
+    purpose (``parallel.tensor_parallel.quiet_cpu_alltoall``)."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
+        with parallel.tensor_parallel.quiet_cpu_alltoall(self.layout.tp > 1 and self.device.type == "cpu"):
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Trainer:
@@ -230,6 +243,7 @@ class Trainer:
         return float(self.optimizers[next(iter(self.optimizers))].param_groups[-1]["lr"])
 
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def find_lr(self, data: Any, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 200,
                 smooth: float = 0.9, diverge: float = 4.0, plot: Any = None) -> Any:
         """An exponential learning-rate sweep (``steps`` batches from ``start_lr`` to ``end_lr``) on a copy of the
@@ -253,8 +267,9 @@ class Trainer:
         shards = ((self.layout.dp_shard if self.layout.pp > 1 else self.world_size)  # a pipeline: this rank's stages
                   if self.strategy == "fsdp" else 1)
         split = self.layout.describe() if self.layout.tp > 1 or self.layout.pp > 1 else ""
+        whole = self.layout.pipeline.whole_parameters if self.layout.pipeline is not None else None
         return model_summary(runtime.unwrap(self.model), self.optimizers, self.precision.name, shards,
-                             self.ema is not None, split)
+                             self.ema is not None, split, whole)
 
     def print(self, text: str) -> None:
         """Print from the main process only (through the progress bar when one is shown)."""
@@ -265,6 +280,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ fit
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def fit(self, train_data: Any, val_data: Any = None) -> dict:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {}); a stop signal
         raises ``RunStopped``, in the loop after the step under way and its checkpoint (``runtime.signals``)."""
@@ -302,6 +318,7 @@ class Trainer:
         return batches
 
     def _train(self, plan: FitPlan) -> dict:
+        self._check_val_data(plan.val_data)
         self._run_callbacks.call("on_fit_start", self)
         self._signals.stop_at_steps()
         try:
@@ -480,7 +497,9 @@ class Trainer:
         self.wrapped.train()
         for m in self.models.values():
             m.train()
-        out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start)
+        # the bar counts optimizer steps, as the epoch's line does (a window starts at a multiple of accumulate)
+        out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start, steps=plan.steps_per_epoch,
+                        steps_done=-(-start // self.plan.accumulate))
         it = prefetch_to_device(plan.batches, device)  # CUDA: the next batch's copy overlaps this step
         i = start
         state.epoch, state.batch_in_epoch = epoch, i
@@ -506,10 +525,10 @@ class Trainer:
                 window.add(batch, plan.batches.weight(i), i)
             i += 1
             state.batch_in_epoch = i
-            out.advance()
             if not window.full:  # inside an accumulation window
                 continue
             values = window.finish()  # the optimizer step is counted
+            out.advance()
             if self._spikes is not None:  # a spike: back to the snapshot, leaving Rollback for _loop
                 self._spikes.check(window.first, window.size, self.step.grad_norm, saving.states(self.fit_context))
             if ema is not None:
@@ -621,6 +640,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluate / predict
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def evaluate(self, data: Any, ema: bool = True) -> dict:
         """Loss (per-sample mean) and metrics over every sample once, reduced across ranks; with the EMA
         weights when the run keeps an EMA (``ema_decay``) and ``ema`` is true."""
@@ -630,6 +650,7 @@ class Trainer:
         return results
 
     @runtime.explain_collective_errors
+    @_known_warnings_quiet
     def predict(self, data: Any, activation: str = "auto", outputs: str = "prediction") -> Any:
         """Model outputs for every sample, in data order, on every rank (CPU tensors).
 
@@ -656,19 +677,35 @@ class Trainer:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
         model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
         own module, whose forward gathers the shards)."""
+        return inference.EvalRun(self._eval_batches(data), self._eval_calls(metrics, activation, outputs),
+                                 [self.wrapped, *self.models.values()], self.device, self.dp_size,
+                                 self.layout.lockstep and self.world_size > 1, lambda: self._first_samples(data),
+                                 self._signals.beat_now, self.layout.groups)
+
+    def _eval_calls(self, metrics: list, activation: Optional[Callable] = None,
+                    outputs: str = "prediction") -> ModelCalls:
         model = self.wrapped if self.strategy == "fsdp" else runtime.unwrap(self.wrapped)
         seen = self.step.class_dim if self.step is not None else None  # the class dimension this fit found
-        step = ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
+        return ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
                           metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
                           predict_outputs=outputs, class_dim=seen or self.cfg.class_dim)
 
-        def first_batch() -> Any:  # the data's first sample, for padding forwards on a rank without one
-            one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=1))
-            return to_device(next(iter(one)), self.device)
+    def _first_samples(self, data: Any, n: int = 1) -> Any:
+        """The first ``n`` samples of ``data`` as one evaluation batch on the device (padding forwards of a rank
+        without a sample; the validation data's check before training)."""
+        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=n))
+        return to_device(next(iter(one)), self.device)
 
-        return inference.EvalRun(self._eval_batches(data), step, [self.wrapped, *self.models.values()], self.device,
-                                 self.dp_size, self.layout.lockstep and self.world_size > 1, first_batch,
-                                 self._signals.beat_now, self.layout.groups)
+    def _check_val_data(self, val_data: Any) -> None:
+        """Validation data that does not fit the model fails before training, not after the first epoch: the model's
+        forward on its first two samples (two: a forward that squeezes its batch dimension would fail on one alone), on every rank (a tensor-parallel or FSDP forward is collective). A stream is not read ahead (it may
+        not be read twice), a pipeline's stages are not probed (their forward is the schedule's), and an ``eval_fn``
+        of the user's is not called an extra time (it may count, write samples …)."""
+        if val_data is None or self.eval_fn is not None or self.layout.pipeline is not None \
+                or isinstance(val_data, Batches) or is_iterable_source(val_data):
+            return
+        inference.probe(self._eval_calls([]), lambda: self._first_samples(val_data, 2),
+                        [self.wrapped, *self.models.values()])
 
     # ------------------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -64,11 +64,17 @@ def tune(config: Union[None, str, Path, C.Config] = None, space: Union[None, str
         if parallel > 1 and runtime.get_world_size() > 1:
             raise TuneError(f"--parallel {parallel}: under torchrun each trial uses every process, one trial at a time; "
                             f"run parallel trials without torchrun (each trial then uses one process)")
-        folder = _study_dir(study_dir, resume, out)
+        where: list[str] = []  # which numbered folder: said once the study opened (one that fails is removed)
+        folder = _study_dir(study_dir, resume, where.append)
         # a resume without a config file takes the study's config, with the --set overrides on top
         whole = base if not resume or config is not None or recipe is not None else None
         try:
             session = _open(folder, whole, space, trials, sampler, pruner, storage, resume, out, parallel, overrides)
+            for line in where:
+                out(line)
+            if base is not None and base.run_dir and runtime.get_rank() == 0:  # each trial has its own folder
+                out(f"tune: run_dir {base.run_dir} is not used: each trial is a run in {folder / 'trials'}/N, and the "
+                    f"study's folder is --study-dir (study_dir=)")
         except BaseException:
             if study_dir is None and runtime.get_rank() == 0 and not (folder / "study.json").exists():
                 from ..checkpoint.rundir import discard_unused

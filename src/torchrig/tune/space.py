@@ -178,9 +178,10 @@ def load_space(space: Union[str, Path, dict], cfg: C.Config, source: Optional[st
     if isinstance(space, (str, Path)):
         source = source or str(space)
         try:
-            mapping = C.read_yaml(space)
+            mapping = C.read_yaml(space, "search space file", "write the keys to search in it, e.g. 'optim.lr: "
+                                  "{log_uniform: [1e-4, 3e-2]}' (docs/tuning.md shows every kind)")
         except C.ConfigError as exc:
-            raise TuneError(str(exc).replace("config file", "search space file", 1)) from None
+            raise TuneError(str(exc)) from None
     elif isinstance(space, dict):
         mapping, source = space, source or "search space"
     else:

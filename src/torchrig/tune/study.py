@@ -394,7 +394,12 @@ def _create(folder: Path, base: Optional[C.Config], space: Any, trials: Optional
                         "'optim.lr: {log_uniform: [1e-5, 1e-1]}')")
     if trials is None:
         raise TuneError("a new study needs --trials N, the number of trials to run")
-    base = copy.deepcopy(base) if base is not None else C.Config()
+    if base is None:  # the default digits job, as torchrig train runs it (its recipe's defaults: validation split …)
+        from ..recipes.run import build_config
+
+        base = build_config()
+    else:
+        base = copy.deepcopy(base)
     parsed = load_space(space, base)
     check_model_options(base, parsed)
     # a storage of the user's may hold several studies: each is named by its directory
