@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
 
     p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
+    p.add_argument("--hang", metavar="RUN_DIR", help="read the dumps a hang left in RUN_DIR/hang (dist.hang_timeout): "
+                                                     "the summary, and where each rank was, with its frames")
     add_common(p)
 
     _register_extra(sub)
@@ -159,9 +161,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import report
+    from .doctor import hang_report, report
 
-    print(report())
+    print(hang_report(args.hang) if args.hang else report())
     return 0
 
 

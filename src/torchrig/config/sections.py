@@ -254,6 +254,11 @@ class DistConfig:
     requeue: bool = key(False, BOOL, "Slurm: scontrol requeue the job after a signal's checkpoint")
     stop_timeout: float = key(10.0, POSITIVE, "seconds without progress after a stop signal before exiting without "
                                               "a checkpoint (a stuck step or peer)")
+    hang_timeout: float = key(
+        300.0, number(0),
+        "seconds a training step, a collective or a data load may make no progress before every rank writes where it "
+        "is (RUN_DIR/hang), rank 0 names the stuck ranks and their lines in one summary, and the job stops with exit "
+        "code 75, keeping its checkpoints; until the first optimizer step, dist.timeout applies; 0: off")
 
 
 def _degree(v: Any) -> int:

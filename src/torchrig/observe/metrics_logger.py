@@ -164,7 +164,8 @@ def _mean_over_items(sums: dict, count: float, groups: runtime.Groups, device: O
     keys = sorted(sums)
     if groups.dp_size() > 1 and keys:
         total = runtime.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(count)],
-                                                    dtype=torch.float64, device=device), groups.data).tolist()
+                                                    dtype=torch.float64, device=device), groups.data,
+                                       name="metrics").tolist()
         sums, count = dict(zip(keys, total[:-1])), total[-1]
     return {f"train/{k}": v / max(1e-12, float(count)) for k, v in sums.items()}
 
@@ -175,5 +176,5 @@ def _mean_over_ranks(values: dict, groups: runtime.Groups, device: Optional[torc
         return values
     keys = sorted(values)
     mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device),
-                                   groups.data)
+                                   groups.data, name="metrics")
     return dict(zip(keys, mean.tolist()))

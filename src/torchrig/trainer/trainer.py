@@ -23,6 +23,7 @@ from .. import config as C
 from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
+from ..config.files import atomic_file, make_dir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
@@ -113,7 +114,8 @@ class Trainer:
         cfg, d = self.cfg, self.cfg.dist
         self.dist_info = runtime.detect(d.init_method, d.rank, d.world_size)
         self.device = runtime.select_device(cfg.device, self.dist_info.local_rank)
-        self._owns_group = runtime.init_process_group(self.dist_info, self.device, d.backend, d.init_method, d.timeout)
+        self._owns_group = runtime.init_process_group(self.dist_info, self.device, d.backend, d.init_method, d.timeout,
+                                                      flight_recorder=d.hang_timeout > 0)
         self.rank = runtime.get_rank()
         self.world_size = runtime.get_world_size()
         self.is_main = self.rank == 0
@@ -300,15 +302,35 @@ class Trainer:
     def _train(self, plan: FitPlan) -> dict:
         self._run_callbacks.call("on_fit_start", self)
         self._signals.stop_at_steps()
+        watch = self._watch_hangs()
         try:
             val_metrics, stopped = self._loop(plan)
         except BaseException as exc:
+            if watch is not None and runtime.peer_lost(exc):  # name the ranks that are gone, before the error
+                line = watch.lost()
+                if line:
+                    self.print(f"torchrig: {line}")
             self._run_callbacks.call("on_exception", self, exc)
             raise
         finally:
+            if watch is not None:
+                watch.stop()
             self.metrics_log.out.close()
         self._finish(stopped)
         return val_metrics
+
+    def _watch_hangs(self) -> Optional[runtime.HangWatch]:
+        """``dist.hang_timeout``: the watchdog of this rank over the loop (``runtime/hang.py``), several ranks only."""
+        d = self.cfg.dist
+        if self.world_size < 2 or not d.hang_timeout:
+            return None
+        signals, state = self._signals, self.state
+        progress = runtime.Progress(beat=lambda: signals.beat, busy=lambda: signals.saving_now,
+                                    steps=lambda: state.global_step)
+        return runtime.HangWatch(d.hang_timeout, d.timeout, _dump_writer(self.run_dir), progress, rank=self.rank,
+                                 world_size=self.world_size, device=self.device, where=str(self.run_dir),
+                                 nccl="nccl" in runtime.backend_name(), store=runtime.default_store(),
+                                 settle=self.checkpoints.wait).start()
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
@@ -670,3 +692,16 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _dump_writer(run_dir: Path) -> Callable[[str, Callable[[Any], None]], None]:
+    """``save(name, fill)``: RUN_DIR/hang/NAME written whole by ``fill(binary file)`` through the run folder's writer
+    (a hang's dumps, ``runtime/hang.py``)."""
+    folder = run_dir / runtime.hang.FOLDER
+
+    def save(name: str, fill: Callable[[Any], None]) -> None:
+        make_dir(folder, root=run_dir)
+        with atomic_file(folder / name, root=run_dir) as fh:
+            fill(fh)
+
+    return save
