@@ -259,6 +259,12 @@ class DistConfig:
         "seconds a training step, a collective or a data load may make no progress before every rank writes where it "
         "is (RUN_DIR/hang), rank 0 names the stuck ranks and their lines in one summary, and the job stops with exit "
         "code 75, keeping its checkpoints; until the first optimizer step, dist.timeout applies; 0: off")
+    straggler_factor: float = key(
+        2.0, number(1, lo_open=True),
+        "at log steps, a rank whose own time per step (its data wait and its forward) exceeds the other ranks' median "
+        "by this factor for dist.straggler_steps log steps in a row is named, with its host and device; every rank's "
+        "figures go to metrics.jsonl")
+    straggler_steps: int = key(3, integer(1), "log steps in a row a rank must be slow to be named a straggler")
 
 
 def _degree(v: Any) -> int:

@@ -26,8 +26,9 @@ from .throughput import rates, tokens_of
 
 class MetricsLogger:
     def __init__(self, out: RunLogger, every_steps: int, groups: runtime.Groups = runtime.WORLD,
-                 device: Optional[torch.device] = None, staged: bool = False):
+                 device: Optional[torch.device] = None, staged: bool = False, ranks: Any = None):
         self.out, self.every_steps = out, every_steps
+        self.ranks = ranks  # observe.stragglers.Stragglers: every rank's figures at each row (None: one process)
         self.groups, self.device = groups, device  # logged means are over the data-parallel ranks of groups
         self.world_size = groups.dp_size()
         # On the CPU a scalar is read at once (a memory load) and summed as a Python float: no tensor op per
@@ -116,6 +117,8 @@ class MetricsLogger:
         values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
                             self.peak_flops))
         values["data_wait"] = self.wait / elapsed
+        if self.ranks is not None:  # one small all-gather: each rank's data wait and forward, a straggler named
+            values.update(self.ranks.flush(step, self.wait))
         values.update(extra)
         self.sums, self.count, self.samples, self.tokens, self.wait, self._t_last = {}, 0, 0, None, 0.0, now
         self.out.log(step, values, epoch=epoch, kind="interval")

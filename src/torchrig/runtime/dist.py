@@ -448,7 +448,7 @@ def all_gather_numbers(values: list, name: str = "all_gather") -> list:
     mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_numbers_device())
     every = torch.empty(get_world_size() * len(values), dtype=torch.float64, device=mine.device)
     n = enter_collective("all_gather", name)
-    dist.all_gather_into_tensor(every, mine)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine)  # the new name, or 2.x's
     leave_collective(n)
     return every.view(-1, len(values)).tolist()
 

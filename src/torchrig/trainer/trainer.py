@@ -12,6 +12,7 @@ mapping of ``saving.states``. The validated config is never written to: what the
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,6 +31,7 @@ from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
 from ..observe.metrics_logger import MetricsLogger
 from ..observe.run_logger import RunLogger
+from ..observe.stragglers import Stragglers
 from ..observe.throughput import FlopCount, fit_callbacks
 from ..optim import losses
 from ..optim.ema import build_ema, ema_weights
@@ -315,9 +317,21 @@ class Trainer:
         finally:
             if watch is not None:
                 watch.stop()
+            if self.metrics_log.ranks is not None:
+                self.metrics_log.ranks.detach()
             self.metrics_log.out.close()
         self._finish(stopped)
         return val_metrics
+
+    def _straggler_check(self) -> Optional[Stragglers]:
+        """Several ranks logging rows: each rank's data wait and forward at log steps, a straggler named
+        (``observe/stragglers.py``); one collective now for every rank's host and device."""
+        if self.world_size < 2 or not self.cfg.log.every_steps:
+            return None
+        d = self.cfg.dist
+        names = runtime.gather((socket.gethostname(), str(self.device)), name="rank names")
+        check = Stragglers(d.straggler_factor, d.straggler_steps, names, self.print, self.device)
+        return check if self.layout.pipeline is not None else check.attach(self.wrapped)  # stages: data wait only
 
     def _watch_hangs(self) -> Optional[runtime.HangWatch]:
         """``dist.hang_timeout``: the watchdog of this rank over the loop (``runtime/hang.py``), several ranks only."""
@@ -363,7 +377,8 @@ class Trainer:
                                              pipeline=self.layout.groups.pipeline)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.layout.groups, self.device,
-                                         staged=cfg.on_nonfinite == "skip")  # a skipped window's loss: not logged
+                                         staged=cfg.on_nonfinite == "skip",  # a skipped window's loss: not logged
+                                         ranks=self._straggler_check())
         self._spikes = SpikeGuard(cfg.spike, state=self.state, data=self._data, checkpoints=self.checkpoints,
                                   run_dir=self.run_dir, device=self.device, rank=self.rank,
                                   world_size=self.world_size, say=self.print, verify=cfg.checkpoint.verify) \
