@@ -110,7 +110,7 @@ def register_command(fn: Callable) -> Callable:
 
 def _register_extra(sub) -> None:
     for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export",
-                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind"):
+                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind", "torchrig.cli.plan"):
         try:
             __import__(module)
         except ImportError:
