@@ -247,3 +247,48 @@ def hang_report(run_dir: str) -> str:
         if trace.is_file():
             lines.append(f"    {nccl_line(trace)}")
     return "\n".join(lines + [f"skipped: {b}" for b in bad])
+
+
+# ----------------------------------------------------------------------------- torchrig doctor --gpus
+
+
+def _dtype_of(device: Any) -> Any:
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def _peak_of(device: Any, dtype: Any) -> Any:
+    import torch
+
+    from ..observe.throughput import peak_flops
+
+    return peak_flops(device, "bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def gpus_report() -> tuple[str, bool]:
+    """(what ``torchrig doctor --gpus`` prints, whether a device or rank is far below the others): every local GPU
+    (the CPU without one) probed in turn; under ``torchrig launch`` / torchrun, every rank's device and links."""
+    import socket
+
+    import torch
+
+    from .. import runtime
+    from ..runtime import health
+
+    info = runtime.detect()
+    if info.is_distributed:
+        device = runtime.select_device("auto", info.local_rank)
+        runtime.init_process_group(info, device)
+        try:
+            names = runtime.gather((socket.gethostname(), str(device)), name="rank names")
+            lines: list = []
+            problems = health.check_ranks(device, _dtype_of(device), names, lines.append, _peak_of(device, _dtype_of(device)))
+        finally:
+            runtime.destroy_process_group()
+    else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+        lines, problems = health.check_devices(devices, _dtype_of, _peak_of)
+    verdict = [f"health: far below the others: {p}" for p in problems] or ["health: no device far below the others"]
+    return "\n".join(lines + verdict), bool(problems)

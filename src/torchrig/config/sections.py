@@ -265,6 +265,10 @@ class DistConfig:
         "by this factor for dist.straggler_steps log steps in a row is named, with its host and device; every rank's "
         "figures go to metrics.jsonl")
     straggler_steps: int = key(3, integer(1), "log steps in a row a rank must be slow to be named a straggler")
+    health_check: bool = key(
+        False, BOOL, "before training: time a matmul and an allocation on every device, a ring exchange and an "
+                     "all-reduce between the ranks, and stop, naming a device or host under half the others' median "
+                     "(torchrig doctor --gpus)")
 
 
 def _degree(v: Any) -> int:

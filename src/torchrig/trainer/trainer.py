@@ -91,6 +91,7 @@ class Trainer:
         self._signals = runtime.StopSignal()
         self._spikes: Optional[SpikeGuard] = None  # on_spike: rollback, during fit
         self._owns_group = False
+        self._names: Optional[list] = None  # every rank's (host, device), once asked (_rank_names)
         self._run = RunDir()
         self._run_dir: Optional[Path] = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         try:
@@ -269,6 +270,7 @@ class Trainer:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {}); a stop signal
         raises ``RunStopped``, in the loop after the step under way and its checkpoint (``runtime.signals``)."""
         with runtime.StopSignal(self.world_size, self.cfg.dist.stop_timeout) as self._signals:
+            self._health_check()
             self.open_run()
             self._val_loader = (val_data, None, None)
             try:
@@ -323,14 +325,35 @@ class Trainer:
         self._finish(stopped)
         return val_metrics
 
+    def _rank_names(self) -> list:
+        """Every rank's (host, device), in rank order (one collective, the first time)."""
+        if self._names is None:
+            self._names = runtime.gather((socket.gethostname(), str(self.device)), name="rank names")
+        return self._names
+
+    def _health_check(self) -> None:
+        """``dist.health_check``: every device's matmul, memory and link, before training; a rank far below the
+        others stops the run on every rank with the same line (``runtime/health.py``)."""
+        if not self.cfg.dist.health_check:
+            return
+        from ..observe.throughput import peak_flops
+        from ..runtime import health
+
+        dtype = self.precision.dtype or torch.float32
+        problems = health.check_ranks(self.device, dtype, self._rank_names(), self.print,
+                                      peak_flops(self.device, self.precision.name))
+        if problems:
+            raise runtime.RuntimeSetupError(
+                f"dist.health_check: {'; '.join(problems)}; nothing was trained. Replace or free that device or host "
+                f"(torchrig doctor --gpus on it), or set dist.health_check=false to train anyway")
+
     def _straggler_check(self) -> Optional[Stragglers]:
         """Several ranks logging rows: each rank's data wait and forward at log steps, a straggler named
         (``observe/stragglers.py``); one collective now for every rank's host and device."""
         if self.world_size < 2 or not self.cfg.log.every_steps:
             return None
         d = self.cfg.dist
-        names = runtime.gather((socket.gethostname(), str(self.device)), name="rank names")
-        check = Stragglers(d.straggler_factor, d.straggler_steps, names, self.print, self.device)
+        check = Stragglers(d.straggler_factor, d.straggler_steps, self._rank_names(), self.print, self.device)
         return check if self.layout.pipeline is not None else check.attach(self.wrapped)  # stages: data wait only
 
     def _watch_hangs(self) -> Optional[runtime.HangWatch]:
