@@ -8,6 +8,7 @@ each, and checks that the 4-rank run ends with the parameters of one process usi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,26 @@ def test_peer_that_stops_participating_fails_the_run_within_the_timeout(tmp_path
     assert "another rank stopped taking part" in r.stderr
     assert "rank 0: exit 1; process group still initialized: False" in r.stderr  # destroyed on error
     assert "torchrig launch: error: the run failed" in r.stderr
+
+
+def test_a_hung_rank_is_named_once_and_the_launch_ends_with_the_hang_code(tmp_path):
+    """dist.hang_timeout under torchrig launch: rank 1 sleeps in its step before step 3; rank 0's one line names it
+    within the limit (the store is torchrun's agent's), every worker and the launcher exit with code 75."""
+    mark = tmp_path / "hang-started"
+    r = dist_procs.torchrig(
+        ["launch", "--nproc-per-node", "2", "--", str(dist_procs.WORKER), "cli", "train", *COMMON,
+         "--set", "dist.hang_timeout=4", "--set", "dist.timeout=120", "--set", f"run_dir={tmp_path / 'run'}",
+         "--set", "data.batch_size=16", "--set", "checkpoint.every_steps=2"],
+        env={"HANG_AT_STEP": 3, "HANG_SECONDS": 600, "FAULT_MARK": mark}, timeout=180)
+    hung_for = time.time() - float(mark.read_text())
+    assert r.returncode == 75, r.output[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "hang at step" in line]
+    assert len(lines) == 1 and lines[0].startswith("torchrig: hang at step 3: rank 0 waits in all_reduce #"), r.stderr
+    assert re.search(r"\(gradient averaging\), called from fault_step \(dist_worker.py:\d+\); rank 1 never reached it: "
+                     r"it is in fault_step \(dist_worker.py:\d+\), in the step\. ", lines[0]), lines[0]
+    assert "torchrig launch: the run stopped on a hang (exit 75" in r.stderr
+    assert hung_for < 4 + 20, f"the launch ended {hung_for:.0f}s after rank 1 stopped (limit 4s)"
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / "meta.json").is_file()
 
 
 def test_an_error_every_rank_makes_is_printed_once_and_one_rank_alone_still_says_its_own(tmp_path):

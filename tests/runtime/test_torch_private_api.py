@@ -182,3 +182,43 @@ def test_one_cycle_keeps_its_plan_in_total_steps_and_schedule_phases():
     for _ in range(5):
         opt.step(), short.step(), ref_opt.step(), ref.step()
         assert short.get_last_lr() == ref.get_last_lr()
+
+
+def test_the_default_store_clones_into_a_client_of_its_own_that_sees_the_same_keys(tmp_path):
+    """runtime/hang.py: ``distributed_c10d._get_default_store().clone()`` is the hang watch's own client of the
+    group's store (a thread of its own never waits behind the main thread's calls); ``check`` does not block."""
+    import torch.distributed.distributed_c10d as c10d
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        store = c10d._get_default_store()
+        mine = store.clone()
+        mine.set("torchrig/hang/ask", "1")
+        assert store.get("torchrig/hang/ask") == b"1" and not mine.check(["torchrig/hang/none"])
+        assert mine.add("torchrig/hang/answered/1", 0) == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_nccl_flight_recorder_dump_is_json_bytes():
+    """runtime/hang.py: ``_dump_nccl_trace_json(includeCollectives=, onlyActive=)`` is the Flight Recorder's JSON
+    (called only on NCCL, where it returns bytes of a JSON object with ``entries``)."""
+    fn = torch._C._distributed_c10d._dump_nccl_trace_json
+    assert "includeCollectives" in (fn.__doc__ or "") and "onlyActive" in (fn.__doc__ or "")
+
+
+def test_the_fake_process_group_runs_a_mesh_and_collectives_in_one_process():
+    """cli/plan.py: ``FakeStore`` and the backend "fake" make this process one rank of a large world whose
+    collectives return at once (a device mesh of 1,024 ranks is built in seconds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=1024)
+    try:
+        mesh = init_device_mesh("cpu", (4, 32, 8), mesh_dim_names=("pp", "dp", "tp"))
+        assert mesh["tp"].size() == 8 and dist.get_rank() == 5
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
 
     p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
+    p.add_argument("--hang", metavar="RUN_DIR", help="read the dumps a hang left in RUN_DIR/hang (dist.hang_timeout): "
+                                                     "the summary, and where each rank was, with its frames")
+    p.add_argument("--gpus", action="store_true", help="time a matmul and an allocation on every device (and, under "
+                                                       "torchrig launch, each rank's links) and name one far below the "
+                                                       "others; exit 1 if one is")
     add_common(p)
 
     _register_extra(sub)
@@ -113,7 +118,7 @@ def register_command(fn: Callable) -> Callable:
 
 def _register_extra(sub) -> None:
     for module in ("torchrig.cli.launch", "torchrig.cli.data", "torchrig.cli.config", "torchrig.cli.export",
-                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind"):
+                   "torchrig.cli.tune", "torchrig.cli.summary", "torchrig.cli.lrfind", "torchrig.cli.plan"):
         try:
             __import__(module)
         except ImportError:
@@ -164,9 +169,13 @@ def cmd_plot(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import report
+    from .doctor import gpus_report, hang_report, report
 
-    print(report())
+    if args.gpus:
+        text, bad = gpus_report()
+        print(text)
+        return EXIT_ERROR if bad else 0
+    print(hang_report(args.hang) if args.hang else report())
     return 0
 
 

@@ -6,6 +6,10 @@ import importlib.metadata as md
 import os
 import platform
 import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import TorchrigError
 
 REQUIRED = ("numpy", "pyyaml", "safetensors", "tqdm", "scikit-learn", "matplotlib")
 # package -> the extra that installs it, when torchrig's own metadata cannot say (a source checkout on PYTHONPATH)
@@ -126,3 +130,166 @@ def report() -> str:
     lines.append("problems     " + ("none found" if not found else f"{len(found)}:"))
     lines += [f"  - {p}" for p in found]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- torchrig doctor --hang RUN_DIR
+
+
+class DoctorError(TorchrigError, ValueError):
+    """A run folder doctor cannot read as asked; the message names it."""
+
+
+MAX_RANKS = 1 << 17  # dump files read from one folder
+FRAMES = 4           # innermost frames shown of each rank's main thread
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """``text`` as one line of at most ``limit`` printable characters (a stranger's file may hold anything)."""
+    clean = "".join(c if c.isprintable() else "?" for c in str(text))
+    return clean if len(clean) <= limit else clean[:limit - 1] + "…"
+
+
+def _json(path: Path, limit: int, what: str) -> Any:
+    import json
+
+    from ..config.files import read_regular
+
+    data = read_regular(path, limit, what, "it is not one torchrig wrote; remove it", DoctorError)
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise DoctorError(f"{what} '{path}' is not JSON ({exc}); it is not one torchrig wrote") from None
+
+
+def hang_records(folder: Path) -> tuple[dict, list[str]]:
+    """(rank -> record, one line per file that is not a record) of RUN_DIR/hang."""
+    from ..runtime import hang
+
+    records, bad = {}, []
+    names = sorted(e.name for e in os.scandir(folder) if e.name.startswith("rank-") and e.name.endswith(".json")
+                   and not e.name.endswith(".nccl.json"))
+    for name in names[:MAX_RANKS]:
+        try:
+            rec = _json(folder / name, hang.RECORD_LIMIT, "hang record")
+        except (DoctorError, OSError) as exc:
+            bad.append(_printable(str(exc)))
+            continue
+        if not hang.valid(rec) or name != hang.dump_name(rec["rank"], "json"):
+            bad.append(f"{name}: not a hang record of its rank (a field is missing or of the wrong type)")
+            continue
+        records[rec["rank"]] = rec
+    return records, bad
+
+
+def main_thread(path: Path) -> list[str]:
+    """The innermost frames of the main thread in a rank's stacks file (faulthandler's text), read within bounds."""
+    from ..config.files import read_lines
+    from ..runtime import hang
+
+    threads, current = [], []
+    for _, line in read_lines(path, hang.STACK_LIMIT, "hang stacks", "remove it", DoctorError):
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            current = []
+            threads.append(current)
+        elif line.startswith("  File ") and len(threads):
+            current.append(line.strip())
+    main = next((t for t in threads if t and t[-1].endswith("in <module>")), threads[-1] if threads else [])
+    return [_printable(f, 200) for f in main[:FRAMES]]
+
+
+def nccl_line(path: Path) -> str:
+    """The Flight Recorder's last collective started and last completed of one rank, from its JSON trace."""
+    from ..runtime import hang
+
+    trace = _json(path, hang.TRACE_LIMIT, "NCCL Flight Recorder trace")
+    entries = trace.get("entries") if isinstance(trace, dict) else None
+    if not isinstance(entries, list):
+        return "NCCL trace: no collective entries"
+    seen = [e for e in entries if isinstance(e, dict) and isinstance(e.get("collective_seq_id"), int)]
+    done = [e for e in seen if e.get("state") == "completed"]
+    open_ = [e for e in seen if e.get("state") != "completed"]
+    parts = []
+    if open_:
+        e = open_[-1]
+        parts.append(f"{_printable(e.get('profiling_name', '?'), 60)} seq {e['collective_seq_id']} "
+                     f"{_printable(e.get('state', '?'), 20)}, not completed")
+    if done:
+        parts.append(f"last completed seq {done[-1]['collective_seq_id']}")
+    return "NCCL trace: " + ("; ".join(parts) or "empty")
+
+
+def hang_report(run_dir: str) -> str:
+    """What ``torchrig doctor --hang RUN_DIR`` prints: the summary and, per rank, where it was and its frames."""
+    from ..runtime import hang
+
+    folder = Path(run_dir) / hang.FOLDER
+    if not folder.is_dir():
+        raise DoctorError(f"'{folder}' does not exist: the run in '{run_dir}' wrote no hang dump (dist.hang_timeout "
+                          f"writes one per rank when a step, a collective or a data load makes no progress)")
+    records, bad = hang_records(folder)
+    lines = [f"hang dumps in {folder}: {len(records)} rank(s)"]
+    if (folder / hang.SUMMARY).is_file():
+        kept = _json(folder / hang.SUMMARY, hang.RECORD_LIMIT, "hang summary")
+        text = kept.get("summary") if isinstance(kept, dict) else None
+        lines.append("summary: " + (_printable(text, 4000) if isinstance(text, str) else "(unreadable)"))
+    elif records:
+        world = max(records) + 1
+        lines.append(f"summary (rank 0 wrote none; from the {len(records)} records): "
+                     + _printable(hang.summarize(records, world), 4000))
+    for rank, rec in sorted(records.items()):
+        state = (f"waits in {hang.collective_text(rec)}" if rec["entered"] > rec["completed"]
+                 else f"{hang.elsewhere_text(rec)}")
+        lines.append(_printable(f"rank {rank} ({rec['host']}, {rec['device']}): step {rec['step']}, {state}; last "
+                                f"collective completed #{rec['completed']}; no progress for {rec['stalled']:g}s", 400))
+        stacks = folder / hang.dump_name(rank, "txt")
+        if stacks.is_file():
+            lines += [f"    {f}" for f in main_thread(stacks)]
+        trace = folder / hang.dump_name(rank, "nccl.json")
+        if trace.is_file():
+            lines.append(f"    {nccl_line(trace)}")
+    return "\n".join(lines + [f"skipped: {b}" for b in bad])
+
+
+# ----------------------------------------------------------------------------- torchrig doctor --gpus
+
+
+def _dtype_of(device: Any) -> Any:
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def _peak_of(device: Any, dtype: Any) -> Any:
+    import torch
+
+    from ..observe.throughput import peak_flops
+
+    return peak_flops(device, "bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def gpus_report() -> tuple[str, bool]:
+    """(what ``torchrig doctor --gpus`` prints, whether a device or rank is far below the others): every local GPU
+    (the CPU without one) probed in turn; under ``torchrig launch`` / torchrun, every rank's device and links."""
+    import socket
+
+    import torch
+
+    from .. import runtime
+    from ..runtime import health
+
+    info = runtime.detect()
+    if info.is_distributed:
+        device = runtime.select_device("auto", info.local_rank)
+        runtime.init_process_group(info, device)
+        try:
+            names = runtime.gather((socket.gethostname(), str(device)), name="rank names")
+            lines: list = []
+            problems = health.check_ranks(device, _dtype_of(device), names, lines.append, _peak_of(device, _dtype_of(device)))
+        finally:
+            runtime.destroy_process_group()
+    else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+        lines, problems = health.check_devices(devices, _dtype_of, _peak_of)
+    verdict = [f"health: far below the others: {p}" for p in problems] or ["health: no device far below the others"]
+    return "\n".join(lines + verdict), bool(problems)

@@ -31,6 +31,7 @@ from . import register_command
 LOOPBACK_BACKEND = "torchrig-loopback"
 TORCHRIG_COMMANDS = ("train", "evaluate", "predict", "plot", "doctor", "data", "bench", "tune", "lr-find", "summary")
 EXIT_USAGE = 2
+EXIT_HANG = 75  # runtime.hang.EXIT_HANG: the workers stopped on a hang (imported lazily there, with torch)
 
 
 class LaunchError(TorchrigError, ValueError):
@@ -397,6 +398,11 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
                   f"above says where; to continue, run the same command with {again}", file=sys.stderr)
             return code
         restarts = f" after {targs.max_restarts} restart(s)" if targs.max_restarts else ""
+        if any(f.exitcode == EXIT_HANG for f in exc.failures.values()):
+            print(f"torchrig launch: the run stopped on a hang{restarts} (exit {EXIT_HANG}, dist.hang_timeout): rank 0's "
+                  f"line above names the ranks and where each was; their stacks are in RUN_DIR/hang (torchrig doctor "
+                  f"--hang RUN_DIR); the checkpoints written are kept:\n{_describe_failures(exc)}", file=sys.stderr)
+            return EXIT_HANG
         print(f"torchrig launch: error: the run failed{restarts}; the first error is in the failed worker's output "
               f"above:\n{_describe_failures(exc)}", file=sys.stderr)
         codes = [f.exitcode for f in exc.failures.values() if f.exitcode > 0]

@@ -258,6 +258,21 @@ class DistConfig:
     requeue: bool = key(False, BOOL, "Slurm: scontrol requeue the job after a signal's checkpoint")
     stop_timeout: float = key(10.0, POSITIVE, "seconds without progress after a stop signal before exiting without "
                                               "a checkpoint (a stuck step or peer)")
+    hang_timeout: float = key(
+        300.0, number(0),
+        "seconds a training step, a collective or a data load may make no progress before every rank writes where it "
+        "is (RUN_DIR/hang), rank 0 names the stuck ranks and their lines in one summary, and the job stops with exit "
+        "code 75, keeping its checkpoints; until the first optimizer step, dist.timeout applies; 0: off")
+    straggler_factor: float = key(
+        2.0, number(1, lo_open=True),
+        "at log steps, a rank whose own time per step (its data wait and its forward) exceeds the other ranks' median "
+        "by this factor for dist.straggler_steps log steps in a row is named, with its host and device; every rank's "
+        "figures go to metrics.jsonl")
+    straggler_steps: int = key(3, integer(1), "log steps in a row a rank must be slow to be named a straggler")
+    health_check: bool = key(
+        False, BOOL, "before training: time a matmul and an allocation on every device, a ring exchange and an "
+                     "all-reduce between the ranks, and stop, naming a device or host under half the others' median "
+                     "(torchrig doctor --gpus)")
 
 
 def _degree(v: Any) -> int:

@@ -131,7 +131,7 @@ def padding_batches(local_batches: int, device: torch.device) -> int:
     """
     from .. import runtime
 
-    most = runtime.all_reduce_max(torch.tensor([local_batches], device=device))
+    most = runtime.all_reduce_max(torch.tensor([local_batches], device=device), name="batch counts")
     return int(most.item()) - local_batches
 
 

@@ -152,7 +152,7 @@ class Metric:
         """Sum every state over the data-parallel ranks of ``groups`` (no-op in one process), and take the sums of a
         pipeline's last stage, where the model's outputs are (``Groups.from_last_stage``). Every rank must call it."""
         for key in sorted(self.states):
-            self.states[key] = all_reduce_sum(self.states[key], groups.data)
+            self.states[key] = all_reduce_sum(self.states[key], groups.data, name="metrics")
         if groups.pipelined:
             device = self.device
             self.states = {k: v.to(device or v.device) for k, v in groups.from_last_stage(dict(self.states)).items()}

@@ -26,8 +26,9 @@ from .throughput import rates, tokens_of
 
 class MetricsLogger:
     def __init__(self, out: RunLogger, every_steps: int, groups: runtime.Groups = runtime.WORLD,
-                 device: Optional[torch.device] = None, staged: bool = False):
+                 device: Optional[torch.device] = None, staged: bool = False, ranks: Any = None):
         self.out, self.every_steps = out, every_steps
+        self.ranks = ranks  # observe.stragglers.Stragglers: every rank's figures at each row (None: one process)
         self.groups, self.device = groups, device  # logged means are over the data-parallel ranks of groups
         self.world_size = groups.dp_size()
         # On the CPU a scalar is read at once (a memory load) and summed as a Python float: no tensor op per
@@ -116,6 +117,8 @@ class MetricsLogger:
         values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
                             self.peak_flops))
         values["data_wait"] = self.wait / elapsed
+        if self.ranks is not None:  # one small all-gather: each rank's data wait and forward, a straggler named
+            values.update(self.ranks.flush(step, self.wait))
         values.update(extra)
         self.sums, self.count, self.samples, self.tokens, self.wait, self._t_last = {}, 0, 0, None, 0.0, now
         self.out.log(step, values, epoch=epoch, kind="interval")
@@ -164,7 +167,8 @@ def _mean_over_items(sums: dict, count: float, groups: runtime.Groups, device: O
     keys = sorted(sums)
     if groups.dp_size() > 1 and keys:
         total = runtime.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(count)],
-                                                    dtype=torch.float64, device=device), groups.data).tolist()
+                                                    dtype=torch.float64, device=device), groups.data,
+                                       name="metrics").tolist()
         sums, count = dict(zip(keys, total[:-1])), total[-1]
     return {f"train/{k}": v / max(1e-12, float(count)) for k, v in sums.items()}
 
@@ -175,5 +179,5 @@ def _mean_over_ranks(values: dict, groups: runtime.Groups, device: Optional[torc
         return values
     keys = sorted(values)
     mean = runtime.all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device),
-                                   groups.data)
+                                   groups.data, name="metrics")
     return dict(zip(keys, mean.tolist()))

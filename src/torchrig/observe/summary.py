@@ -130,6 +130,19 @@ def model_summary(model: nn.Module, optimizers: Any = None, precision: str = "fp
     return "\n".join(lines)
 
 
+def memory_figures(model: nn.Module, optimizers: Any = None, ema: bool = False) -> dict:
+    """The bytes this process holds for ``model``: ``weights``, ``gradients`` (of the trainable parameters),
+    ``optimizer`` (None when not known; ``optimizer_name`` says which), ``ema`` (0 without one) and ``total``; the
+    local pieces of DTensors (FSDP2 shards, tensor-parallel halves), a pipeline rank's own stages."""
+    params = list(model.parameters())
+    state, names = optimizer_state(optimizers, model)
+    out = {"weights": _held(params), "gradients": _held(p for p in params if p.requires_grad), "optimizer": state,
+           "optimizer_name": names,
+           "ema": _held(params) + _held(b for b in model.buffers() if b.is_floating_point()) if ema else 0}
+    out["total"] = out["weights"] + out["gradients"] + (state or 0) + out["ema"]
+    return out
+
+
 def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, shards: int, ema: bool,
             layout: str) -> list[str]:
     if any(hasattr(p, "to_local") for p in params):  # sharded or split already: count what this process holds
@@ -137,18 +150,13 @@ def _memory(model: nn.Module, params: list, optimizers: Any, precision: str, sha
     else:
         where = "per process" + (f" (FSDP2: 1/{shards} each)" if shards > 1 else f" ({layout}: this process's part)"
                                  if layout else "")
-    weights = _held(params)
-    grads = _held(p for p in params if p.requires_grad)
-    state, names = optimizer_state(optimizers, model)
-    parts = [f"weights {size(weights / shards)}", f"gradients {size(grads / shards)}"]
-    total = weights + grads
+    held = memory_figures(model, optimizers, ema)
+    state, names, total = held["optimizer"], held["optimizer_name"], held["total"]
+    parts = [f"weights {size(held['weights'] / shards)}", f"gradients {size(held['gradients'] / shards)}"]
     if state is not None:
         parts.append(f"{names} state {size(state / shards)}")
-        total += state
     if ema:
-        kept = _held(params) + _held(b for b in model.buffers() if b.is_floating_point())
-        parts.append(f"EMA {size(kept / shards)}")
-        total += kept
+        parts.append(f"EMA {size(held['ema'] / shards)}")
     first = f"memory {where}: " + " + ".join(parts) + f" = {size(total / shards)}"
     base = _low_precision_base(params, shards)
     kept = "what trains, its gradients and optimizer state stay fp32; " if base else \

@@ -113,7 +113,7 @@ def norm_over_ranks(norm: torch.Tensor, norm_type: float, group: Any) -> torch.T
         out = norm.detach().clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
         return out
-    total = runtime.all_reduce_sum(norm.detach().double() ** p, group)
+    total = runtime.all_reduce_sum(norm.detach().double() ** p, group, name="gradient norm")
     return (total ** (1.0 / p)).to(norm.dtype)
 
 
@@ -240,7 +240,7 @@ class NonFiniteGuard:
             grads = [runtime.local_tensor(g) for g in grads if g is not None]
         ok = finite(norm) if norm is not None else self.check.finite(grads, id(opt))
         if self.agree:
-            ok = not runtime.agree_max([0.0 if ok else 1.0], _device(opt))[0]
+            ok = not runtime.agree_max([0.0 if ok else 1.0], _device(opt), name="non-finite check")[0]
         if not ok:
             local = self.loss_flag is not None and bool(self.loss_flag)
             return self.reject(opt, "gradients are not finite" + (

@@ -93,7 +93,7 @@ def window_factor(total: Count, ranks: int, unit: float, device: torch.device,
     else:  # a fill kernel: as_tensor(int, device=cuda) would copy from pageable memory and wait for the GPU
         n = torch.full((1,), float(total), dtype=exact, device=device)
     if ranks > 1:
-        n = runtime.all_reduce_sum(n, group)
+        n = runtime.all_reduce_sum(n, group, name="loss count")
     return ((ranks * unit) / n.clamp_min(1)).float().reshape(())
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.device import RuntimeSetupError
+from ..runtime.dist import enter_collective, leave_collective
 from ..runtime.modules import is_compiled, local_tensor
 
 STRATEGIES = ("auto", "none", "ddp", "dp", "fsdp")
@@ -212,4 +213,6 @@ def average_gradients(params: list, group: Any = None) -> None:
         dist.all_reduce(flat, group=group)
         flat.div_(size)
 
+    n = enter_collective("all_reduce", "gradient averaging")
     flat_collective(grads, mean)
+    leave_collective(n)

@@ -121,6 +121,11 @@ def default_backend(device: torch.device) -> str:
     return "gloo"
 
 
+def backend_name() -> str:
+    """The default group's backend (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``), or "" without a group."""
+    return str(dist.get_backend()) if is_initialized() else ""
+
+
 def host_collectives() -> bool:
     """Whether the default group takes CPU tensors (gloo or MPI in its backend): then a flag the ranks agree on
     is all-reduced from host memory, and nothing waits for a GPU."""
@@ -156,8 +161,10 @@ def end_with_launcher() -> None:
 
 
 def init_process_group(info: DistInfo, device: torch.device, backend: Optional[str] = None,
-                       init_method: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
-    """Join the process group described by ``info``; returns True when this call created it."""
+                       init_method: Optional[str] = None, timeout_s: float = 1800.0,
+                       flight_recorder: bool = False) -> bool:
+    """Join the process group described by ``info``; returns True when this call created it. ``flight_recorder``:
+    an NCCL group keeps its last collectives for a hang's dump (``TORCH_NCCL_TRACE_BUFFER_SIZE``, unless set)."""
     end_with_launcher()
     if not info.is_distributed or dist.is_initialized():
         return False
@@ -171,6 +178,8 @@ def init_process_group(info: DistInfo, device: torch.device, backend: Optional[s
         raise RuntimeSetupError(f"dist.backend {backend!r} is not built into this torch; available: {', '.join(ok)}")
     if "nccl" in backend and device.type != "cuda":
         raise RuntimeSetupError(f"dist.backend {backend!r} needs CUDA devices; use gloo on CPU")
+    if "nccl" in backend and flight_recorder:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
@@ -198,6 +207,36 @@ def init_process_group(info: DistInfo, device: torch.device, backend: Optional[s
     dist.init_process_group(**kwargs)
     atexit.register(destroy_process_group)  # scripts that never call Trainer.close still leave cleanly
     return True
+
+
+class CollectiveLog:
+    """torchrig's own collectives in this process, numbered in the order they are entered: the last one entered (its
+    number, operation and call site's name) and the highest number completed. Every rank runs the same collectives
+    in the same order, so the numbers agree across ranks; a hang's watch (``runtime/hang.py``) reads them from its
+    own thread to say which collective a rank waits in, and which one another never reached. A collective that
+    raises stays entered. Per call: two attribute writes and an int, no lock, no allocation, no device work."""
+
+    __slots__ = ("entered", "op", "name", "completed")
+
+    def __init__(self) -> None:
+        self.entered, self.op, self.name, self.completed = 0, "", "", 0
+
+
+COLLECTIVES = CollectiveLog()
+
+
+def enter_collective(op: str, name: str) -> int:
+    """Mark the collective ``op`` (all_reduce, broadcast …) of the call site ``name`` as entered; its number."""
+    log = COLLECTIVES
+    log.entered += 1
+    log.op, log.name = op, name
+    return log.entered
+
+
+def leave_collective(number: int) -> None:
+    """Mark collective ``number`` (from :func:`enter_collective`) as completed."""
+    if number > COLLECTIVES.completed:
+        COLLECTIVES.completed = number
 
 
 class DistributedError(RuntimeSetupError):
@@ -243,6 +282,12 @@ def explain_collective_failure(exc: BaseException, timeout_s: float, rank: int) 
             f"the machines failed. With torchrig launch --max-restarts K the group restarts and resumes from "
             f"the latest checkpoint. [{detail}]")
     return None
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a backend's failure of a collective because a peer's process or connection is gone."""
+    low = str(exc).lower()
+    return any(k in low for k in _LOST_MARKS) and not any(k in low for k in _TIMEOUT_MARKS)
 
 
 def destroy_process_group() -> None:
@@ -302,14 +347,16 @@ def is_main_process() -> bool:
         return True
 
 
-def barrier() -> None:
+def barrier(name: str = "barrier") -> None:
     """Wait for every rank. Under NCCL the barrier runs on this rank's GPU (the current device, which
     ``select_device`` set), not on a guess that NCCL would otherwise make and warn about."""
     if is_initialized() and get_world_size() > 1:
+        n = enter_collective("barrier", name)
         if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
+        leave_collective(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,48 +406,78 @@ class Groups:
 WORLD = Groups()  # no mesh: every rank holds different samples, no pipeline
 
 
-def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum of ``t`` over the ranks of ``group`` (None: every rank); a new tensor, the input is left alone."""
+def _all_reduce(out: torch.Tensor, op: Any, group: Any, name: str) -> None:
+    n = enter_collective("all_reduce", name)
+    dist.all_reduce(out, op=op, group=group)
+    leave_collective(n)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any = None, name: str = "all_reduce_sum") -> torch.Tensor:
+    """Sum of ``t`` over the ranks of ``group`` (None: every rank); a new tensor, the input is left alone.
+    ``name``: what the collective is for, as a hang's summary names it."""
     out = t.detach().clone()
     if is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        _all_reduce(out, dist.ReduceOp.SUM, group, name)
     return out
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(t: torch.Tensor, name: str = "all_reduce_max") -> torch.Tensor:
     """Element-wise maximum of ``t`` over ranks (a new tensor)."""
     out = t.detach().clone()
     if is_initialized() and get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        _all_reduce(out, dist.ReduceOp.MAX, None, name)
     return out
 
 
-def agree_max(values: list, device: Optional[torch.device] = None) -> list:
+def agree_max(values: list, device: Optional[torch.device] = None, name: str = "agreement") -> list:
     """The element-wise maximum of a few Python numbers over the ranks (flags the ranks must agree on), as
     Python floats. In host memory when the group takes CPU tensors (gloo, or gloo beside NCCL: the default), so
     nothing waits for a GPU; else on ``device`` (an NCCL-only group), which then waits for it once."""
     if not (is_initialized() and get_world_size() > 1):
         return [float(v) for v in values]
     flags = torch.tensor([float(v) for v in values], device=None if host_collectives() else device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    _all_reduce(flags, dist.ReduceOp.MAX, None, name)
     return flags.tolist()
 
 
-def all_reduce_mean(t: torch.Tensor, group: Any = None) -> torch.Tensor:
-    out = all_reduce_sum(t, group)
+def all_gather_numbers(values: list, name: str = "all_gather") -> list:
+    """Every rank's list of a few Python numbers (the same length on every rank), in rank order, on every rank: one
+    small all-gather, in host memory when the group takes CPU tensors."""
+    if not (is_initialized() and get_world_size() > 1):
+        return [[float(v) for v in values]]
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_numbers_device())
+    every = torch.empty(get_world_size() * len(values), dtype=torch.float64, device=mine.device)
+    n = enter_collective("all_gather", name)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine)  # the new name, or 2.x's
+    leave_collective(n)
+    return every.view(-1, len(values)).tolist()
+
+
+def _numbers_device() -> Optional[torch.device]:
+    """Where a few numbers the ranks exchange live: the host when the group takes CPU tensors, else this GPU."""
+    if host_collectives() or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce_mean(t: torch.Tensor, group: Any = None, name: str = "all_reduce_mean") -> torch.Tensor:
+    out = all_reduce_sum(t, group, name)
     n = dist.get_world_size(group) if is_initialized() else 1
     return out / n if out.is_floating_point() else out.double() / n
 
 
-def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast(obj: Any, src: int = 0, group: Any = None, name: str = "broadcast") -> Any:
     """Broadcast a tensor (in place, returned) or plain data (see :func:`gather`) from global rank ``src`` over
     ``group`` (None: every rank)."""
     if not (is_initialized() and dist.get_world_size(group) > 1):
         return obj
+    n = enter_collective("broadcast", name)
     if isinstance(obj, torch.Tensor):
         dist.broadcast(obj, src, group=group)
-        return obj
-    return _broadcast_object(obj, src, group)
+    else:
+        obj = _broadcast_object(obj, src, group)
+    leave_collective(n)
+    return obj
 
 
 def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
@@ -414,12 +491,19 @@ def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
     return obj if get_rank() == src else _decode(data, src)
 
 
-def gather_to_first(obj: Any, group: Any) -> Optional[list]:
+def gather_to_first(obj: Any, group: Any, name: str = "gather") -> Optional[list]:
     """Every rank's ``obj`` (plain data, see :func:`gather`), in ``group``'s rank order, on the group's first rank
     only (None on the others): what one writer needs of each rank, without a copy of all of it on every rank."""
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) == 1:
         return [obj]
+    n = enter_collective("gather", name)
+    out = _gather_to_first(obj, group, ranks)
+    leave_collective(n)
+    return out
+
+
+def _gather_to_first(obj: Any, group: Any, ranks: list) -> Optional[list]:
     device = _object_device()
     me = get_rank()
     if me != ranks[0]:
@@ -437,7 +521,7 @@ def gather_to_first(obj: Any, group: Any) -> Optional[list]:
     return out
 
 
-def gather(obj: Any, group: Any = None) -> list:
+def gather(obj: Any, group: Any = None, name: str = "all_gather") -> list:
     """Every rank's ``obj`` (of ``group``; None: every rank), in rank order, on every rank.
 
     ``obj`` is plain data: tensors, numbers, strings, None, and lists, tuples, sets and dicts of them.
@@ -447,6 +531,13 @@ def gather(obj: Any, group: Any = None) -> list:
     """
     if not (is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
+    n = enter_collective("all_gather", name)
+    out = _gather(obj, group)
+    leave_collective(n)
+    return out
+
+
+def _gather(obj: Any, group: Any) -> list:
     device = _object_device()
     data = _encode(obj, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]

@@ -39,11 +39,12 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import continue_run
-from .dist import is_main_process
+from ..errors import continue_run, same_run, settings
+from .dist import enter_collective, is_main_process, leave_collective
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 STARTING = "during start-up; no step was trained and nothing was written: run the same command again"
+AGREEMENT = "stop agreement"  # the collective of the ranks' agreement on a stop signal, as a hang's summary names it
 FAILED_LOOP = "after an error ended the training loop; the checkpoints written before it are kept"
 
 
@@ -237,7 +238,9 @@ class StopSignal:
         self.settle()
         if not self._agreed:
             self._flag.fill_(self.received)
+            n = enter_collective("all_reduce", AGREEMENT)
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+            leave_collective(n)
             self._agreed = int(self._flag.item())
         return self._agreed
 
@@ -245,8 +248,15 @@ class StopSignal:
         """Wait for an all-reduce still in flight (before leaving the loop, so none is left behind)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            n = enter_collective("all_reduce", AGREEMENT)
             pending.wait()
+            leave_collective(n)
             self._agreed = self._agreed or int(self._flag.item())  # a CPU tensor: no device synchronisation
+
+    @property
+    def saving_now(self) -> bool:
+        """Whether a checkpoint is being written (or waited for): progress, for a watchdog."""
+        return self._saving > 0
 
 
 class _Watcher:

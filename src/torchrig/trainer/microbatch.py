@@ -143,7 +143,7 @@ class Retry:
         if not self.agreeing:
             return failed
         # in host memory when the group takes CPU tensors (gloo beside NCCL, the default): no GPU round trip
-        return bool(runtime.agree_max([1.0 if failed else 0.0], self.device)[0])
+        return bool(runtime.agree_max([1.0 if failed else 0.0], self.device, name="out-of-memory agreement")[0])
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers, as DDP copies them before a window's first forward. Here every rank does it at

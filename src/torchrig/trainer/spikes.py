@@ -131,7 +131,7 @@ class SpikeGuard:
         numbers = torch.nan_to_num(numbers, nan=math.inf)  # a NaN anywhere is a spike everywhere (max keeps inf)
         self.largest = None
         if self.world_size > 1:
-            numbers = runtime.all_reduce_max(numbers)
+            numbers = runtime.all_reduce_max(numbers, name="spike check")
         loss, norm = (float(v) for v in numbers.tolist())  # the one host read of the step
         why = self._why(loss, norm)
         if why is None:

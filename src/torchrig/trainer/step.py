@@ -30,6 +30,8 @@ from . import outputs
 from .outputs import ModelIO, call_model
 from .state import TrainState
 
+GRADIENTS = "gradient averaging"  # the backward's reduction of the gradients over the ranks, as a hang names it
+
 __all__ = ["Step", "StepOptions", "ModelCalls", "NonFiniteLossError", "default_step", "default_eval_step",
            "finite_parameters"]
 
@@ -270,6 +272,7 @@ class Step(ModelCalls):
         self.guard = NonFiniteGuard(o.on_nonfinite, device, self.world_size, model,
                                     agree=groups.dp_size() < self.world_size, host=self.spread or None)
         self.before_update = before_update
+        self._reduce_op = "all_reduce" if isinstance(model, nn.parallel.DistributedDataParallel) else "reduce_scatter"
         self.norm_group = groups.pipeline if groups.pipelined else None  # stages' norms make the norm clipped by
         # the micro-batch under way (begin_micro_batch)
         self.batch: Any = None
@@ -411,11 +414,15 @@ class Step(ModelCalls):
         scaled = self._weighted(loss, count)
         if self.precision.scaler is not None:
             scaled = self.precision.scaler.scale(scaled)
+        # the window's last backward reduces the gradients over the ranks (DDP, FSDP2): numbered for a hang's watch
+        reduces = runtime.enter_collective(self._reduce_op, GRADIENTS) if self.sync_gradients and self.grad_ranks > 1 \
+            else 0
         if self.loss_parallel:  # the split cross-entropy's backward runs split too
             with parallel.loss.context(True):
                 scaled.backward(retain_graph=retain_graph)
-            return
-        scaled.backward(retain_graph=retain_graph)
+        else:
+            scaled.backward(retain_graph=retain_graph)
+        runtime.leave_collective(reduces)
 
     def _weighted(self, loss: torch.Tensor, count: Optional[normalize.Count]) -> torch.Tensor:
         if self.loss_normalization == "micro_batches":

@@ -12,6 +12,7 @@ mapping of ``saving.states``. The validated config is never written to: what the
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,6 +24,7 @@ from .. import config as C
 from .. import parallel, runtime
 from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
+from ..config.files import atomic_file, make_dir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
@@ -30,6 +32,7 @@ from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where
 from ..observe.metrics_logger import MetricsLogger
 from ..observe.run_logger import RunLogger
+from ..observe.stragglers import Stragglers
 from ..observe.throughput import FlopCount, fit_callbacks
 from ..optim import adapters, losses, qat
 from ..optim.ema import build_ema, ema_weights
@@ -102,6 +105,7 @@ class Trainer:
         self._signals = runtime.StopSignal()
         self._spikes: Optional[SpikeGuard] = None  # on_spike: rollback, during fit
         self._owns_group = False
+        self._names: Optional[list] = None  # every rank's (host, device), once asked (_rank_names)
         self._run = RunDir()
         self._run_dir: Optional[Path] = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         try:
@@ -130,7 +134,8 @@ class Trainer:
         cfg, d = self.cfg, self.cfg.dist
         self.dist_info = runtime.detect(d.init_method, d.rank, d.world_size)
         self.device = runtime.select_device(cfg.device, self.dist_info.local_rank)
-        self._owns_group = runtime.init_process_group(self.dist_info, self.device, d.backend, d.init_method, d.timeout)
+        self._owns_group = runtime.init_process_group(self.dist_info, self.device, d.backend, d.init_method, d.timeout,
+                                                      flight_recorder=d.hang_timeout > 0)
         self.rank = runtime.get_rank()
         self.world_size = runtime.get_world_size()
         self.is_main = self.rank == 0
@@ -285,6 +290,7 @@ class Trainer:
         """Train for ``epochs`` (or ``max_steps``); returns the last validation metrics (or {}); a stop signal
         raises ``RunStopped``, in the loop after the step under way and its checkpoint (``runtime.signals``)."""
         with runtime.StopSignal(self.world_size, self.cfg.dist.stop_timeout) as self._signals:
+            self._health_check()
             self.open_run()
             self._val_loader = (val_data, None, None)
             try:
@@ -321,15 +327,68 @@ class Trainer:
         self._check_val_data(plan.val_data)
         self._run_callbacks.call("on_fit_start", self)
         self._signals.stop_at_steps()
+        watch = self._watch_hangs()
         try:
             val_metrics, stopped = self._loop(plan)
         except BaseException as exc:
+            if watch is not None and runtime.peer_lost(exc):  # name the ranks that are gone, before the error
+                line = watch.lost()
+                if line:
+                    self.print(f"torchrig: {line}")
             self._run_callbacks.call("on_exception", self, exc)
             raise
         finally:
+            if watch is not None:
+                watch.stop()
+            if self.metrics_log.ranks is not None:
+                self.metrics_log.ranks.detach()
             self.metrics_log.out.close()
         self._finish(stopped)
         return val_metrics
+
+    def _rank_names(self) -> list:
+        """Every rank's (host, device), in rank order (one collective, the first time)."""
+        if self._names is None:
+            self._names = runtime.gather((socket.gethostname(), str(self.device)), name="rank names")
+        return self._names
+
+    def _health_check(self) -> None:
+        """``dist.health_check``: every device's matmul, memory and link, before training; a rank far below the
+        others stops the run on every rank with the same line (``runtime/health.py``)."""
+        if not self.cfg.dist.health_check:
+            return
+        from ..observe.throughput import peak_flops
+        from ..runtime import health
+
+        dtype = self.precision.dtype or torch.float32
+        problems = health.check_ranks(self.device, dtype, self._rank_names(), self.print,
+                                      peak_flops(self.device, self.precision.name))
+        if problems:
+            raise runtime.RuntimeSetupError(
+                f"dist.health_check: {'; '.join(problems)}; nothing was trained. Replace or free that device or host "
+                f"(torchrig doctor --gpus on it), or set dist.health_check=false to train anyway")
+
+    def _straggler_check(self) -> Optional[Stragglers]:
+        """Several ranks logging rows: each rank's data wait and forward at log steps, a straggler named
+        (``observe/stragglers.py``); one collective now for every rank's host and device."""
+        if self.world_size < 2 or not self.cfg.log.every_steps:
+            return None
+        d = self.cfg.dist
+        check = Stragglers(d.straggler_factor, d.straggler_steps, self._rank_names(), self.print, self.device)
+        return check if self.layout.pipeline is not None else check.attach(self.wrapped)  # stages: data wait only
+
+    def _watch_hangs(self) -> Optional[runtime.HangWatch]:
+        """``dist.hang_timeout``: the watchdog of this rank over the loop (``runtime/hang.py``), several ranks only."""
+        d = self.cfg.dist
+        if self.world_size < 2 or not d.hang_timeout:
+            return None
+        signals, state = self._signals, self.state
+        progress = runtime.Progress(beat=lambda: signals.beat, busy=lambda: signals.saving_now,
+                                    steps=lambda: state.global_step)
+        return runtime.HangWatch(d.hang_timeout, d.timeout, _dump_writer(self.run_dir), progress, rank=self.rank,
+                                 world_size=self.world_size, device=self.device, where=str(self.run_dir),
+                                 nccl="nccl" in runtime.backend_name(), store=runtime.default_store(),
+                                 settle=self.checkpoints.wait).start()
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
@@ -363,7 +422,8 @@ class Trainer:
                                              trainable_only=self.adapted is not None and not ck.include_base)
         self.metrics_log = MetricsLogger(RunLogger(self.run_dir, enabled=False), cfg.log.every_steps,
                                          self.layout.groups, self.device,
-                                         staged=cfg.on_nonfinite == "skip")  # a skipped window's loss: not logged
+                                         staged=cfg.on_nonfinite == "skip",  # a skipped window's loss: not logged
+                                         ranks=self._straggler_check())
         self._spikes = SpikeGuard(cfg.spike, state=self.state, data=self._data, checkpoints=self.checkpoints,
                                   run_dir=self.run_dir, device=self.device, rank=self.rank,
                                   world_size=self.world_size, say=self.print, verify=cfg.checkpoint.verify) \
@@ -722,3 +782,16 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _dump_writer(run_dir: Path) -> Callable[[str, Callable[[Any], None]], None]:
+    """``save(name, fill)``: RUN_DIR/hang/NAME written whole by ``fill(binary file)`` through the run folder's writer
+    (a hang's dumps, ``runtime/hang.py``)."""
+    folder = run_dir / runtime.hang.FOLDER
+
+    def save(name: str, fill: Callable[[Any], None]) -> None:
+        make_dir(folder, root=run_dir)
+        with atomic_file(folder / name, root=run_dir) as fh:
+            fill(fh)
+
+    return save
