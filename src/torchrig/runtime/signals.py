@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import continue_run, same_run, settings
+from ..errors import continue_run
 from .dist import enter_collective, is_main_process, leave_collective
 
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
