@@ -86,6 +86,7 @@ class ModelCalls:
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
         self.precision, self.device = precision, device
         self.metrics = metrics or []
+        self._float32_metrics = any(getattr(m, "float32_scores", True) for m in self.metrics)
         self.io = io or ModelIO()
         self.shift_labels = normalize.shifts_labels(model)
         self.hugging_face = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
@@ -208,18 +209,14 @@ class ModelCalls:
         if not isinstance(out, torch.Tensor):
             raise outputs.OutputError(f"metrics need a tensor prediction, got {type(out).__name__}; set "
                                       f"output_key to the prediction's index or key, or metrics=[]")
-        # computed by this forward, not a view (of a parameter, of the input) nor written in place (a buffer the
-        # model fills), from a batch made for this step: nothing writes either later, so the metrics keep them
-        fresh = self.fresh_batches
-        owned = fresh and out.grad_fn is not None and not out._is_view() and out._version == 0
         out = out.detach()
-        if out.is_floating_point() and out.dtype != torch.float32:
-            out, owned = out.float(), fresh  # a new tensor: only the target's freshness is left to vouch for
+        if out.is_floating_point() and out.dtype != torch.float32 and self._float32_metrics:
+            out = out.float()  # a metric that reads scores in float32 (an argmax reads them in any dtype alike)
         if out.ndim >= 3 and isinstance(target, torch.Tensor) and target.ndim == out.ndim - 1 \
                 and self.classes_at(out, target) == -1:
             out, target = self._token_layout(out, target)
-        for m in self.metrics:
-            m.feed(out, target, owned)
+        for m in self.metrics:  # a batch made for this step: nothing writes its target later, the metrics may keep it
+            m.feed(out, target, self.fresh_batches)
 
     def _token_layout(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-last token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a Hugging Face causal
@@ -548,15 +545,19 @@ MISSING_TARGET = ("training batches carry no target: give (inputs, target) pairs
 
 
 def default_step(step: Step, batch: Any) -> dict:
-    """zero_grad (after the previous step) → forward under autocast → loss → backward → metrics → step."""
+    """zero_grad (after the previous step) → forward under autocast → loss → metrics → backward → step.
+
+    The metrics read the prediction before backward and keep none of it: nothing of the forward outlives backward.
+    """
     inputs, target = step.split(batch)
     if target is None:
         raise ValueError(MISSING_TARGET)
     with step.autocast():
         output = step.forward(inputs, target=target)
         prediction, loss = step.loss(output, target)
+    step.update_metrics(prediction, target)
+    del output, prediction  # autograd frees the output (an LM's logits) during backward, as in a hand loop
     step.backward(loss, step.count_of(target))
-    step.update_metrics(prediction, target)  # before the update: a prediction may be a view of a parameter
     step.optimizer_step()
     return {"loss": loss.detach()}
 
