@@ -82,8 +82,9 @@ class ModelCalls:
     def __init__(self, model: nn.Module, precision: Any, device: torch.device, *, loss_fn: Optional[Callable] = None,
                  models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, activation: Optional[Callable] = None,
-                 predict_outputs: str = "prediction", class_dim: Any = "auto"):
+                 predict_outputs: str = "prediction", class_dim: Any = "auto", fused_head: Any = None):
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
+        self.fused_head = fused_head  # model.fused_head (optim/fused_head.py): its loss is computed in its forward
         self.precision, self.device = precision, device
         self.metrics = metrics or []
         self._float32_metrics = any(getattr(m, "float32_scores", True) for m in self.metrics)
@@ -124,7 +125,14 @@ class ModelCalls:
         """Call the model on ``inputs`` (dict keys chosen by ``forward``'s signature or ``data.input_keys``).
 
         With ``loss="auto"`` a dict batch's ``target`` goes to ``forward`` too when ``forward`` takes it
-        (``labels=`` for Hugging Face models, which then return their loss; see ``data.batches.label_keyword``)."""
+        (``labels=`` for Hugging Face models, which then return their loss; see ``data.batches.label_keyword``).
+        With ``model.fused_head`` a training forward given ``target`` computes the loss in the head."""
+        if self.fused_head is not None and target is not None and torch.is_grad_enabled():
+            with self.fused_head.expecting(target):
+                return self._forward(inputs, model, target)
+        return self._forward(inputs, model, target)
+
+    def _forward(self, inputs: Any, model: Optional[Callable], target: Any) -> Any:
         model = model or self.model
         if type(inputs) is torch.Tensor and self.io.input_keys is None:  # the common case, as call_model does it
             try:
@@ -147,6 +155,9 @@ class ModelCalls:
 
     def loss(self, output: Any, target: Any) -> tuple[Any, torch.Tensor]:
         """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
+        if self.fused_head is not None and torch.is_grad_enabled():
+            return output, self.fused_head.loss_for(output if type(output) is torch.Tensor else
+                                                    outputs.unpack(output, self.io.output_key)[0], self.model)
         if self.spread:
             target = parallel.to_output_device(output, target)
         if self.loss_parallel and parallel.loss.is_split(output):  # split logits, cross-entropy split likewise
@@ -248,9 +259,11 @@ class Step(ModelCalls):
                  metrics: Optional[list] = None, state: Optional[TrainState] = None,
                  schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
                  groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
-                 loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto"):
+                 loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto",
+                 fused_head: Any = None):
         super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
-                         loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim)
+                         loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim,
+                         fused_head=fused_head)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.options = o = options
         self.clip_grad_norm, self.clip_norm_type, self.clip_grad_value = o.clip_grad_norm, o.clip_norm_type, \
