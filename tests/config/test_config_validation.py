@@ -25,7 +25,7 @@ EXAMPLES = [
     ("optim.lr=.inf", "config key 'optim.lr': expected a finite number > 0, got inf"),
     ("data.val_fraction=1.5", "config key 'data.val_fraction': expected a number in [0, 1), got 1.5"),
     ("run_dir=''", "config key 'run_dir': expected a directory path or null, got ''"),
-    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, finetune, image, lm, log, model, "
+    ("foo.bar=1", "unknown config section 'foo'; valid sections: checkpoint, data, dist, finetune, float8, image, lm, log, model, "
                   "optim, parallel, peft, pix2pix, profile, quantize, scheduler, spike, text"),
 ]
 
@@ -106,8 +106,12 @@ BAD_VALUES = [
     ("model.weights=''", "a non-empty string or null, got ''"),
     ("model.init=''", "a non-empty string or null, got ''"),
     ('model.channels_last=maybe', "true, false or 'auto', got 'maybe'"),
-    ('model.activation_checkpointing=[1]', "a list of sub-module names, got [1]"),
+    ('model.activation_checkpointing=[1]', "full, selective or a list of sub-module names, got [1]"),
     ('model.compile=maybe', "true or false, got 'maybe'"),
+    ('model.compile_mode=fast', "one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, got "
+                                "'fast'"),
+    ('model.activation_offload=maybe', "true or false, got 'maybe'"),
+    ("model.fused_head=''", "a non-empty string or null, got ''"),
     ('model.factory=mypkg.models', "a 'module:attribute' string such as mypkg.models:build_model or null, "
                                    "got 'mypkg.models'"),
     ('model.python_class=[1]', "a non-empty string or null, got [1]"),
@@ -192,6 +196,9 @@ BAD_VALUES = [
     ("peft.base_dtype=int8", "one of bf16, fp16, nf4, fp4 or null, got 'int8'"),
     ("quantize.qat=int2", "one of int8-dynamic-act-int4-weight, int4-weight-only or null, got 'int2'"),
     ('quantize.group_size=0', 'an integer >= 1, got 0'),
+    ("float8.recipe=axiswise", "one of tensorwise, rowwise or null, got 'axiswise'"),
+    ("float8.skip=[1]", "a list of module-name patterns, got [1]"),
+    ("float8.fsdp_all_gather=maybe", "true or false, got 'maybe'"),
 ]
 
 
@@ -203,7 +210,7 @@ def test_every_core_key_has_a_rule_and_a_bad_value_here():
         if not dataclasses.is_dataclass(value):
             core.add(f.name)
         elif f.name in ("data", "model", "optim", "scheduler", "checkpoint", "log", "profile", "dist", "parallel",
-                        "spike", "peft", "quantize"):
+                        "spike", "peft", "quantize", "float8"):
             core |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
     assert set(RULES) == core
     assert {o.split("=", 1)[0] for o, _ in BAD_VALUES} == core

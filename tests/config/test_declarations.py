@@ -43,6 +43,8 @@ TRAINER_KEYWORDS = {
     "channels_last": "model.channels_last", "compile": "model.compile",
     "activation_checkpointing": "model.activation_checkpointing",
     "peft": "peft.method", "lora_r": "peft.r", "lora_alpha": "peft.alpha", "qat": "quantize.qat",
+    "compile_mode": "model.compile_mode", "activation_offload": "model.activation_offload",
+    "fused_head": "model.fused_head", "float8": "float8.recipe",
 }
 
 

@@ -47,6 +47,31 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+class TokenLM(nn.Module):
+    """Embedding, a layer, a vocabulary head (``model.fused_head: head``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(13)
+        self.embed, self.body, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def padded_tokens():
+    """21 sequences of 1 to MAX_LEN labelled tokens (the rest -100): (ids, labels)."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(6)
+    ids, labels = torch.randint(0, VOCAB, (21, MAX_LEN), generator=g), torch.randint(0, VOCAB, (21, MAX_LEN), generator=g)
+    labels[torch.arange(MAX_LEN)[None, :] >= torch.randint(1, MAX_LEN + 1, (21, 1), generator=g)] = -100
+    return TensorDataset(ids, labels)
+
+
+FUSED = dict(batch_size=3, accumulate=2, loss="cross_entropy", label_smoothing=0.1)
+
+
 class Sequences(Dataset):
     """Sequences of 2 to MAX_LEN tokens, right-padded to MAX_LEN: labels are -100 on the padding."""
 
@@ -100,6 +125,8 @@ def runs() -> dict:
         "mlp37_acc": (mlp, lambda: classification(37), dict(batch_size=2, accumulate=2)),  # a filler in a window
         "gpt2": (gpt2, lambda: Sequences(21), dict(batch_size=3, loss=next_token_loss)),
         "fsdp33_clip": (mlp, lambda: classification(33), dict(batch_size=4, clip_grad_norm=0.5)),  # sharded grads
+        # the head and its cross-entropy in chunks: tokens counted over both ranks, a window of 2 micro-batches
+        "fused_head": (TokenLM, padded_tokens, dict(FUSED, fused_head="head")),
     }
 
 

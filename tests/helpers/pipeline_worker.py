@@ -103,10 +103,34 @@ def padded_tokens(n: int = SAMPLES) -> TensorDataset:
     return TensorDataset(ids, labels)
 
 
+class ProbedLinear(nn.Linear):
+    """A Linear that records, when the gradient reaches its output, whether the output's memory is still referenced
+    (``alive``): nothing of the forward may outlive its backward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.alive: list = []
+
+    def forward(self, x):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = super().forward(x)
+        if out.requires_grad:
+            memory = StorageWeakRef(out.untyped_storage())
+            out.register_hook(lambda grad: self.alive.append(not memory.expired()))
+        return out
+
+
 def sequential() -> nn.Sequential:
-    """Cut by ``auto`` after its second Linear: the second stage begins with an in-place ReLU on what it receives."""
+    """Cut by ``auto`` after its second Linear: the second stage begins with an in-place ReLU on what it receives.
+    Its head records whether its output outlives the backward."""
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
-                         nn.Linear(16, CLASSES))
+                         ProbedLinear(16, CLASSES))
+
+
+def outlived(model: nn.Module) -> list:
+    """For each backward through a :class:`ProbedLinear` of ``model``, whether its output was still referenced."""
+    return [alive for m in model.modules() if isinstance(m, ProbedLinear) for alive in m.alive]
 
 
 def features(n: int = SAMPLES) -> TensorDataset:
@@ -268,7 +292,8 @@ def train(scenario: str, out: Path) -> None:
                       "loss_parallel": t.step.loss_parallel,
                       "memory": " ".join(t.summary().split("memory per process")[1].split()),
                       "held": sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in t.model.parameters()),
-                      **sharding(t)}
+                      "train": {k: v for k, v in t.history[-1].items() if k.startswith("train/") and k != "train/loss"},
+                      "outlived": outlived(t.model), **sharding(t)}
         x = data.tensors[0][:10] if isinstance(data, TensorDataset) else None
         if x is not None:
             torch.save(t.predict(x), out / f"{name}-predicted-{rank}.pt")

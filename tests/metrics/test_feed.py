@@ -218,14 +218,33 @@ def test_evaluate_a_model_whose_output_is_a_view_of_a_parameter(tmp_path):
     assert t.evaluate(TensorDataset(x, y))["accuracy"] == (y == 1).float().mean().item()
 
 
-def test_owned_batches_are_queued_without_a_copy():
+def test_an_owned_target_is_queued_without_a_copy_and_the_output_always_copied():
+    """The forward's output is never kept (autograd frees it in backward); a target made for the step is."""
     m, updated = Accuracy(), Accuracy()
     batches = _batches(n_batches=6)
     for o, t in batches:
         m.feed(o, t, owned=True)
         updated.update(o, t)
-    assert m._queue[-1][0].data_ptr() == batches[-1][0].data_ptr() and m._queue[-1][1] is batches[-1][1]
+    assert m._queue[-1][0].data_ptr() != batches[-1][0].data_ptr() and m._queue[-1][1] is batches[-1][1]
     assert _states(m) == _states(updated)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_class_metrics_read_low_precision_scores_as_float32_ones(dtype):
+    """Accuracy, top-k and F1 are given a bf16 / fp16 prediction as it is (no float32 copy of an LM's logits): the
+    same counts as from its float32 cast."""
+    from torchrig.metrics import get_metric
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(64, 7, generator=g).to(dtype)
+    out[::5, 3] = out[::5, 1]  # ties: the first index wins in either dtype
+    y = torch.randint(0, 7, (64,), generator=g)
+    for name in ("accuracy", "top3", "f1", "mse"):
+        a, b = get_metric(name), get_metric(name)
+        target = y if name != "mse" else torch.randn(64, 7, generator=g)
+        a.update(out, target)
+        b.update(out.float(), target)
+        assert a.float32_scores is False and a.compute() == b.compute(), name
 
 
 def _train_accuracy(model, loader, lr=0.5):

@@ -150,6 +150,15 @@ def test_two_ranks_equal_one_process_with_double_batch(two_ranks, tmp_path, name
 
 
 @pytest.mark.slow
+def test_a_fused_head_on_two_ranks_equals_the_plain_head_in_one_process(two_ranks, tmp_path):
+    """model.fused_head under DDP: the valid tokens (label smoothing, -100 padding) counted over both ranks and a window
+    of two micro-batches give one process's plain head and loss with a batch twice as large."""
+    out, _ = two_ranks
+    want, _ = _fit(W.TokenLM, W.padded_tokens(), tmp_path, **dict(W.FUSED, batch_size=6))
+    assert _max_diff(torch.load(out / "fused_head.pt"), want) < 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,n", [("mlp37", 37), ("mlp33", 33), ("mlp37_acc", 37), ("fsdp33_clip", 33)])
 def test_two_ranks_use_every_sample_once_per_epoch(two_ranks, name, n):
     _, seen = two_ranks

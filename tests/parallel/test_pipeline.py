@@ -49,6 +49,7 @@ def one_process(tmp_path, scenario: str, name: str, dp: int) -> tuple:
     t = torchrig.Trainer(W.build(make_model), **W.settings(tmp_path / f"one-{name}", batch_size=W.BATCH * dp, **extra))
     t.fit(data)
     ev = t.evaluate(W.eval_data(data))
+    ev.update({k: v for k, v in t.history[-1].items() if k.startswith("train/") and k != "train/loss"})
     predicted = t.predict(data.tensors[0][:10]) if isinstance(data, torch.utils.data.TensorDataset) else None
     params = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
     t.close()
@@ -62,10 +63,12 @@ def check_against_one_process(tmp_path, out, scenario: str, tolerance: float, na
     seen = [json.loads((out / f"seen-{rank}.json").read_text()) for rank in range(world)]
     for name in names or W.runs(1, scenario):
         ref, ev, predicted = one_process(tmp_path, scenario, name, dp)
-        for rank in range(world):  # every rank has the last stage's evaluation (dp=1: the same batches as one process)
-            assert seen[rank][name]["eval"].keys() == ev.keys()
-            assert dp > 1 or all(abs(seen[rank][name]["eval"][k] - v) < tolerance for k, v in ev.items()), \
-                (name, seen[rank][name]["eval"], ev)
+        for rank in range(world):  # every rank has the last stage's evaluation and training metrics (dp=1: the same
+            # batches as one process; a micro-batch a new schedule runs twice, to learn its shapes, counted once)
+            got_ev = {**seen[rank][name]["eval"], **seen[rank][name]["train"]}
+            assert got_ev.keys() == ev.keys()
+            assert dp > 1 or all(abs(got_ev[k] - v) < tolerance for k, v in ev.items()), (name, got_ev, ev)
+            assert not any(seen[rank][name]["outlived"]), (name, rank)  # nothing of the forward outlives backward
         got = merged(out, name, range(world))
         assert got.keys() == ref.keys(), (name, sorted(set(got) ^ set(ref)))
         worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
@@ -88,6 +91,7 @@ def test_every_schedule_matches_one_process(tmp_path, pp_run):
     seen = json.loads((pp_run / "seen-1.json").read_text())
     assert seen["tokens-1f1b"]["stages"] == [1] and seen["tokens-interleaved_1f1b"]["stages"] == [1, 3]
     assert seen["tokens-zbv_zero_bubble"]["stages"] == [1, 2]  # a V: rank 1 holds the middle two
+    assert len(seen["sequential"]["outlived"]) >= 24 and "train/accuracy" in seen["sequential"]["train"]
 
 
 @pytest.mark.slow

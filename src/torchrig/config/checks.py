@@ -17,7 +17,7 @@ def validate(cfg: Config) -> Config:
         section, _, name = k.name.rpartition(".")
         owner = get_key(cfg, section) if section else cfg
         setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
-    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel, _finetune):
+    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel, _finetune, _speed):
         check(cfg)
     for name in sections():
         section_check = getattr(getattr(cfg, name), "validate", None)
@@ -140,3 +140,23 @@ def _finetune(cfg: Config) -> None:
     if q.qat is not None and split:
         raise ConfigError(f"config key 'quantize.qat': {q.qat} with {split[0]} is not supported (each rank would "
                           f"quantise its piece of a weight with scales of its own); use dist.strategy=ddp or fsdp")
+
+
+def _speed(cfg: Config) -> None:
+    """``model.compile_mode``, ``model.fused_head`` and ``float8``: what they cannot be combined with."""
+    m, f8 = cfg.model, cfg.float8
+    if m.compile_mode != "default" and not m.compile:
+        raise ConfigError(f"config key 'model.compile_mode': {m.compile_mode} is torch.compile's mode, and "
+                          f"model.compile is false; set model.compile=true too, or leave model.compile_mode=default")
+    split = [f"parallel.{k}={getattr(cfg.parallel, k)}" for k in ("tp", "pp") if getattr(cfg.parallel, k) != 1]
+    if m.fused_head is not None and (split or cfg.parallel.loss_parallel is True):
+        what = split[0] if split else "parallel.loss_parallel=true"
+        raise ConfigError(f"config key 'model.fused_head': {m.fused_head} with {what} is not supported (the fused head "
+                          f"needs the whole vocabulary projection on one rank); set model.fused_head=null")
+    if f8.recipe is not None and (cfg.quantize.qat is not None or cfg.peft.method is not None):
+        other = f"quantize.qat={cfg.quantize.qat}" if cfg.quantize.qat is not None else f"peft.method={cfg.peft.method}"
+        raise ConfigError(f"config key 'float8.recipe': {f8.recipe} with {other} is not supported (both replace the "
+                          f"model's Linear layers); set one of them")
+    if f8.recipe is not None and cfg.precision == "fp16":
+        raise ConfigError(f"config key 'float8.recipe': {f8.recipe} with precision=fp16 is not supported (float8 "
+                          f"training keeps bf16 or fp32 around its matrix products); set precision=bf16")

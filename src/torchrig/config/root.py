@@ -15,7 +15,8 @@ from .rules import (AUTO_BOOL, BOOL, POSITIVE, TEXT, Rule, accept, choice, integ
                     pattern)
 from .schema import ConfigError, Key, hints, is_section, key, keys_of
 from .sections import (CheckpointConfig, DataConfig, DistConfig, LogConfig, ModelConfig, OptimConfig,
-                       ParallelConfig, PeftConfig, ProfileConfig, QuantizeConfig, SchedulerConfig, SpikeConfig)
+                       ParallelConfig, PeftConfig, ProfileConfig, QuantizeConfig, SchedulerConfig, SpikeConfig,
+                       Float8Config)
 
 LOSS_NORMALIZATIONS = ("auto", "samples", "tokens", "micro_batches")
 
@@ -116,6 +117,7 @@ class Config:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

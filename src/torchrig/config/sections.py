@@ -27,6 +27,15 @@ def _steps(v: Any) -> list:
     return accept(not v or 1 <= v[0] <= v[1], list(v))
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _checkpointing(v: Any) -> Any:
+    if v in ("full", "selective"):
+        return v
+    return list_of(TEXT, "a list of sub-module names").check(v)
+
+
 def _plot(v: Any) -> Any:
     if v == "inline":  # shown in the notebook's cell output as well
         return v
@@ -104,10 +113,24 @@ class ModelConfig:
     channels_last: Union[bool, str] = key("auto", AUTO_BOOL, "channels_last memory format; auto: on for "
                                                              "convolutional models on CUDA", alias="channels_last")
     compile: bool = key(False, BOOL, "torch.compile the model (each network of a ModuleDict)", alias="compile")
-    activation_checkpointing: list = key(
-        [], list_of(TEXT, "a list of sub-module names"),
-        "sub-module names (as in named_modules()) whose activations are recomputed in backward: less memory, "
-        "about one more forward", alias="activation_checkpointing")
+    compile_mode: str = key(
+        "default", choice(*COMPILE_MODES),
+        "torch.compile's mode with model.compile: default, reduce-overhead (CUDA graphs: static shapes, a short last "
+        "batch dropped), max-autotune, max-autotune-no-cudagraphs", alias="compile_mode")
+    activation_checkpointing: Union[list, str] = key(
+        [], Rule("full, selective or a list of sub-module names", _checkpointing),
+        "recompute activations in backward (less memory): a list of sub-module names (as in named_modules()), each "
+        "recomputed whole; full: every block (the model's longest ModuleList); selective: every block, keeping the "
+        "matrix products' outputs and recomputing the cheap ops", alias="activation_checkpointing")
+    activation_offload: bool = key(False, BOOL, "keep the activations saved for backward in host memory (pinned on "
+                                                "CUDA) until backward needs them: less device memory, copies each "
+                                                "way", alias="activation_offload")
+    fused_head: Optional[str] = key(
+        None, optional(TEXT),
+        "name of the model's vocabulary projection (an nn.Linear whose output is the model's output): in training "
+        "it computes its logits and their cross-entropy together in chunks, never the whole logits (Liger-Kernel on "
+        "CUDA when installed, chunked PyTorch ops elsewhere); needs loss cross_entropy; training metrics are then "
+        "reported by evaluation only", alias="fused_head")
     factory: Optional[str] = key(None, optional(FACTORY), "module:function building your model from the config "
                                                           "(torchrig train --model)")
     python_class: Optional[str] = key(None, optional(TEXT), "module:qualname of a model given to Trainer in "
@@ -396,7 +419,25 @@ class QuantizeConfig:
                                           "layer's in_features must be a multiple)")
 
 
-__all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "LogConfig", "ModelConfig", "OptimConfig",
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass
+class Float8Config:
+    """float8 training through torchao: the model's Linear layers compute their matrix products in float8 (H100 and
+    later); weights, gradients, optimizer state and checkpoints keep the model's own dtype."""
+
+    recipe: Optional[str] = key(None, optional(choice(*FLOAT8_RECIPES)),
+                                "torchao's float8 scaling: tensorwise (one scale per tensor, fastest; float8 all-gather "
+                                "under FSDP2) or rowwise (a scale per row, closer to bf16); null: off", alias="float8")
+    skip: list = key([], list_of(TEXT, "a list of module-name patterns"),
+                     "Linear layers left in high precision besides the last one (the output head) and those whose "
+                     "dimensions are not multiples of 16 (fnmatch patterns on named_modules() names)")
+    fsdp_all_gather: bool = key(True, BOOL, "under FSDP2 with the tensorwise recipe, all-gather the weights in float8 "
+                                            "(half the bytes of bf16)")
+
+
+__all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "Float8Config", "LogConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PeftConfig", "ProfileConfig", "QuantizeConfig", "SchedulerConfig", "SpikeConfig"]
 
 

@@ -31,6 +31,9 @@ class Metric:
 
     name = "metric"
     higher_is_better = True
+    # ``update`` is given float32 scores (a bf16 / fp16 prediction is cast first, a copy); a metric that reads its
+    # prediction alike in any float dtype (an argmax, a top-k, a sum in float64) sets False and is spared the copy
+    float32_scores = True
     device: Optional[torch.device] = None  # where new states live: the run's device (set by the trainer)
     batchable = False
     QUEUE_LIMIT = 64, 1 << 20  # batches and tensor elements ``feed`` holds before it updates
@@ -94,9 +97,10 @@ class Metric:
         read (at log steps, epoch ends, checkpoints) or the queue is full: one ``argmax`` / ``==`` / ``sum``
         per log interval instead of one per step, which is a tenth of a small model's step on one CPU core.
         The first batch after a reset is updated at once, so a bad output or target is reported there.
-        What is queued is a copy (a loader or a model may reuse its buffers), unless ``owned``: the caller
-        vouches that nothing writes either tensor later (the output of this step's forward, a batch collated
-        for it). Batches are queued under the autograd mode of the call (evaluation's states are inference
+        The output is queued as a copy: the forward's own memory is left to autograd, which frees it during
+        backward (a model may also reuse its output buffer). The target is copied too (a loader may reuse its
+        buffers), unless ``owned``: the caller vouches that nothing writes it later (a batch collated for this
+        step). Batches are queued under the autograd mode of the call (evaluation's states are inference
         tensors); batches over :data:`FEED_LIMIT` elements are updated at once. Accelerator tensors are never
         held: their ops are queued by the device anyway."""
         if (not self.batchable or type(output) is not torch.Tensor or type(target) is not torch.Tensor
@@ -108,7 +112,8 @@ class Metric:
         if self._queue and inference != self._queue_inference:
             self._update_queued()
         self._queue_inference = inference
-        self._queue.append((output.detach(), target) if owned else (output.detach().clone(), target.clone()))
+        self._queue.append(((output.detach() if output.requires_grad else output).clone(),
+                            target if owned else target.clone()))
         self._queued += size
         if len(self._queue) >= self.QUEUE_LIMIT[0] or self._queued >= self.QUEUE_LIMIT[1]:
             self._update_queued()

@@ -32,6 +32,7 @@ def _check(output: Any, target: Any, name: str) -> None:
 class Accuracy(Metric):
     name = "accuracy"
     batchable = True
+    float32_scores = False  # an argmax: the same in the prediction's own dtype
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
         _check(output, target, self.name)
@@ -55,6 +56,7 @@ class Accuracy(Metric):
 
 class TopK(Metric):
     batchable = True
+    float32_scores = False  # top-k indices: the same in the prediction's own dtype
 
     def __init__(self, k: int = 5) -> None:
         super().__init__()
@@ -83,6 +85,7 @@ class Confusion(Metric):
     """Precision / recall / F1 from a confusion matrix (rows: true class, columns: predicted)."""
 
     batchable = True
+    float32_scores = False  # an argmax: the same in the prediction's own dtype
 
     def __init__(self, kind: str, average: str = "macro", num_classes: Optional[int] = None) -> None:
         super().__init__()
@@ -134,6 +137,7 @@ class Confusion(Metric):
 
 class MeanError(Metric):
     higher_is_better = False
+    float32_scores = False  # differences taken in float64
 
     def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()

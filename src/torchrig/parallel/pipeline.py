@@ -382,6 +382,10 @@ class Pipeline:
         self._last_output: Any = None  # the output of the block that ran last in the stage's forward
         self._schedules: collections.OrderedDict = collections.OrderedDict()
         self._target = torch.zeros((), device=device)  # the schedules' loss gets the stage's output as it is
+        # while a schedule's first step runs: the micro-batch it runs once more first, to learn the stages' shapes
+        # (torch.distributed.pipelining's metadata inference, a real forward and backward whose values count for
+        # nothing); None otherwise
+        self.rehearsal: Optional[int] = None
         ids = stages_of_rank(rank, pp, per_rank, self.v_shape)
         self.rank_of = {k: r for r in range(pp) for k in stages_of_rank(r, pp, per_rank, self.v_shape)}
         self.last_rank = self.rank_of[self.num_stages - 1]  # the pipeline rank of the last stage
@@ -476,7 +480,8 @@ class Pipeline:
             object.__setattr__(container, "_modules", self.rest_view)
             for parent, attr, _, module in swaps:
                 parent._modules[attr] = module
-            self.active, self._block, self._done = None, None, None
+            # the last block's output (the model's, on the last stage) is let go: autograd frees it in backward
+            self.active, self._block, self._done, self._last_output = None, None, None, None
         if stage.received is not None:
             raise ParallelConfigError(
                 f"config key '{KEY}': {type(self.model).__name__}'s forward did not call "
@@ -601,8 +606,14 @@ class Pipeline:
                 end += 1
             n = end - start
             kept = self._take_sharded_grads() if start else []
-            self._schedule(n, shape).step(arg_mbs=[()] * n, kwarg_mbs=[{"mb": mb} for mb in micro_batches[start:end]],
-                                          target_mbs=[self._target] * n, return_outputs=False)
+            new = (n, shape) not in self._schedules
+            schedule = self._schedule(n, shape)
+            self.rehearsal = micro_batches[start].index if new else None
+            try:
+                schedule.step(arg_mbs=[()] * n, kwarg_mbs=[{"mb": mb} for mb in micro_batches[start:end]],
+                              target_mbs=[self._target] * n, return_outputs=False)
+            finally:
+                self.rehearsal = None
             for param, grad in kept:
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
             start = end

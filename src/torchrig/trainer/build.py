@@ -224,3 +224,20 @@ def step_epoch_schedulers(schedulers: dict, values: dict, monitor: Optional[str]
             sch.step(values[key])
         else:
             sch.step()
+
+
+def fused_head(model: nn.Module, cfg: C.Config, loss_fn: Any, layout: parallel.Layout,
+               device: torch.device) -> Optional[Any]:
+    """``model.fused_head``: the named head computing its cross-entropy in its forward (``optim/fused_head.py``), or
+    None. Refused in one line where the head's weight is not whole on each rank (FSDP2)."""
+    name = cfg.model.fused_head
+    if name is None:
+        return None
+    from ..optim import fused_head as fh
+    from ..optim.losses import tensor_loss
+
+    if layout.sharded:
+        raise ConfigError(f"config key 'model.fused_head': {name} with {layout.describe() or layout.strategy} is not "
+                          f"supported (the fused head needs its whole weight in one process); use dist.strategy=ddp, "
+                          f"or set model.fused_head=null")
+    return fh.fuse_head(model, name, loss_fn, tensor_loss, device)

@@ -35,7 +35,8 @@ class PipelineStep(WholeWindowStep):
         self.pipe = pipe
         self.dp_group = dp_group  # replicas of this rank's stages (parallel.dp_replicate), or None
         self.window: list = []
-        self._waiting: Any = None  # the last micro-batch's (index, prediction, target, weight) for the metrics
+        self._fed: Any = None  # the micro-batch the metrics took last in this window, and their states before it
+        self._before: list = []
 
     # -- training ----------------------------------------------------------------------------------
     def add(self, step: Step, batch: Any) -> None:
@@ -50,9 +51,10 @@ class PipelineStep(WholeWindowStep):
         """The window's micro-batches through the schedule, then the optimizer step; every micro-batch's values."""
         window, self.window = self.window, []
         losses = torch.zeros(len(window), device=step.device)
+        self._fed, self._before = None, []
         with parallel.loss.context(step.loss_parallel):  # split logits: the last stage's loss and its backward
             self.pipe.train(window, self._training_forward(step, losses))
-        self._feed_waiting(step)
+        self._before = []
         losses = step.groups.from_last_stage(losses)
         if self.dp_group is not None:
             parallel.average_gradients([p for opt in step.optimizers.values() for g in opt.param_groups
@@ -70,25 +72,24 @@ class PipelineStep(WholeWindowStep):
                 prediction, loss = step.loss(output, target)  # the last stage only gets here
             losses[mb.index] = loss.detach()
             if step.metrics and weight:
-                self._wait(step, mb.index, prediction, target, weight)
+                self._feed(step, mb.index, prediction, target, weight)
+            del output, prediction  # autograd frees the output during the schedule's backward
             weighted = step.weigh(loss, count, weight)
             return scaler.scale(weighted) if scaler is not None else weighted
 
         return forward
 
-    def _wait(self, step: Step, index: int, prediction: Any, target: Any, weight: int) -> None:
-        """The metrics take a micro-batch's prediction once the next one comes (or the window ends): the schedule
-        may call the last stage once more on a first micro-batch of a new shape, to learn its shapes, and that
-        call's values must count for nothing."""
-        if self._waiting is not None and self._waiting[0] != index:
-            self._feed_waiting(step)
-        self._waiting = (index, prediction.detach(), target, weight)
-
-    def _feed_waiting(self, step: Step) -> None:
-        if self._waiting is None:
-            return
-        _, prediction, target, weight = self._waiting
-        self._waiting = None
+    def _feed(self, step: Step, index: int, prediction: Any, target: Any, weight: int) -> None:
+        """The metrics take a micro-batch's prediction at once and keep none of it (nothing of the forward outlives
+        its backward). A schedule's first step may run its first micro-batch once more first, to learn the stages'
+        shapes (``Pipeline.rehearsal``): the states before it are kept, and put back when the micro-batch comes
+        again, so that call counts for nothing."""
+        if index == self._fed:
+            for metric, states in zip(step.metrics, self._before):
+                metric.restore(states)
+        elif index == self.pipe.rehearsal:
+            self._before = [metric.snapshot() for metric in step.metrics]
+        self._fed = index
         step.update_metrics(prediction, target, weight)
 
     # -- evaluation and prediction ----------------------------------------------------------------------

@@ -84,10 +84,12 @@ class ModelCalls:
     def __init__(self, model: nn.Module, precision: Any, device: torch.device, *, loss_fn: Optional[Callable] = None,
                  models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, activation: Optional[Callable] = None,
-                 predict_outputs: str = "prediction", class_dim: Any = "auto"):
+                 predict_outputs: str = "prediction", class_dim: Any = "auto", fused_head: Any = None):
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
+        self.fused_head = fused_head  # model.fused_head (optim/fused_head.py): its loss is computed in its forward
         self.precision, self.device = precision, device
         self.metrics = metrics or []
+        self._float32_metrics = any(getattr(m, "float32_scores", True) for m in self.metrics)
         self.io = io or ModelIO()
         self.shift_labels = normalize.shifts_labels(model)
         self.hugging_face = normalize.is_hugging_face(model)  # token logits (B, T, classes), not PyTorch's (B, C, T)
@@ -125,7 +127,14 @@ class ModelCalls:
         """Call the model on ``inputs`` (dict keys chosen by ``forward``'s signature or ``data.input_keys``).
 
         With ``loss="auto"`` a dict batch's ``target`` goes to ``forward`` too when ``forward`` takes it
-        (``labels=`` for Hugging Face models, which then return their loss; see ``data.batches.label_keyword``)."""
+        (``labels=`` for Hugging Face models, which then return their loss; see ``data.batches.label_keyword``).
+        With ``model.fused_head`` a training forward given ``target`` computes the loss in the head."""
+        if self.fused_head is not None and target is not None and torch.is_grad_enabled():
+            with self.fused_head.expecting(target):
+                return self._forward(inputs, model, target)
+        return self._forward(inputs, model, target)
+
+    def _forward(self, inputs: Any, model: Optional[Callable], target: Any) -> Any:
         model = model or self.model
         if type(inputs) is torch.Tensor and self.io.input_keys is None:  # the common case, as call_model does it
             try:
@@ -148,6 +157,9 @@ class ModelCalls:
 
     def loss(self, output: Any, target: Any) -> tuple[Any, torch.Tensor]:
         """``(prediction, loss)``: the user's loss of the prediction, or the model's own (``loss="auto"``)."""
+        if self.fused_head is not None and torch.is_grad_enabled():
+            return output, self.fused_head.loss_for(output if type(output) is torch.Tensor else
+                                                    outputs.unpack(output, self.io.output_key)[0], self.model)
         if self.spread:
             target = parallel.to_output_device(output, target)
         if self.loss_parallel and parallel.loss.is_split(output):  # split logits, cross-entropy split likewise
@@ -210,18 +222,14 @@ class ModelCalls:
         if not isinstance(out, torch.Tensor):
             raise outputs.OutputError(f"metrics need a tensor prediction, got {type(out).__name__}; set "
                                       f"output_key to the prediction's index or key, or metrics=[]")
-        # computed by this forward, not a view (of a parameter, of the input) nor written in place (a buffer the
-        # model fills), from a batch made for this step: nothing writes either later, so the metrics keep them
-        fresh = self.fresh_batches
-        owned = fresh and out.grad_fn is not None and not out._is_view() and out._version == 0
         out = out.detach()
-        if out.is_floating_point() and out.dtype != torch.float32:
-            out, owned = out.float(), fresh  # a new tensor: only the target's freshness is left to vouch for
+        if out.is_floating_point() and out.dtype != torch.float32 and self._float32_metrics:
+            out = out.float()  # a metric that reads scores in float32 (an argmax reads them in any dtype alike)
         if out.ndim >= 3 and isinstance(target, torch.Tensor) and target.ndim == out.ndim - 1 \
                 and self.classes_at(out, target) == -1:
             out, target = self._token_layout(out, target)
-        for m in self.metrics:
-            m.feed(out, target, owned)
+        for m in self.metrics:  # a batch made for this step: nothing writes its target later, the metrics may keep it
+            m.feed(out, target, self.fresh_batches)
 
     def _token_layout(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-last token logits ``(B, T, C)`` as PyTorch's ``(B, C, T)`` for the metrics; a Hugging Face causal
@@ -253,9 +261,11 @@ class Step(ModelCalls):
                  metrics: Optional[list] = None, state: Optional[TrainState] = None,
                  schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
                  groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
-                 loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto"):
+                 loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto",
+                 fused_head: Any = None):
         super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
-                         loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim)
+                         loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim,
+                         fused_head=fused_head)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.options = o = options
         self.clip_grad_norm, self.clip_norm_type, self.clip_grad_value = o.clip_grad_norm, o.clip_norm_type, \
@@ -555,15 +565,19 @@ MISSING_TARGET = ("training batches carry no target: give (inputs, target) pairs
 
 
 def default_step(step: Step, batch: Any) -> dict:
-    """zero_grad (after the previous step) → forward under autocast → loss → backward → metrics → step."""
+    """zero_grad (after the previous step) → forward under autocast → loss → metrics → backward → step.
+
+    The metrics read the prediction before backward and keep none of it: nothing of the forward outlives backward.
+    """
     inputs, target = step.split(batch)
     if target is None:
         raise ValueError(MISSING_TARGET)
     with step.autocast():
         output = step.forward(inputs, target=target)
         prediction, loss = step.loss(output, target)
+    step.update_metrics(prediction, target)
+    del output, prediction  # autograd frees the output (an LM's logits) during backward, as in a hand loop
     step.backward(loss, step.count_of(target))
-    step.update_metrics(prediction, target)  # before the update: a prediction may be a view of a parameter
     step.optimizer_step()
     return {"loss": loss.detach()}
 

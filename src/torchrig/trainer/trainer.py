@@ -124,7 +124,9 @@ class Trainer:
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device, split=self.layout.sharded)
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
-            get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here, not in fit
+            self.fused_head = build.fused_head(model, self.cfg, self.loss_fn, self.layout, self.device)
+            metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
+            self._speed_lines = [self.fused_head.line([m.name for m in metrics])] if self.fused_head else []
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
@@ -221,7 +223,7 @@ class Trainer:
                     io=O.ModelIO.from_config(self.cfg), groups=self.layout.groups, before_update=before_update,
                     loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
                                                         self.loss_fn),
-                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim)
+                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head)
 
     def _synced(self) -> list:
         """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
@@ -235,8 +237,8 @@ class Trainer:
                       device=self.device, agree=self.world_size > 1 and self.strategy == "ddp",
                       batch_size=p.batch_size, accumulate=p.accumulate, say=self.print) \
             if p.micro_batch_size == "auto" else None
-        self.step = self._make_step(self.train_metrics, retry.before_update if retry and retry.agreeing else None,
-                                    fresh_batches)
+        metrics = [] if self.fused_head is not None else self.train_metrics  # no logits in training: evaluation's
+        self.step = self._make_step(metrics, retry.before_update if retry and retry.agreeing else None, fresh_batches)
         return Windows(self.step, self.step_fn, micro_batch_size=p.micro_batch_size, batch_size=p.batch_size,
                        synced=synced, logger=self.metrics_log, retry=retry,
                        observe=self._spikes.observe if self._spikes is not None else None)
@@ -480,7 +482,8 @@ class Trainer:
                                          start_step=self.global_step, config=cfg)  # and the trackers
         if cfg.log.summary:
             self.print(self.summary())
-        for line in (self.adapted.line() if self.adapted else None, self._qat_line):  # what trains, what is quantised
+        # what trains, what is quantised, what runs faster
+        for line in (self.adapted.line() if self.adapted else None, self._qat_line, *self._speed_lines):
             if line:
                 self.print(line)
         p = self.plan
