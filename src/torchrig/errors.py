@@ -93,7 +93,7 @@ def setting(key: str, value: object) -> str:
 def argument(name: str, value: str) -> str:
     """How the user passes an argument of a command that is also a Python keyword: ``--activation none`` on the
     command line, ``activation="none"`` in Python."""
-    return f"--{name.replace('_', '-')} {value}" if _COMMAND_LINE[0] else f'{name}="{value}"'
+    return f"--{name.replace('_', '-')} {value}" if _COMMAND_LINE else f'{name}="{value}"'
 
 
 def settings(*pairs: tuple[str, object]) -> str:

@@ -66,6 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     set_arg(p)
     add_common(p)
 
+    _add_predict(sub)
+
+    p = sub.add_parser("plot", help="write the loss / metric / lr curves of a run (or several, overlaid) as PNG",
+                       description="One panel per metric family, train and validation together, lr on its own "
+                                   "panel. Several run directories are overlaid for comparison.")
+    p.add_argument("run_dir", nargs="+", help="run directory holding metrics.jsonl (several: overlay them)")
+    p.add_argument("--out", help="output .png file or folder (default RUN_DIR/plots/curves.png; several runs: "
+                                 "./compare.png)")
+    add_common(p)
+
+    p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
+    p.add_argument("--hang", metavar="RUN_DIR", help="read the dumps a hang left in RUN_DIR/hang (dist.hang_timeout): "
+                                                     "the summary, and where each rank was, with its frames")
+    p.add_argument("--gpus", action="store_true", help="time a matmul and an allocation on every device (and, under "
+                                                       "torchrig launch, each rank's links) and name one far below the "
+                                                       "others; exit 1 if one is")
+    add_common(p)
+
+    _register_extra(sub)
+    return parser
+
+
+def _add_predict(sub) -> None:
     p = sub.add_parser("predict", help="predict with a checkpoint on files or a folder",
                        description="Batched inference under inference_mode; honours --set threads=N and "
                                    "TORCH_THREAD_NUM for CPU serving.")
@@ -86,25 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "as OUTPUT.features.LAYER.npy, through a forward hook (repeatable)")
     set_arg(p)
     add_common(p)
-
-    p = sub.add_parser("plot", help="write the loss / metric / lr curves of a run (or several, overlaid) as PNG",
-                       description="One panel per metric family, train and validation together, lr on its own "
-                                   "panel. Several run directories are overlaid for comparison.")
-    p.add_argument("run_dir", nargs="+", help="run directory holding metrics.jsonl (several: overlay them)")
-    p.add_argument("--out", help="output .png file or folder (default RUN_DIR/plots/curves.png; several runs: "
-                                 "./compare.png)")
-    add_common(p)
-
-    p = sub.add_parser("doctor", help="report versions, devices, backends and known problems")
-    p.add_argument("--hang", metavar="RUN_DIR", help="read the dumps a hang left in RUN_DIR/hang (dist.hang_timeout): "
-                                                     "the summary, and where each rank was, with its frames")
-    p.add_argument("--gpus", action="store_true", help="time a matmul and an allocation on every device (and, under "
-                                                       "torchrig launch, each rank's links) and name one far below the "
-                                                       "others; exit 1 if one is")
-    add_common(p)
-
-    _register_extra(sub)
-    return parser
 
 
 _EXTRA: list[Callable] = []

@@ -405,9 +405,21 @@ class Pipeline:
         self.rest_view = {plan.keys[i]: blocks[i] for i in sorted(owned)}
         self.views = {st.index: {plan.keys[i]: blocks[i] for i in range(st.lo, st.hi)} for st in self.stages}
         object.__setattr__(container, "_modules", self.rest_view)
+        self.swaps = self._stand_ins(plan, ids, device)  # stage -> [(parent, attr, stand-in, the module)]
+        for i in owned:
+            blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
+        for st in self.stages:  # the activation a stage receives is a leaf, which autograd keeps unchanged: an
+            if not st.first:    # in-place ReLU (nn.ReLU(inplace=True)) beginning the stage computes out of place
+                out_of_place(blocks[st.lo])
+        self._owned = [blocks[i] for i in sorted(owned)]  # their forward hooks: at the first run (_hook_outputs)
+
+    def _stand_ins(self, plan: Plan, ids: list, device: torch.device) -> dict:
+        """Stand-ins for the modules around the blocks that this rank's stages do not own: set in their place, or
+        swapped in while another stage of this rank runs; returns the swaps per stage."""
         # the modules around the blocks a stage does not own answer as stand-ins while it runs, those of this rank's
         # other stages too (under FSDP2 they are another stage's shards, and their outputs are not used anyway)
-        self.swaps: dict = {st.index: [] for st in self.stages}  # stage -> [(parent, attr, stand-in, the module)]
+        swaps: dict = {st.index: [] for st in self.stages}
+        last = self.num_stages - 1
         for u in plan.units:
             if not isinstance(u.value, nn.Module):
                 if not ((0 in ids) if u.pre else (last in ids)):  # an ancestor's own parameter another rank holds:
@@ -422,13 +434,8 @@ class Pipeline:
                 continue
             for st in self.stages:
                 if not (st.first if u.pre else st.last):
-                    self.swaps[st.index].append((u.parent, u.attr, stand_in, u.value))
-        for i in owned:
-            blocks[i].register_forward_pre_hook(self._enter_block, with_kwargs=True)
-        for st in self.stages:  # the activation a stage receives is a leaf, which autograd keeps unchanged: an
-            if not st.first:    # in-place ReLU (nn.ReLU(inplace=True)) beginning the stage computes out of place
-                out_of_place(blocks[st.lo])
-        self._owned = [blocks[i] for i in sorted(owned)]  # their forward hooks: at the first run (_hook_outputs)
+                    swaps[st.index].append((u.parent, u.attr, stand_in, u.value))
+        return swaps
 
     def held(self, plan: dict) -> dict:
         """The entries of ``plan`` (``{module name: value}`` over the whole model) for the modules this rank's
