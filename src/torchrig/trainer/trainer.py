@@ -756,7 +756,8 @@ class Trainer:
     def _first_samples(self, data: Any, n: int = 1) -> Any:
         """The first ``n`` samples of ``data`` as one evaluation batch on the device (padding forwards of a rank
         without a sample; the validation data's check before training)."""
-        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=n))
+        one = prepare_eval(data, **dict(self._loader_kwargs(eval_=True), rank=0, world_size=1, batch_size=n,
+                                        num_workers=0, persistent_workers=False))  # no worker for n samples
         return to_device(next(iter(one)), self.device)
 
     def _check_val_data(self, val_data: Any) -> None:
