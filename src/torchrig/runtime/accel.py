@@ -131,13 +131,34 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def compile_models(wrapped: nn.Module, models: dict, base: nn.Module) -> tuple[nn.Module, dict]:
-    """``torch.compile`` the module the loop calls; for several networks (a GAN's ``ModuleDict``) each one.
+def compile_models(wrapped: nn.Module, models: dict, base: nn.Module,
+                   mode: str = "default") -> tuple[nn.Module, dict]:
+    """``torch.compile`` the module the loop calls, in ``mode`` (``model.compile_mode``); for several networks (a GAN's
+    ``ModuleDict``) each one.
 
     A ``ModuleDict`` has no forward of its own, so compiling it would compile nothing: each sub-model is
     compiled instead, and the ``ModuleDict`` stays the container. ``no_sync`` and ``unwrap`` look through
-    the compiled wrapper (``_orig_mod``).
+    the compiled wrapper (``_orig_mod``). ``default`` is passed as no mode at all (torch.compile's own default).
     """
+    kwargs = {} if mode == "default" else {"mode": mode}
     if models and (isinstance(wrapped, nn.ModuleDict) or wrapped is base):
-        return wrapped, {k: torch.compile(m) for k, m in models.items()}
-    return torch.compile(wrapped), models
+        return wrapped, {k: torch.compile(m, **kwargs) for k, m in models.items()}
+    return torch.compile(wrapped, **kwargs), models
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead",)  # torch.compile's modes that record CUDA graphs
+
+
+def compile_line(mode: str, device: Any, drop_last: bool) -> Optional[str]:
+    """The start line of ``model.compile_mode``: CUDA graphs replay one recorded shape, so the short last batch of an
+    epoch is dropped (``drop_last`` says whether the user had asked for it already); on another device they do not
+    apply and the model is compiled without them. None when there is nothing to say."""
+    if mode not in CUDA_GRAPH_MODES:
+        return None
+    if torch.device(device).type != "cuda":
+        return (f"torchrig: model.compile_mode={mode}: CUDA graphs only apply on CUDA; on {torch.device(device).type} "
+                f"the model is compiled without them")
+    if drop_last:
+        return None
+    return (f"torchrig: model.compile_mode={mode} replays CUDA graphs of one batch shape, so the short last training "
+            f"batch of each epoch is dropped (data.drop_last=true)")

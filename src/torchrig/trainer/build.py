@@ -34,8 +34,17 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
         wrapped = parallel.wrap_model(model, strategy, device, cfg.dist, dtype)
         models = dict(model.items()) if isinstance(model, nn.ModuleDict) else {}
     if cfg.model.compile:
-        wrapped, models = runtime.compile_models(wrapped, models, model)
+        wrapped, models = runtime.compile_models(wrapped, models, model, cfg.model.compile_mode)
     return wrapped, models
+
+
+def speed_lines(cfg: C.Config, device: torch.device) -> list[str]:
+    """The start lines of the speed keys that do less than they say where this run is (CUDA graphs off CUDA, a
+    short last batch dropped for them)."""
+    lines = []
+    if cfg.model.compile:
+        lines.append(runtime.compile_line(cfg.model.compile_mode, device, cfg.data.drop_last))
+    return [line for line in lines if line]
 
 
 def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,

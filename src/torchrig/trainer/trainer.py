@@ -127,6 +127,7 @@ class Trainer:
             self.fused_head = build.fused_head(model, self.cfg, self.loss_fn, self.layout, self.device)
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
             self._speed_lines = [self.fused_head.line([m.name for m in metrics])] if self.fused_head else []
+            self._speed_lines += build.speed_lines(self.cfg, self.device)
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
@@ -150,7 +151,8 @@ class Trainer:
         groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
         self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
         self.state.world_size = self.world_size
-        self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1)
+        self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1,
+                                   cuda=self.device.type == "cuda")
 
     def _use_pipeline(self, step_fn: Optional[Callable], eval_fn: Optional[Callable],
                       predict_fn: Optional[Callable]) -> None:
@@ -210,7 +212,7 @@ class Trainer:
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
-                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, max_steps=self.cfg.max_steps,
+                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=p.drop_last, max_steps=self.cfg.max_steps,
                                              steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
