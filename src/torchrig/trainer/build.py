@@ -38,10 +38,10 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
     return wrapped, models
 
 
-def speed_lines(cfg: C.Config, device: torch.device) -> list[str]:
-    """The start lines of the speed keys that do less than they say where this run is (CUDA graphs off CUDA, a
-    short last batch dropped for them)."""
-    lines = []
+def speed_lines(model: nn.Module, cfg: C.Config, device: torch.device) -> list[str]:
+    """The start lines of the speed keys: the blocks recomputed, and what a key does not do where this run is (CUDA
+    graphs off CUDA, a short last batch dropped for them)."""
+    lines = [runtime.checkpointing_line(model, cfg.model.activation_checkpointing)]
     if cfg.model.compile:
         lines.append(runtime.compile_line(cfg.model.compile_mode, device, cfg.data.drop_last))
     return [line for line in lines if line]

@@ -127,7 +127,7 @@ class Trainer:
             self.fused_head = build.fused_head(model, self.cfg, self.loss_fn, self.layout, self.device)
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
             self._speed_lines = [self.fused_head.line([m.name for m in metrics])] if self.fused_head else []
-            self._speed_lines += build.speed_lines(self.cfg, self.device)
+            self._speed_lines += build.speed_lines(model, self.cfg, self.device)
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
