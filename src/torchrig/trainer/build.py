@@ -44,6 +44,9 @@ def speed_lines(model: nn.Module, cfg: C.Config, device: torch.device) -> list[s
     lines = [runtime.checkpointing_line(model, cfg.model.activation_checkpointing)]
     if cfg.model.compile:
         lines.append(runtime.compile_line(cfg.model.compile_mode, device, cfg.data.drop_last))
+    if cfg.model.activation_offload and device.type != "cuda":
+        lines.append(f"torchrig: model.activation_offload: on {device.type} the activations are in host memory "
+                     f"already, so it saves no memory (training is unchanged; each saved tensor is copied once)")
     return [line for line in lines if line]
 
 
