@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,10 +38,13 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
     return wrapped, models
 
 
-def speed_lines(model: nn.Module, cfg: C.Config, device: torch.device) -> list[str]:
-    """The start lines of the speed keys: the blocks recomputed, and what a key does not do where this run is (CUDA
-    graphs off CUDA, a short last batch dropped for them)."""
-    lines = [runtime.checkpointing_line(model, cfg.model.activation_checkpointing)]
+def speed_lines(model: nn.Module, cfg: C.Config, device: torch.device, head: Any = None,
+                metrics: Sequence = ()) -> list[str]:
+    """The start lines of the speed keys: the fused head (``head``) and the training ``metrics`` it leaves to
+    evaluation, the blocks recomputed, and what a key does not do where this run is (CUDA graphs off CUDA, a short
+    last batch dropped for them)."""
+    lines = [head.line([m.name for m in metrics]) if head is not None else None,
+             runtime.checkpointing_line(model, cfg.model.activation_checkpointing)]
     if cfg.model.compile:
         lines.append(runtime.compile_line(cfg.model.compile_mode, device, cfg.data.drop_last))
     if cfg.model.activation_offload and device.type != "cuda":
