@@ -102,3 +102,9 @@ def test_on_cuda_float8_runs_natively_or_is_refused_by_capability(tmp_path):
     else:
         with pytest.raises(ConfigError, match="compute capability 8.9 or later"):
             float8.emulated(torch.device("cuda"), "tensorwise")
+
+
+def test_float8_all_gather_under_fsdp_is_refused_until_its_checkpoints_are_right():
+    with pytest.raises(ConfigError, match=r"^config key 'float8.fsdp_all_gather': true is not supported yet "):
+        torchrig.load_config(overrides=["float8.recipe=tensorwise", "float8.fsdp_all_gather=true"])
+    assert torchrig.load_config(overrides=["float8.recipe=tensorwise"]).float8.fsdp_all_gather is False
