@@ -124,3 +124,14 @@ def test_cuda_graphs_off_cuda_say_so_and_keep_every_batch(monkeypatch, tmp_path,
     assert trainer.global_step == 3  # 8 + 8 + 4: the short batch trains on the CPU
     assert ("torchrig: model.compile_mode=reduce-overhead: CUDA graphs only apply on CUDA; on cpu the model is "
             "compiled without them") in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graphs_drop_the_short_last_batch_of_a_cuda_run(monkeypatch, tmp_path):
+    _record_compile(monkeypatch)
+    x, y = make_classification(20)
+    trainer = torchrig.Trainer(TinyNet(), "sgd", **QUIET, run_dir=str(tmp_path), batch_size=8, epochs=1,
+                               num_workers=0, device="cuda", compile=True, compile_mode="reduce-overhead",
+                               checkpoint={"every_epochs": 0, "save_final": False})
+    trainer.fit(TensorDataset(x, y))
+    assert trainer.plan.drop_last is True and trainer.global_step == 2  # 8 + 8; the 4 left are dropped
