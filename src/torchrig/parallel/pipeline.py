@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ..errors import TorchrigError, suggest
+from ..runtime.modules import longest_blocks
 from .mesh import ParallelConfigError
 from .tp import out_of_place
 
@@ -113,12 +114,7 @@ class Plan:
 def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
     """The model's top-level sequence of blocks: the model itself (an ``nn.Sequential``), else its longest
     ``nn.ModuleList`` / ``nn.Sequential`` (the outermost of equal length)."""
-    if isinstance(model, nn.Sequential):
-        return "", model
-    best: Optional[tuple[str, nn.Module]] = None
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > (len(best[1]) if best else 1):
-            best = (name, m)
+    best = longest_blocks(model)
     if best is None:
         raise ParallelConfigError(
             f"config key 'parallel.pp': {type(model).__name__} has no sequence of blocks to cut into stages (the "

@@ -1,7 +1,7 @@
 """Where and how the process runs: device, threads, seeding, process group, precision, signals."""
 
-from .accel import (AccelConfigError, apply_activation_checkpointing, channels_last_breaks, compile_models,
-                    configure_backends, tf32_in_force, wants_channels_last)
+from .accel import (AccelConfigError, apply_activation_checkpointing, channels_last_breaks, checkpointing_line,
+                    compile_line, compile_models, configure_backends, tf32_in_force, wants_channels_last)
 from .device import RuntimeSetupError, configure_threads, select_device
 from .dist import (DistInfo, DistributedError, agree_max, all_reduce_max, all_reduce_mean, all_reduce_sum, barrier, broadcast,
                    collective_error, destroy_process_group, detect, explain_collective_errors, gather,
@@ -23,7 +23,7 @@ __all__ = [
     "make_precision", "rng_state", "rng_states_of_ranks", "seed_everything", "set_rng_state",
     "unwrap", "local_tensor", "explain_collective_errors", "RunStopped", "StopSignal", "requeue_slurm_job",
     "signal_name", "stop_phase", "Groups", "WORLD", "gather_to_first", "RunInterrupted", "as_notebook_stop", "in_jupyter_kernel",
-    "AccelConfigError", "apply_activation_checkpointing", "compile_models", "wants_channels_last", "tf32_in_force",
+    "AccelConfigError", "apply_activation_checkpointing", "checkpointing_line", "compile_line", "compile_models", "wants_channels_last", "tf32_in_force",
     "channels_last_breaks", "all_gather_numbers", "enter_collective", "leave_collective", "peer_lost", "EXIT_HANG",
     "HangWatch", "Progress", "backend_name", "default_store",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -33,3 +34,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def is_compiled(model: nn.Module) -> bool:
     """A ``torch.compile`` wrapper (``OptimizedModule``), which hides the module it compiled."""
     return isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
+def longest_blocks(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """``(name, container)`` of the model's top-level sequence of blocks: the model itself (an ``nn.Sequential``),
+    else its longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more (the outermost of equal length); None for a
+    model without one. Pipeline stages are cut there, and ``activation_checkpointing: full`` recomputes each block."""
+    if isinstance(model, nn.Sequential):
+        return "", model
+    best: Optional[tuple[str, nn.Module]] = None
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > (len(best[1]) if best else 1):
+            best = (name, m)
+    return best

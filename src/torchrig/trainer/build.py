@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,8 +34,23 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
         wrapped = parallel.wrap_model(model, strategy, device, cfg.dist, dtype)
         models = dict(model.items()) if isinstance(model, nn.ModuleDict) else {}
     if cfg.model.compile:
-        wrapped, models = runtime.compile_models(wrapped, models, model)
+        wrapped, models = runtime.compile_models(wrapped, models, model, cfg.model.compile_mode)
     return wrapped, models
+
+
+def speed_lines(model: nn.Module, cfg: C.Config, device: torch.device, head: Any = None,
+                metrics: Sequence = ()) -> list[str]:
+    """The start lines of the speed keys: the fused head (``head``) and the training ``metrics`` it leaves to
+    evaluation, the blocks recomputed, and what a key does not do where this run is (CUDA graphs off CUDA, a short
+    last batch dropped for them)."""
+    lines = [head.line([m.name for m in metrics]) if head is not None else None,
+             runtime.checkpointing_line(model, cfg.model.activation_checkpointing)]
+    if cfg.model.compile:
+        lines.append(runtime.compile_line(cfg.model.compile_mode, device, cfg.data.drop_last))
+    if cfg.model.activation_offload and device.type != "cuda":
+        lines.append(f"torchrig: model.activation_offload: on {device.type} the activations are in host memory "
+                     f"already, so it saves no memory (training is unchanged; each saved tensor is copied once)")
+    return [line for line in lines if line]
 
 
 def build_optimizers(spec: Any, model: nn.Module, cfg: C.Config, strategy: str,

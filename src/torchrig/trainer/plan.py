@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from ..config import ConfigError
 from ..data.split import split_global_batch
+from ..runtime.accel import CUDA_GRAPH_MODES
 from .state import TrainState
 
 
@@ -30,16 +31,20 @@ class RunPlan:
     world_size: int                          # processes in all
     global_batch_size: Optional[int] = None  # data.global_batch_size, when the per-process batch comes from it
     flops: bool = False                      # log.flops, measured (not under a pipeline)
+    drop_last: bool = False                  # the short last training batch is dropped (data.drop_last, CUDA graphs)
 
     @classmethod
-    def derive(cls, cfg: Any, dp_size: int, world_size: int, pipelined: bool = False) -> "RunPlan":
-        """The plan of ``cfg`` on ``dp_size`` data-parallel ranks (of ``world_size``)."""
+    def derive(cls, cfg: Any, dp_size: int, world_size: int, pipelined: bool = False,
+               cuda: bool = False) -> "RunPlan":
+        """The plan of ``cfg`` on ``dp_size`` data-parallel ranks (of ``world_size``); ``cuda``: the run is on a GPU,
+        where ``model.compile_mode=reduce-overhead`` replays CUDA graphs of one batch shape (no short last batch)."""
         d = cfg.data
         batch, accumulate = d.batch_size, cfg.accumulate
         if d.global_batch_size:  # per-process batch and accumulation follow the data-parallel size
             batch, accumulate = split_global_batch(d.global_batch_size, dp_size, d.micro_batch_size)
+        graphs = cuda and cfg.model.compile and cfg.model.compile_mode in CUDA_GRAPH_MODES
         return cls(batch, accumulate, d.micro_batch_size, dp_size, world_size, d.global_batch_size or None,
-                   bool(cfg.log.flops) and not pipelined)
+                   bool(cfg.log.flops) and not pipelined, bool(d.drop_last or graphs))
 
     @property
     def micro_batches_per_window(self) -> int:
@@ -78,7 +83,7 @@ class FitPlan:
             count = getattr(sampler, "count", None)  # the data set's samples (in every process's order)
             n = f"the {count} training samples" if isinstance(count, int) else "the training data"
             raise ConfigError(f"config key 'data.batch_size': {run.batch_size} per process is more than {n} give each process "
-                              f"(data.drop_last={str(cfg.data.drop_last).lower()} drops the only, partial batch); "
+                              f"(data.drop_last={str(run.drop_last).lower()} drops the only, partial batch); "
                               f"lower data.batch_size or set data.drop_last=false")
         if cfg.data.steps_per_epoch:  # an epoch shorter than the data (a stream's length is this already)
             epoch_len = min(epoch_len, cfg.data.steps_per_epoch * run.accumulate)

@@ -14,6 +14,7 @@ reads more than a hand-written loop. Whether an update may be applied is :mod:`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable, Optional
@@ -34,6 +35,12 @@ GRADIENTS = "gradient averaging"  # the backward's reduction of the gradients ov
 
 __all__ = ["Step", "StepOptions", "ModelCalls", "NonFiniteLossError", "default_step", "default_eval_step",
            "finite_parameters"]
+
+
+@contextlib.contextmanager
+def _offloaded(autocast: Any, device: torch.device) -> Any:
+    with autocast, torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        yield
 
 
 def finite_parameters(model: nn.Module, device: torch.device) -> bool:
@@ -60,6 +67,7 @@ class StepOptions:
     grad_ranks: int = 1          # ranks whose gradients DDP / FSDP2 average
     count_unit: float = 1.0      # a fixed scale (the per-rank batch size): loss × count / unit stays near loss
     cuts_batches: bool = False   # data.micro_batch_size cuts loaded batches: each piece weighs by its own count
+    activation_offload: bool = False  # model.activation_offload: what the forward saves for backward waits on the host
 
     @classmethod
     def from_config(cls, cfg: Any, grad_ranks: int, batch_size: int, scheduler_interval: str = "step",
@@ -70,7 +78,8 @@ class StepOptions:
                    clip_grad_value=cfg.clip_grad_value,
                    on_nonfinite="skip" if cfg.on_spike == "rollback" else cfg.on_nonfinite,  # rolled back
                    loss_normalization=cfg.loss_normalization, scheduler_interval=scheduler_interval,
-                   grad_ranks=grad_ranks, count_unit=float(batch_size), cuts_batches=micro_batch_size is not None)
+                   grad_ranks=grad_ranks, count_unit=float(batch_size), cuts_batches=micro_batch_size is not None,
+                   activation_offload=cfg.model.activation_offload)
 
 
 class ModelCalls:
@@ -300,6 +309,14 @@ class Step(ModelCalls):
         self._factor, self._whole, self._samples_only = None, False, True
         self.grad_norm: Optional[torch.Tensor] = None  # per window, read by the loop
         self.stepped = False            # an optimizer step was applied (or left to the device) in this window
+
+    def autocast(self):
+        """The training forward's context: autocast, and with ``model.activation_offload`` PyTorch's
+        ``save_on_cpu`` (each tensor saved for backward copied to host memory, pinned on CUDA, and back in
+        backward)."""
+        if not self.options.activation_offload:
+            return self.precision.autocast()
+        return _offloaded(self.precision.autocast(), self.device)
 
     @property
     def global_step(self) -> int:

@@ -34,7 +34,7 @@ from ..observe.metrics_logger import MetricsLogger
 from ..observe.run_logger import RunLogger
 from ..observe.stragglers import Stragglers
 from ..observe.throughput import FlopCount, fit_callbacks
-from ..optim import adapters, losses, qat
+from ..optim import adapters, float8, losses, qat
 from ..optim.ema import build_ema, ema_weights
 from . import build, inference, saving
 from . import outputs as O
@@ -111,9 +111,9 @@ class Trainer:
         try:
             self._setup_runtime()
             self._place(model)
-            # fine-tuning, in place before any wrapping: peft's LoRA adapters (the rest frozen), torchao's QAT layers
+            # in place before any wrapping: peft's LoRA adapters (the rest frozen), torchao's QAT or float8 layers
             self.adapted = adapters.prepare(model, self.cfg, self.device)
-            self._qat_line = qat.prepare(model, self.cfg.quantize)
+            self._start_lines = [qat.prepare(model, self.cfg.quantize), float8.prepare(model, self.cfg, self.device)]
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
                                                           self.precision.dtype, self.layout)
@@ -126,7 +126,7 @@ class Trainer:
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
             self.fused_head = build.fused_head(model, self.cfg, self.loss_fn, self.layout, self.device)
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
-            self._speed_lines = [self.fused_head.line([m.name for m in metrics])] if self.fused_head else []
+            self._start_lines += build.speed_lines(model, self.cfg, self.device, self.fused_head, metrics)
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
@@ -150,7 +150,8 @@ class Trainer:
         groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
         self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
         self.state.world_size = self.world_size
-        self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1)
+        self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1,
+                                   cuda=self.device.type == "cuda")
 
     def _use_pipeline(self, step_fn: Optional[Callable], eval_fn: Optional[Callable],
                       predict_fn: Optional[Callable]) -> None:
@@ -210,7 +211,7 @@ class Trainer:
                     pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                     prefetch_factor=d.prefetch_factor, fast_path=d.fast_path,
                     local_world_size=self.dist_info.local_world_size,
-                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=d.drop_last, max_steps=self.cfg.max_steps,
+                    **({} if eval_ else dict(shuffle=d.shuffle, drop_last=p.drop_last, max_steps=self.cfg.max_steps,
                                              steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
@@ -483,7 +484,7 @@ class Trainer:
         if cfg.log.summary:
             self.print(self.summary())
         # what trains, what is quantised, what runs faster
-        for line in (self.adapted.line() if self.adapted else None, self._qat_line, *self._speed_lines):
+        for line in (self.adapted.line() if self.adapted else None, *self._start_lines):
             if line:
                 self.print(line)
         p = self.plan
