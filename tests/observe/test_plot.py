@@ -151,3 +151,49 @@ def test_long_logs_are_thinned_and_many_series_capped(tmp_path, monkeypatch):
     assert notes[-1] == ("torchrig: plot: at most 8 series of a run per panel; left out: lr/group08 (interval), "
                          "lr/group09 (interval), lr/group10 (interval), lr/group11 (interval), lr/group12 (interval) "
                          "… (12 in all)")
+
+
+@pytest.mark.parametrize("plot", [True, False])
+def test_matplotlib_is_imported_on_a_thread_at_fit_start_only_when_the_run_ends_with_its_plot(tmp_path, monkeypatch,
+                                                                                            plot):
+    import torchrig
+    from helpers import TinyNet, make_classification
+    from torchrig.observe import finish
+
+    started, ended = [], []
+    monkeypatch.setattr(finish, "import_in_background", lambda: started.append(len(ended)))
+    monkeypatch.setattr(finish, "plot_run_or_say", lambda run_dir, say: ended.append(run_dir) or [])
+    trainer = torchrig.Trainer(TinyNet(), run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, plot=plot,
+                               tensorboard=False, progress="none", checkpoint_every_epochs=0)
+    trainer.fit(make_classification())
+    assert started == ([0] if plot else [])  # started once, before the end of the run
+    assert len(ended) == (1 if plot else 0)
+
+
+_PLOT_ON_OFF = """
+import sys, torch, torchrig
+sys.path.insert(0, sys.argv[2])
+from helpers import TinyNet, make_classification
+assert "matplotlib" not in sys.modules
+weights = []
+for plot in (True, False):  # the first imports matplotlib on its thread while it trains
+    torch.manual_seed(0)
+    model = TinyNet(dropout=0.3)
+    torchrig.Trainer(model, run_dir=f"{sys.argv[1]}/{plot}", batch_size=4, epochs=2, plot=plot, tensorboard=False,
+                     progress="none", checkpoint_every_epochs=0, threads=1).fit(make_classification(200))
+    weights.append(model.state_dict())
+print(all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]))
+"""
+
+
+def test_a_run_with_its_plot_trains_bitwise_like_one_without(tmp_path):
+    """matplotlib imported on a thread while the model trains (a fresh process: not imported yet) changes no
+    random number and no result."""
+    from pathlib import Path
+
+    helpers = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", _PLOT_ON_OFF, str(tmp_path), helpers], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"
+    assert (tmp_path / "True" / "plots" / "curves.png").exists() and not (tmp_path / "False" / "plots").exists()

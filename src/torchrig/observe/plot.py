@@ -14,6 +14,7 @@ import io
 import json
 import math
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -288,6 +289,23 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
              say: Optional[Callable[[str], None]] = None) -> list[Path]:
     """The curves of one run as ``[path]`` (``RUN_DIR/plots/curves.png`` unless ``out_dir``)."""
     return [plot_runs([run_dir], out_dir, say)]
+
+
+def import_in_background() -> threading.Thread:
+    """Start importing matplotlib and its Agg backend on a daemon thread (at ``fit``'s start, when the run
+    will draw its plot): by the end of the run the import (~0.7 s cold) is done and drawing costs only the
+    drawing. It touches no random state and no model; a failure is left for the plot itself to report."""
+    thread = threading.Thread(target=_import_matplotlib, name="torchrig-plot-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_matplotlib() -> None:
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401  (what ``savefig`` renders a PNG with)
+        import matplotlib.figure  # noqa: F401
+    except Exception:
+        pass
 
 
 def plot_run_or_say(run_dir: Path, say: Callable[[str], None]) -> list[Path]:

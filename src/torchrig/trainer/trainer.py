@@ -29,7 +29,7 @@ from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, p
 from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
-from ..observe.finish import end_of_run, finished_where
+from ..observe.finish import end_of_run, finished_where, start_of_run
 from ..observe.metrics_logger import MetricsLogger
 from ..observe.run_logger import RunLogger
 from ..observe.stragglers import Stragglers
@@ -295,6 +295,7 @@ class Trainer:
         with runtime.StopSignal(self.world_size, self.cfg.dist.stop_timeout) as self._signals:
             self._health_check()
             self.open_run()
+            start_of_run(self)  # matplotlib imported meanwhile when the run ends with its plot
             self._val_loader = (val_data, None, None)
             try:
                 plan = self._prepare_data(train_data, val_data)
