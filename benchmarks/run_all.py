@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 BENCHMARKS = ("whole_run", "overhead", "ddp_scaling", "memory", "async_checkpoint", "activation_checkpointing",
-              "compile", "fastpath", "workers", "import_time", "finetune")
+              "compile", "fastpath", "workers", "import_time", "finetune", "lm")
 README = c.HERE.parent / "README.md"
 BEGIN, END = "<!-- benchmark table: written by benchmarks/run_all.py -->", "<!-- end of benchmark table -->"
 
@@ -125,7 +125,17 @@ def _row_more(name: str, r: dict, ok: str) -> list:
                 f"{full['median_step_s'] * 1e3:.0f} ms); checkpoint **{lora['checkpoint_ratio']:.3f}×** "
                 f"({lora['checkpoint_bytes'] / 2**20:.2f} vs {full['checkpoint_bytes'] / 2**20:.2f} MiB); bf16 base "
                 f"{bf16['step_ratio']:.2f}× (CPU bf16 matmuls)", "measured", "—"]
+    if name == "lm":
+        return _row_lm(name, r)
     return [name, "", "", "", ok]
+
+
+def _row_lm(name: str, r: dict) -> list:
+    a, p = r["arms"], r["config"]
+    keys = "; ".join(f"{n} {x['tokens_per_s_vs_hand']:.2f}×" for n, x in a.items() if n != "hand")
+    return [name, f"GPT-style LM ({p['layers']} layers, d={p['dim']}, {p['batch']}×{p['seq']} tokens, "
+            f"{a['hand']['device']}): `Trainer` at defaults and with each speed key / hand loop, tokens/s",
+            f"{keys} ({a['hand']['median_tokens_per_s']:.0f} tokens/s by hand)", "measured", "—"]
 
 
 def collect(folder: Path) -> tuple[list, list, Optional[dict]]:

@@ -9,6 +9,7 @@ own processes). Their quick results go to benchmarks/results/quick/, never over 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 QUICK = BENCH / "results" / "quick"
-SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run", "workers")
+SCRIPTS = ("overhead", "fastpath", "import_time", "memory", "whole_run", "workers", "lm")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,19 @@ def test_whole_run_quick(quick_runs):
         assert arm["run3_s"] > 0 and arm["run15_s"] > 0 and arm["marginal_ms"] > 0
     assert r["whole_ratio"] > 0 and r["step_ratio"] > 0 and r["with_checkpoints_ratio"] > 0
     assert "whole run at defaults:" in stdout
+
+
+def test_lm_quick(quick_runs):
+    stdout, r = quick_runs["lm"]
+    _common(r, "lm")
+    assert list(r["arms"]) == ["hand", "trainer", "fused_head", "selective_ac"]
+    for arm in r["arms"].values():
+        assert arm["median_tokens_per_s"] > 0 and arm["tokens_per_s_vs_hand"] > 0 and arm["mfu"] is None  # CPU
+        assert arm["memory_kind"] == "cpu_peak_rss_delta"
+        assert math.isfinite(arm["loss"]) and arm["loss"] != arm["initial_loss"]  # trained
+    # the chunked head and its cross-entropy train what the plain head and loss train
+    assert abs(r["arms"]["fused_head"]["loss"] - r["arms"]["trainer"]["loss"]) < 1e-4
+    assert "held-out loss" in stdout
 
 
 def test_run_all_summary(quick_runs):
