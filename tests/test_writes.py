@@ -295,6 +295,19 @@ def test_a_resumed_runs_metrics_file_that_is_a_link_is_refused(run, victim):
     assert victim.read_bytes() == b'{"step": 1}\n'
 
 
+def test_a_resumed_runs_metrics_file_that_is_a_hard_link_is_refused(run, victim):
+    from torchrig.checkpoint.rundir import RunDirError
+    from torchrig.observe.run_logger import RunLogger
+
+    victim.write_bytes(b'{"step": 1}\n')  # nothing to cut at step 5: the file would be appended to as it is
+    os.link(victim, run / "metrics.jsonl")
+    with pytest.raises(RunDirError) as err:
+        RunLogger(run, progress="none", tensorboard=False, start_step=5)
+    assert str(err.value) == (f"metrics file '{run / 'metrics.jsonl'}' is a hard link (2 names of one file), not a "
+                              f"file of this run's own; move it away, or choose another run_dir")
+    assert victim.read_bytes() == b'{"step": 1}\n'
+
+
 def test_tracker_files_replace_planted_links(run, victim):
     from torchrig.observe.trackers import CSVTracker, _write_ids
 

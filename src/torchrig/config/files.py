@@ -228,7 +228,7 @@ def write_atomic(path: str | Path, data: bytes, root: str | Path | None = None) 
 def open_append(path: str | Path, what: str, todo: str, error: ErrorType = UnsafePathError,
                 root: str | Path | None = None) -> TextIO:
     """``path`` opened to append text lines (made when missing; line-buffered). A link (never followed:
-    ``O_NOFOLLOW``), a FIFO (``O_NONBLOCK``: the open does not wait for a reader), a device or a folder in its
+    ``O_NOFOLLOW``; a hard link, one file of several names, refused too), a FIFO (``O_NONBLOCK``: the open does not wait for a reader), a device or a folder in its
     place is refused with ``error``: ``{what} '{path}' is a FIFO, not a regular file; {todo}``."""
     path = Path(path)
     dfd = open_dir(path.parent, root)
@@ -241,10 +241,14 @@ def open_append(path: str | Path, what: str, todo: str, error: ErrorType = Unsaf
         raise error(f"{what} '{path}' is {kind}, not a regular file; {todo}") from None
     finally:
         os.close(dfd)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise error(f"{what} '{path}' is {file_kind(mode)}, not a regular file; {todo}")
+        raise error(f"{what} '{path}' is {file_kind(st.st_mode)}, not a regular file; {todo}")
+    if st.st_nlink > 1:  # another name of the same file (a hard link): appending would write there too
+        os.close(fd)
+        raise error(f"{what} '{path}' is a hard link ({st.st_nlink} names of one file), not a file of this run's "
+                    f"own; {todo}")
     return open(fd, "a", buffering=1, encoding="utf-8", newline="")
 
 
