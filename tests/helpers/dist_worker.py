@@ -6,6 +6,7 @@
     python tests/helpers/dist_worker.py trackers OUT   # file:// pair: a CSV tracker, FLOP counting, the profiler
     python tests/helpers/dist_worker.py ema    OUT     # file:// pair: DDP and FSDP2 fits with an EMA of the weights, resumed
     python tests/helpers/dist_worker.py worlds OUT     # file:// pair: logged train values; resumes across world sizes
+    python tests/helpers/dist_worker.py float8 OUT     # file:// pair: FSDP2 float8 fits (float8 all-gather), cut and resumed
     python tests/helpers/dist_worker.py syncbn_gpu OUT # file:// pair on one GPU (gloo): SyncBatchNorm's global statistics
     python tests/helpers/dist_worker.py fit    OUT     # under torchrig launch: the DDP run of equiv, from torchrun's env
     python tests/helpers/dist_worker.py cli    ARGS…   # under torchrig launch: torchrig's own command line in this process
@@ -420,6 +421,24 @@ def ema(out: Path) -> None:
     runtime.destroy_process_group()  # torchrig's: collects DDP wrappers in cycles, gives gloo's threads a moment
 
 
+def float8(out: Path) -> None:
+    """FSDP2 fits with float8 Linear layers whose weights are all-gathered in float8: 6 steps unbroken, and 3 steps
+    then resumed to 6; rank 0 saves the gathered weights of both."""
+    from torchrig import Trainer, runtime
+
+    x, y = train_data()
+    found = {}
+    for name, steps, resume in (("whole", 6, None), ("cut", 3, None), ("cut", 6, "latest")):
+        kw = settings(out / name, strategy="fsdp", max_steps=steps, float8="tensorwise", resume=resume)
+        t = Trainer(make_model(), **kw, **{"float8.fsdp_all_gather": True}, **_pair_kwargs())
+        t.fit((x, y))
+        found[name] = params(t.model)
+        found["gathers_float8"] = type(t.model[0].weight.to_local()).__name__
+    if t.rank == 0:
+        torch.save(found, out / "float8.pt")
+    runtime.destroy_process_group()
+
+
 def fit(out: Path) -> None:
     """The DDP run of ``equiv`` under torchrun's environment (elastic restarts resume by themselves)."""
     from torchrig import Trainer
@@ -466,4 +485,4 @@ if __name__ == "__main__":
     target = Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
     {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema,
-     "worlds": worlds, "syncbn_gpu": syncbn_gpu}[what](target)
+     "worlds": worlds, "float8": float8, "syncbn_gpu": syncbn_gpu}[what](target)

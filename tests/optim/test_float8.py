@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import QUIET
+from helpers import QUIET, dist_procs
+from helpers import dist_worker as W
 from safetensors.torch import load_file
 from torch import nn
 
@@ -104,7 +105,21 @@ def test_on_cuda_float8_runs_natively_or_is_refused_by_capability(tmp_path):
             float8.emulated(torch.device("cuda"), "tensorwise")
 
 
-def test_float8_all_gather_under_fsdp_is_refused_until_its_checkpoints_are_right():
-    with pytest.raises(ConfigError, match=r"^config key 'float8.fsdp_all_gather': true is not supported yet "):
-        torchrig.load_config(overrides=["float8.recipe=tensorwise", "float8.fsdp_all_gather=true"])
-    assert torchrig.load_config(overrides=["float8.recipe=tensorwise"]).float8.fsdp_all_gather is False
+@pytest.mark.slow
+def test_float8_all_gather_under_fsdp2_resumes_bitwise_and_checkpoints_the_plain_weights(tmp_path):
+    from torchrig.checkpoint import sharded
+
+    assert torchrig.load_config(overrides=["float8.recipe=tensorwise"]).float8.fsdp_all_gather is True
+    for rank, r in enumerate(dist_procs.pair("float8", tmp_path, tmp_path / "init-store", timeout=150)):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.output[-4000:]}"
+    found = torch.load(tmp_path / "float8.pt")
+    assert found["gathers_float8"] == "WeightWithDynamicFloat8CastTensor"  # torchao's all-gather hooks are on
+    assert all(torch.equal(found["whole"][k], found["cut"][k]) for k in found["whole"])  # resumed at step 3: bitwise
+    for name in ("whole", "cut"):
+        folder = tmp_path / name / "checkpoints" / "latest"
+        saved = load_file(folder / "model.safetensors")
+        assert all(torch.isfinite(v).all() for v in saved.values())
+        assert sorted(saved) == sorted(found[name]) and all(torch.equal(saved[k], found[name][k]) for k in saved)
+        bare = W.make_model()
+        sharded.load(bare, {}, folder)  # the DCP shards, into one plain process
+        assert all(torch.equal(v, found[name][k]) for k, v in bare.state_dict().items())

@@ -66,9 +66,31 @@ def _sharded_state(model: torch.nn.Module, optimizers: dict, flat: bool, frozen_
     trainable parameters only."""
     dsd = _dsd()
     options = _options(flat, frozen_kept)
-    return {"model": dsd.get_model_state_dict(model, options=options),
-            "optim": {name: dsd.get_optimizer_state_dict(model, opt, options=options)
-                      for name, opt in optimizers.items()}}
+    return _plain_pieces({"model": dsd.get_model_state_dict(model, options=options),
+                          "optim": {name: dsd.get_optimizer_state_dict(model, opt, options=options)
+                                    for name, opt in optimizers.items()}})
+
+
+def _plain_pieces(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with each DTensor whose local piece is a tensor subclass wrapping a plain
+    tensor of its own shape and dtype (torchao's float8 weights under FSDP2, whose all-gather hooks cast to float8)
+    as a DTensor of that plain tensor, sharing its memory. Such a wrapper holds no memory of its own: DCP's
+    ``async_save`` stages it as a new empty plain tensor and writes those uninitialised bytes. Loads into the plain
+    tensor land in the parameter itself."""
+    if isinstance(value, dict):
+        return {k: _plain_pieces(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_pieces(v) for v in value]
+    local = getattr(value, "_local_tensor", None)
+    if local is None or type(local) is torch.Tensor or not hasattr(local, "__tensor_flatten__"):
+        return value
+    inner = getattr(local, local.__tensor_flatten__()[0][0])
+    if type(inner) is not torch.Tensor or inner.shape != local.shape or inner.dtype != local.dtype:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
 
 
 def full_weights(model: torch.nn.Module, pipeline: Any = None, frozen_kept: bool = False) -> dict[str, torch.Tensor]:

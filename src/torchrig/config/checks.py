@@ -157,10 +157,6 @@ def _speed(cfg: Config) -> None:
         other = f"quantize.qat={cfg.quantize.qat}" if cfg.quantize.qat is not None else f"peft.method={cfg.peft.method}"
         raise ConfigError(f"config key 'float8.recipe': {f8.recipe} with {other} is not supported (both replace the "
                           f"model's Linear layers); set one of them")
-    if f8.recipe is not None and f8.fsdp_all_gather:
-        raise ConfigError("config key 'float8.fsdp_all_gather': true is not supported yet (the float8 weights FSDP2 "
-                          "would all-gather are not written correctly into sharded checkpoints); set "
-                          "float8.fsdp_all_gather=false (the weights are all-gathered in their own dtype)")
     if f8.recipe is not None and cfg.parallel.tp != 1:
         raise ConfigError(f"config key 'float8.recipe': {f8.recipe} with parallel.tp={cfg.parallel.tp} is not supported "
                           f"yet (the tensor-parallel plans would need torchao's float8 variants); use dist.strategy="

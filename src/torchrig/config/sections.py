@@ -433,9 +433,10 @@ class Float8Config:
     skip: list = key([], list_of(TEXT, "a list of module-name patterns"),
                      "Linear layers left in high precision besides the last one (the output head) and those whose "
                      "dimensions are not multiples of 16 (fnmatch patterns on named_modules() names)")
-    fsdp_all_gather: bool = key(False, BOOL, "under FSDP2 with the tensorwise recipe, all-gather the weights in "
-                                             "float8 (half the bytes of bf16); not supported yet (its sharded "
-                                             "checkpoints are not saved correctly): only false is accepted")
+    fsdp_all_gather: bool = key(True, BOOL, "under FSDP2 with the tensorwise recipe, all-gather the weights in float8 "
+                                            "(half the bytes of bf16), as torchao recommends; false: in their own "
+                                            "dtype. torchao has no float8 all-gather for rowwise: there the weights "
+                                            "are all-gathered in their own dtype")
 
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistConfig", "Float8Config", "LogConfig", "ModelConfig", "OptimConfig",

@@ -57,10 +57,9 @@ def emulated(device: torch.device, recipe: str) -> bool:
     return False
 
 
-def prepare(model: nn.Module, cfg: Any, device: torch.device) -> Optional[str]:
-    """float8 training for ``model`` in place (nothing without ``float8.recipe``); the start line. Under FSDP2 the
-    weights are all-gathered in their own dtype (``float8.fsdp_all_gather`` is refused at validation: torchao's
-    float8 weight tensors are not written correctly into DCP's sharded checkpoints here)."""
+def prepare(model: nn.Module, cfg: Any, device: torch.device, fsdp: bool = False) -> Optional[str]:
+    """float8 training for ``model`` in place (nothing without ``float8.recipe``); the start line. ``fsdp``: the
+    model is sharded by FSDP2, whose all-gather then sends float8 weights (``float8.fsdp_all_gather``, tensorwise)."""
     f8 = cfg.float8
     if f8.recipe is None:
         return None
@@ -74,7 +73,8 @@ def prepare(model: nn.Module, cfg: Any, device: torch.device) -> Optional[str]:
         raise ConfigError(f"config key 'float8.recipe': {f8.recipe} converts none of {type(model).__name__}'s Linear "
                           f"layers (left: {_listed(left)}); float8 needs layers whose in and out features are "
                           f"multiples of 16 besides the output head; set float8.recipe=null")
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=emulate)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=fsdp and f8.fsdp_all_gather and f8.recipe == "tensorwise")
     names = set(kept)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
     where = f", emulated on {device.type}: no speed-up there" if emulate else ""

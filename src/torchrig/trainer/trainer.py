@@ -113,7 +113,8 @@ class Trainer:
             self._place(model)
             # in place before any wrapping: peft's LoRA adapters (the rest frozen), torchao's QAT or float8 layers
             self.adapted = adapters.prepare(model, self.cfg, self.device)
-            self._start_lines = [qat.prepare(model, self.cfg.quantize), float8.prepare(model, self.cfg, self.device)]
+            self._start_lines = [qat.prepare(model, self.cfg.quantize),
+                                 float8.prepare(model, self.cfg, self.device, fsdp=self.strategy == "fsdp")]
             check_auto(self.cfg, model, self.world_size)
             self.wrapped, self.models = build.wrap_models(model, self.cfg, self.strategy, self.device,
                                                           self.precision.dtype, self.layout)
