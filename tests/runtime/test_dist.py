@@ -419,3 +419,20 @@ def test_what_a_rank_may_declare():
     assert D.receivable(half, 1, cpu) == half
     with pytest.raises(D.DistributedError, match="more than the"):
         D.receivable(half, 1, cpu, copies=2)
+
+
+def test_one_launcher_watch_per_process_however_many_fits(monkeypatch):
+    """Under torchrun every fit starts the watch on its launcher; a second fit in the process (lr-find then fit, a
+    notebook) starts no second thread, and outside torchrun none is started."""
+    import threading
+
+    def watching():
+        return [t for t in threading.enumerate() if t.name == D.LAUNCHER_WATCH]
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    D.end_with_launcher()
+    assert watching() == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    D.end_with_launcher()
+    D.end_with_launcher()
+    assert len(watching()) == 1 and watching()[0].daemon

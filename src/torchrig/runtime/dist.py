@@ -135,7 +135,7 @@ def host_collectives() -> bool:
     return "gloo" in backend or "mpi" in backend
 
 
-_launcher_watched = False
+LAUNCHER_WATCH = "torchrig-launcher-watch"  # the watching thread's name: one per process, however many fits
 
 
 def end_with_launcher() -> None:
@@ -147,17 +147,16 @@ def end_with_launcher() -> None:
     process (twice a second): Linux's PR_SET_PDEATHSIG fires again for each thread of the dying launcher
     that a worker is handed to, and a second SIGTERM means "exit at once, without a checkpoint".
     """
-    global _launcher_watched
-    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == LAUNCHER_WATCH for t in threading.enumerate()):
         return
-    _launcher_watched, launcher = True, os.getppid()
+    launcher = os.getppid()
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, daemon=True, name="torchrig-launcher-watch").start()
+    threading.Thread(target=watch, daemon=True, name=LAUNCHER_WATCH).start()
 
 
 def init_process_group(info: DistInfo, device: torch.device, backend: Optional[str] = None,
