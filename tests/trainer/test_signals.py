@@ -506,20 +506,26 @@ def _kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
     proc.wait()
 
 
+def _sigterm_in_epoch_2(run: Path, to_launcher: bool) -> tuple[int, str, int]:
+    """Launch the pair, SIGTERM the launcher or rank 1 once both train in epoch 2; returns the launcher's exit
+    code, its output and the step of the latest checkpoint."""
+    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
+    pids, code = [], None
+    try:
+        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
+        os.kill(proc.pid if to_launcher else pids[1], signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        _kill_all(proc, pids)
+    return code, log.read_text(), int(resolve("latest", run).name.split("-")[1])
+
+
 @pytest.mark.slow
 def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
     """torchrun sends its own SIGTERM to the ranks left after the signalled one exits; that is no failure."""
     run = tmp_path / "run"
-    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
-    pids = []
-    try:
-        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
-        os.kill(pids[1], signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
-    finally:
-        _kill_all(proc, pids)
-    out = log.read_text()
-    step = int(resolve("latest", run).name.split("-")[1])
+    code, out, step = _sigterm_in_epoch_2(run, to_launcher=False)
+    assert code == 143, out[-3000:]
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out
     assert "torchrig launch: the run stopped cleanly on SIGTERM (exit 143); rank 0's line above says where; to " \
            "continue, run the same command with resume='latest'" in out.splitlines(), out[-3000:]
@@ -530,19 +536,10 @@ def test_launch_says_a_run_stopped_by_a_signal_stopped_cleanly(tmp_path):
 def test_a_signal_to_the_launcher_is_said_received_once(tmp_path):
     """torchrun passes a SIGTERM on to every rank; the line saying so comes once, from rank 0, and both stop."""
     run = tmp_path / "run"
-    proc, log = _launch(run, *PAIR_ARGS, env=IN_EPOCH_2)
-    pids = []
-    try:
-        pids = [_pid(run / f"ready-{r}", proc) for r in (0, 1)]
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        _kill_all(proc, pids)
-    out = log.read_text()
+    _, out, step = _sigterm_in_epoch_2(run, to_launcher=True)
     received = [line for line in out.splitlines() if "SIGTERM received" in line]
     assert received == ["torchrig: SIGTERM received; stopping after the current optimizer step with a checkpoint "
                         "(send it again to exit at once)"], out[-3000:]
-    step = int(resolve("latest", run).name.split("-")[1])
     assert f"stopped by SIGTERM at step {step}; checkpoint {run}/checkpoints/step-{step:08d}" in out, out[-3000:]
 
 
