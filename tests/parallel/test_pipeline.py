@@ -356,6 +356,29 @@ def test_auto_split_balances_parameters_and_keeps_names():
     assert cfg.parallel.pp_split == ["2"] and plan_stages(W.sequential(), cfg.parallel.pp_split, 2).ranges == [(0, 2), (2, 5)]
 
 
+class _MlpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Dropout(0.1))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class _CharLM(nn.Module):
+    """Three blocks, each with a four-layer ``mlp`` Sequential: longer than the stack of blocks itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(11, 8), nn.ModuleList(_MlpBlock() for _ in range(3)), \
+            nn.Linear(8, 11)
+
+
+def test_auto_split_cuts_the_stack_of_blocks_not_a_longer_sequential_inside_a_block():
+    plan = plan_stages(_CharLM(), "auto", 3)
+    assert plan.container_name == "blocks" and plan.ranges == [(0, 1), (1, 2), (2, 3)]
+
+
 @pytest.mark.parametrize("split, stages, words", [
     (["blocks.7"], 2, "config key 'parallel.pp_split': 'blocks.7' is not a module of TokenNet; did you mean "
                       "'blocks.3', 'blocks.2' or 'blocks.1'?"),

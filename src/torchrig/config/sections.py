@@ -120,7 +120,7 @@ class ModelConfig:
     activation_checkpointing: Union[list, str] = key(
         [], Rule("full, selective or a list of sub-module names", _checkpointing),
         "recompute activations in backward (less memory): a list of sub-module names (as in named_modules()), each "
-        "recomputed whole; full: every block (the model's longest ModuleList); selective: every block, keeping the "
+        "recomputed whole; full: every block (the model's top-level ModuleList); selective: every block, keeping the "
         "matrix products' outputs and recomputing the cheap ops", alias="activation_checkpointing")
     activation_offload: bool = key(False, BOOL, "keep the activations saved for backward in host memory (pinned on "
                                                 "CUDA) until backward needs them: less device memory, copies each "
@@ -346,7 +346,7 @@ class ParallelConfig:
     pp_split: Union[list, str] = key(
         "auto", Rule("'auto' or a list of module names", _pp_split),
         "with pp > 1: the blocks where stages 2, 3, ... begin (e.g. [transformer.h.6]), or auto: the model's "
-        "top-level sequence of blocks (an nn.Sequential, or its longest ModuleList) cut into stages of about "
+        "top-level sequence of blocks (an nn.Sequential, or its longest ModuleList not inside a block) cut into stages of about "
         "equal parameter count", alias="pp_split")
     pp_schedule: str = key("1f1b", choice(*PP_SCHEDULES),
                            "with pp > 1: the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "

@@ -2,6 +2,7 @@
 
 The model is not rewritten and not traced. Its **blocks** are the top-level sequence the forward calls one after
 another: the model itself when it is an ``nn.Sequential``, else its longest ``nn.ModuleList`` / ``nn.Sequential``
+(not one inside a block: a block's own ``mlp`` Sequential never competes)
 (``transformer.h`` of a Hugging Face GPT-2, ``model.layers`` of a Llama, ``blocks`` of your own). Stage ``k``
 owns a run of consecutive blocks (``parallel.pp_split`` names where stages 2, 3, ... begin; ``auto`` balances
 the parameter counts), the first stage also what the forward calls before the blocks (embeddings), the last
@@ -113,7 +114,7 @@ class Plan:
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
     """The model's top-level sequence of blocks: the model itself (an ``nn.Sequential``), else its longest
-    ``nn.ModuleList`` / ``nn.Sequential`` (the outermost of equal length)."""
+    ``nn.ModuleList`` / ``nn.Sequential`` not inside another one (the first of equal length)."""
     best = longest_blocks(model)
     if best is None:
         raise ParallelConfigError(

@@ -38,12 +38,13 @@ def is_compiled(model: nn.Module) -> bool:
 
 def longest_blocks(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
     """``(name, container)`` of the model's top-level sequence of blocks: the model itself (an ``nn.Sequential``),
-    else its longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more (the outermost of equal length); None for a
-    model without one. Pipeline stages are cut there, and ``activation_checkpointing: full`` recomputes each block."""
+    else its longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more that does not lie inside another one (the
+    ``mlp`` Sequential inside each block of a ``blocks`` ModuleList is a block's inside, however long); the first
+    of equal length; None for a model without one. Pipeline stages are cut there, and ``activation_checkpointing:
+    full`` recomputes each block."""
     if isinstance(model, nn.Sequential):
         return "", model
-    best: Optional[tuple[str, nn.Module]] = None
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > (len(best[1]) if best else 1):
-            best = (name, m)
-    return best
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
+    outer = [(name, m) for name, m in found if not any(name.startswith(f"{other}.") for other, _ in found)]
+    return max(outer, key=lambda nm: len(nm[1]), default=None)
