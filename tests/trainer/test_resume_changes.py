@@ -99,8 +99,8 @@ def test_a_new_run_length_passes_and_is_said_when_the_schedule_follows_it(make_t
     assert resumed.global_step == 10
     out, err = capsys.readouterr()
     assert [line for line in (out + err).splitlines() if "schedule" in line] == [
-        "torchrig: the cosine schedule follows the run's length, which changed (epochs 1 → 2): its learning rates "
-        "from here on are not those of a run that had this length from the start"]
+        "torchrig: the cosine schedule follows the run's length, which changed (epochs 1 → 2): from here on its "
+        "learning rates are those of a schedule of the new length (the steps so far followed the old one)"]
     other = str(run_dir.with_name("steps"))  # a schedule of a length of its own: nothing to say
     make_trainer(scheduler="step", run_dir=other).fit(data)
     capsys.readouterr()

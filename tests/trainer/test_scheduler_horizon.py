@@ -115,9 +115,27 @@ def test_raising_max_steps_continues_a_one_cycle_run_on_a_cycle_of_the_new_lengt
     resumed.fit(data)
     assert resumed.global_step == 8 and resumed.schedulers["default"].total_steps == 8
     assert ("torchrig: the onecycle schedule follows the run's length, which changed (max_steps 3 → 8): from here on "
-            "its learning rates are those of a cycle of the new length (the steps so far followed the old one)"
+            "its learning rates are those of a schedule of the new length (the steps so far followed the old one)"
             ) in capsys.readouterr().out
     whole = run_dir.with_name("whole")
     make_trainer(max_steps=8, run_dir=str(whole), **kw).fit(data)
     after = {s: lr for s, lr in _lrs(run_dir).items() if s > 3}
     assert after == {s: lr for s, lr in _lrs(whole).items() if s > 3} and sorted(after) == [4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "warmup_cosine"])
+def test_raising_max_steps_continues_a_cosine_on_a_cosine_of_the_new_length(make_trainer, data, run_dir, schedule):
+    """PyTorch's CosineAnnealingLR would keep the checkpoint's T_max and go back up the cosine after it; the
+    resumed run's learning rates are those of a run that had the new length from the start."""
+    kw = dict(scheduler=schedule, epochs=3, log_every=1, warmup_steps=2)
+    make_trainer(max_steps=3, **kw).fit(data)
+    resumed = make_trainer(max_steps=12, resume="latest", **kw)
+    resumed.fit(data)
+    assert resumed.global_step == 12
+    whole = run_dir.with_name("whole")
+    make_trainer(max_steps=12, run_dir=str(whole), **kw).fit(data)
+    after, expected = _lrs(run_dir), _lrs(whole)
+    assert sorted(s for s in after if s > 3) == list(range(4, 13))
+    assert [after[s] for s in range(4, 13)] == pytest.approx([expected[s] for s in range(4, 13)], rel=1e-12)
+    assert expected[12] < expected[11] < expected[4]  # down the whole way: none goes back up
+

@@ -145,3 +145,36 @@ def build_scheduler(name: Optional[str], optimizer: torch.optim.Optimizer, *, in
 
     lambdas = [(lambda i, b=b: factor(i, b)) for b in base]
     return S.LambdaLR(optimizer, lr_lambda=lambdas), interval
+
+
+def planned_horizon(scheduler: object) -> Optional[dict]:
+    """What of ``scheduler``'s state is the run's length (``OneCycleLR``'s cycle, ``CosineAnnealingLR``'s
+    ``T_max``), taken before a checkpoint's state replaces it: :func:`follow_new_length` puts it back."""
+    S = torch.optim.lr_scheduler
+    if isinstance(scheduler, S.OneCycleLR):
+        return {k: scheduler.state_dict()[k] for k in ("total_steps", "_schedule_phases")}
+    if isinstance(scheduler, S.CosineAnnealingLR):
+        return {"T_max": scheduler.T_max}
+    return None  # a warmup_cosine's horizon is in its function, not its state: the new one already holds
+
+
+def follow_new_length(scheduler: object, planned: dict) -> None:
+    """A resumed schedule whose run got longer or shorter takes this run's horizon (``planned``) in place of the
+    checkpoint's, keeping the steps taken: its learning rate is at once the new schedule's at the current step (a
+    closed form in the step), so raising ``max_steps`` or ``epochs`` continues on a schedule of the new length
+    (PyTorch's own would stop a one-cycle run, "Tried to step N times", and take a cosine back up)."""
+    S = torch.optim.lr_scheduler
+    if isinstance(scheduler, S.OneCycleLR):
+        if planned["total_steps"] == scheduler.total_steps or planned["total_steps"] < scheduler.last_epoch:
+            return  # the same cycle; or a run that already ended, which takes no step
+        state = {**scheduler.state_dict(), **planned}
+        scheduler.load_state_dict(state)
+        scheduler.last_epoch -= 1
+        scheduler.step()  # the same step again: the new cycle's learning rate (and momentum) for the next update
+    elif isinstance(scheduler, S.CosineAnnealingLR) and planned["T_max"] != scheduler.T_max:
+        scheduler.T_max, low = planned["T_max"], scheduler.eta_min
+        down = (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
+        for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = low + (base - low) * down
+        scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+

@@ -129,12 +129,9 @@ def check(saved: dict | None, now: dict, checkpoint: Path, allow: bool, say: Cal
     refused, length = changed(saved, now, worlds)
     refused = [diff for diff in refused if diff[0] not in REPLACED_ON_RESUME]
     schedule = str((now.get("scheduler") or {}).get("name") or "").lower().replace("-", "_")
-    if length and schedule == "onecycle":  # re-planned on load (saving.replan_one_cycles): a closed form in the step
-        say(f"torchrig: the onecycle schedule follows the run's length, which changed ({_list(length)}): from here on "
-            f"its learning rates are those of a cycle of the new length (the steps so far followed the old one)")
-    elif length and schedule in RUN_LENGTH_SCHEDULES:
-        say(f"torchrig: the {schedule} schedule follows the run's length, which changed ({_list(length)}): its "
-            f"learning rates from here on are not those of a run that had this length from the start")
+    if length and schedule in RUN_LENGTH_SCHEDULES:  # re-planned on load (optim.follow_new_length)
+        say(f"torchrig: the {schedule} schedule follows the run's length, which changed ({_list(length)}): from here "
+            f"on its learning rates are those of a schedule of the new length (the steps so far followed the old one)")
     if not refused:
         return
     if allow:

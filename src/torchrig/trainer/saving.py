@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint import find_checkpoint, load_weights_only, read_config, read_meta
 from ..checkpoint.meta import DEGREES
+from ..optim.optimizers import follow_new_length, planned_horizon
 from . import changes, provenance
 from .context import FitContext
 from .plan import run_length
@@ -93,7 +94,7 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
                   worlds=(data_parallel(saved_layout, c.world_size), data_parallel(now, c.world_size)),
                   run_dir=c.run_dir)
     restored = states(c)
-    planned = {k: s.state_dict() for k, s in c.schedulers.items() if isinstance(s, torch.optim.lr_scheduler.OneCycleLR)}
+    planned = {k: h for k, s in c.schedulers.items() if (h := planned_horizon(s)) is not None}
     c.checkpoints.load(path, restored, print_fn=c.say, verify=verify)
     if isinstance(meta.get("layout"), dict) and _layout_key(saved_layout) != _layout_key(now):
         c.say(f"torchrig: resumed a checkpoint saved {describe_layout(saved_layout)} ({path.name}) "
@@ -102,29 +103,14 @@ def resume(c: FitContext, spec: str) -> tuple[Optional[Path], int, int]:
     for opt in c.optimizers.values():
         opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
     if c.state.run_length != run_length(c.cfg):  # epochs or max_steps changed: the schedules follow the new length
-        replan_one_cycles(c.schedulers, planned)
+        for name, horizon in planned.items():
+            follow_new_length(c.schedulers[name], horizon)
     epoch, batch, note = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
                                            c.data.samples_before, getattr(c.data, "why_not_elsewhere", ""))
     for line in (note, restored["rng"].note):
         if line:
             c.say(line)
     return path, epoch, batch
-
-
-def replan_one_cycles(schedulers: dict, planned: dict[str, dict]) -> None:
-    """A resumed ``OneCycleLR`` takes the cycle this run built it with (``planned``: its state before the checkpoint
-    was loaded) in place of the checkpoint's, keeping the steps taken: raising ``max_steps`` or ``epochs`` continues
-    the run on a cycle of the new length (PyTorch's own would stop it at its old ``total_steps``: "Tried to step
-    N times"). Its learning rate is the new cycle's at the current step at once (a closed form in the step)."""
-    for name, plan in planned.items():
-        sch = schedulers[name]
-        if plan["total_steps"] == sch.total_steps or plan["total_steps"] < sch.last_epoch:
-            continue  # the same cycle; or a run that already ended, which takes no step
-        state = sch.state_dict()
-        state.update({k: plan[k] for k in ("total_steps", "_schedule_phases")})
-        sch.load_state_dict(state)
-        sch.last_epoch -= 1
-        sch.step()  # the same step again: the new cycle's learning rate (and momentum) for the next update
 
 
 def layout_of(meta: dict) -> dict:
