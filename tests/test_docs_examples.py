@@ -75,9 +75,21 @@ def _check_token_model(ns):
     assert not torch.allclose(ns["raw"].sum(-1), torch.ones(1, 8))  # a loss of one's own: raw logits
 
 
+def _check_mixture(ns):
+    import json
+
+    mix, trainer = ns["mix"], ns["trainer"]
+    assert len(mix) == 360 and mix.quotas == [252, 108] and trainer.global_step == 12
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    shares = [(r["data/share/web"], r["data/share/code"]) for r in rows if r.get("kind") == "interval"]
+    assert len(shares) == 3 and all(abs(w + c - 1) < 1e-12 for w, c in shares)
+    assert abs(sum(w for w, _ in shares) / 3 - 0.7) < 1e-12  # the whole epoch: 252 of 360 exactly
+
+
 CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
           "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
-          "input_keys=": _check_dict_batches, "class CharLM": _check_token_model}
+          "input_keys=": _check_dict_batches, "class CharLM": _check_token_model,
+          "Mixture(": _check_mixture}
 
 
 pytestmark = pytest.mark.usefixtures("restore_threads")

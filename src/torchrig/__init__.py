@@ -26,6 +26,7 @@ _EXPORTS = {
     "load_weights": "torchrig.checkpoint",
     "Metric": "torchrig.metrics",
     "get_metric": "torchrig.metrics",
+    "Mixture": "torchrig.data",
     "get_rank": "torchrig.runtime",
     "get_world_size": "torchrig.runtime",
     "is_main_process": "torchrig.runtime",

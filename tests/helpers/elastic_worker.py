@@ -9,7 +9,7 @@ samples) under DDP, with a one-cycle schedule and a checkpoint at step 11 (epoch
 here by rank 0 when the fit runs in one process).
 ``MICRO`` (environment) sets ``data.micro_batch_size``. A fit named ``fsdp…`` trains ``token_model`` on
 ``token_data`` under FSDP2 (in one process: unwrapped) with micro-batches of 3 and the loss over the valid tokens.
-A fit named ``spike…`` trains on data whose sample 50 is
+A fit named ``mix…`` trains on them as a ``Mixture`` of two sources (``mixture``). A fit named ``spike…`` trains on data whose sample 50 is
 scaled by -1000, not shuffled, with ``on_spike: rollback`` (``spike…fsdp``: under FSDP2); one named ``stream…`` on them as a stream (``Stream``; ``streamw…``: read by a DataLoader worker); one named ``clean…`` on the data without the 12 samples
 of that sample's step, not shuffled. ``l1spike…`` and ``l1clean…`` do the same for a regression under the L1 loss
 whose sample 58 has a poisoned target (``targets``): a loss spike on one rank alone. Each rank writes the samples of each step it trained
@@ -117,6 +117,19 @@ def targets(poison: bool) -> torch.Tensor:
     return y
 
 
+MIX_SPLIT = 60  # source "a" holds samples 0 … 59, "b" samples 60 … 92
+
+
+def mixture():
+    """``dist_worker``'s 93 samples as a Mixture of "a" (the first 60) and "b" (the 33 others) weighed 1 : 3: "b" is
+    walked about twice an epoch, "a" a little more than once every three."""
+    from torchrig.data import Mixture
+
+    x, y = W.train_data()
+    return Mixture({"a": (x[:MIX_SPLIT], y[:MIX_SPLIT]), "b": (x[MIX_SPLIT:], y[MIX_SPLIT:])},
+                   weights={"a": 1, "b": 3}, samples_per_epoch=W.N_TRAIN)
+
+
 def settings(run_dir: Path, **extra) -> dict:
     kw = W.settings(run_dir, global_batch_size=GLOBAL_BATCH, scheduler="onecycle",
                     **{"scheduler.max_lr": 0.1, "checkpoint.every_steps": CUT, "log.every_steps": 4})
@@ -144,6 +157,8 @@ def _job(name: str, extra: dict) -> tuple:
         extra.update(shuffle=False, scheduler=None)
     if name.startswith("clean"):
         model = relu_model()
+    if name.startswith("mix"):  # two sources of the 93 samples drawn by weight
+        data = mixture()
     if name.startswith("fsdp"):
         data, model = token_data(), token_model()
         extra.update(loss=token_loss, loss_normalization="tokens", micro_batch_size=3, metrics=[],

@@ -6,6 +6,7 @@ model, the optimizer class, what was logged) are made where that fact is known, 
 
 from __future__ import annotations
 
+from ..errors import suggest
 from .root import Config, declared_keys, get_key, sections
 from .schema import ConfigError, check_value
 
@@ -17,7 +18,7 @@ def validate(cfg: Config) -> Config:
         section, _, name = k.name.rpartition(".")
         owner = get_key(cfg, section) if section else cfg
         setattr(owner, name, check_value(k.name, k.rule, getattr(owner, name)))
-    for check in (_ranks, _resume, _trackers, _micro_batches, _parallel, _finetune, _speed):
+    for check in (_ranks, _resume, _trackers, _micro_batches, _mixture, _parallel, _finetune, _speed):
         check(cfg)
     for name in sections():
         section_check = getattr(getattr(cfg, name), "validate", None)
@@ -60,6 +61,30 @@ def _micro_batches(cfg: Config) -> None:
     if setting == "auto" and cfg.dist.strategy == "fsdp":
         raise ConfigError("config key 'data.micro_batch_size': 'auto' is not supported with dist.strategy=fsdp "
                           "(FSDP2's sharded gradients); set data.micro_batch_size to an integer")
+
+
+def _mixture(cfg: Config) -> None:
+    """``data.sources`` and ``data.mixture``: the weights name the sources, each of them, and nothing else."""
+    d = cfg.data
+    names = list(d.sources)
+    if d.sources and d.path is not None:
+        raise ConfigError(f"config key 'data.sources': {names} are the training data, and data.path "
+                          f"'{d.path}' is set too; set one of them")
+    bad = [n for n in names if "/" in n or n != n.strip()]
+    if bad:
+        raise ConfigError(f"config key 'data.sources': the name {bad[0]!r} holds '/' or spaces at its ends (it names "
+                          f"the logged data/share/NAME); rename it")
+    if d.mixture and not d.sources:
+        raise ConfigError(f"config key 'data.mixture': {d.mixture} weighs the sources data.sources names, and "
+                          f"data.sources is empty; set data.sources: {{name: folder or file}}")
+    for name in d.mixture:
+        if name not in d.sources:
+            raise ConfigError(f"config key 'data.mixture': '{name}' is no name of data.sources ({', '.join(names)})"
+                              f"{suggest(name, names)}")
+    missing = [n for n in names if d.mixture and n not in d.mixture]
+    if missing:
+        raise ConfigError(f"config key 'data.mixture': data.sources '{missing[0]}' has no weight; give every source "
+                          f"a weight, or remove it from data.sources")
 
 
 def _parallel(cfg: Config) -> None:

@@ -78,6 +78,12 @@ class DataConfig:
                           alias="fast_path")
     path: Optional[str] = key(None, optional(TEXT), "recipe data source, a folder or file; null: the recipe's "
                                                     "embedded data")
+    sources: dict = key({}, mapping_of(TEXT, "a mapping {name: folder or file}"),
+                        "named training sources mixed by data.mixture, each a folder or file read as data.path is "
+                        "(the language-model recipe); {}: data.path")
+    mixture: dict = key({}, mapping_of(POSITIVE, "a mapping {source name: weight > 0}"),
+                        "weight of each data.sources name in every epoch's samples (any scale; each logged row shows "
+                        "the shares as data/share/NAME); {}: by the sources' sizes")
     val_path: Optional[str] = key(None, optional(TEXT), "recipe validation data, a folder or file")
     test_path: Optional[str] = key(None, optional(TEXT), "recipe test data, a folder or file (torchrig evaluate)")
     val_fraction: float = key(0.0, number(0, 1, hi_open=True),

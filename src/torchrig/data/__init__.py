@@ -1,8 +1,9 @@
-"""Loaders and samplers: distributed sampling, resumable order, worker seeding, in-memory fast path."""
+"""Loaders and samplers: distributed sampling, resumable order, worker seeding, in-memory fast path, mixtures."""
 
 from .loaders import (Batches, DataError, TensorBatches, check_same_data, prefetch_to_device, prepare_eval,
                       prepare_train, to_device)
+from .mixture import Mixture
 from .sampler import ResumableSampler, padding_batches, unshard
 
 __all__ = ["Batches", "DataError", "TensorBatches", "check_same_data", "prepare_eval", "prepare_train", "to_device",
-           "prefetch_to_device", "ResumableSampler", "padding_batches", "unshard"]
+           "prefetch_to_device", "Mixture", "ResumableSampler", "padding_batches", "unshard"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from ..errors import TorchrigError
 
@@ -59,3 +60,24 @@ def loader_options(data: Any, batch_size: int, num_workers: int, pin: bool, drop
     if not opts["num_workers"]:
         opts = {k: v for k, v in opts.items() if k not in WORKER_OPTIONS}
     return opts
+
+
+def as_dataset(data: Any) -> Dataset:
+    """Map-style data from tensors (columns: inputs…, target), a Dataset, or anything with an index and a length."""
+    if isinstance(data, torch.Tensor):
+        return TensorDataset(data)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        shapes = {tuple(t.shape) for t in data}
+        if isinstance(data, list) and len(data) > 3 and len(shapes) == 1:  # [sample, sample, …], not columns
+            shape = shapes.pop()
+            raise DataError(f"the data is a list of {len(data)} tensors of shape {shape}: torchrig reads a list or "
+                            f"tuple of tensors as columns (inputs…, target), each holding every sample, and these "
+                            f"look like one sample each; stack them (torch.stack(samples)) and give (inputs, "
+                            f"targets), or give a list of (x, y) pairs")
+        sizes = {len(t) if t.ndim else 0 for t in data}
+        if len(sizes) != 1:
+            raise DataError(f"tensors given as data have different lengths {sorted(sizes)}; they must match")
+        return TensorDataset(*data)
+    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        return data
+    raise DataError(f"data of type {type(data).__name__} is not a Dataset, DataLoader or tensors")

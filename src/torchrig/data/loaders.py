@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
 
-from .common import WORKER_OPTIONS, DataError, is_iterable_source, torch_format
+from .common import WORKER_OPTIONS, DataError, as_dataset, is_iterable_source, torch_format
 from .iterable import build_iterable
 from .iterable_eval import build_iterable_eval
+from .mixture import Mixture, MixtureSamples
 from .sampler import ResumableSampler
 from .workers import RngKept, SeededSamples, auto_workers, in_memory_tensors, most_workers
 
@@ -137,8 +138,9 @@ class Batches:
     batch's tensors are new, made for it (gathered, or collated by ``default_collate``), so nothing writes
     them after the step; a user's collate function or stream may hand out buffers it fills again."""
 
-    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int, fresh: bool = False):
-        self.source, self.fresh = source, fresh
+    def __init__(self, source: Any, sampler: Optional[ResumableSampler], batch_size: int, fresh: bool = False,
+                 mixture: Optional[MixtureSamples] = None):
+        self.source, self.fresh, self.mixture = source, fresh, mixture
         self.sampler = sampler
         self.batch_size = batch_size
         self._skip_next = 0
@@ -210,6 +212,16 @@ class Batches:
         start = self.samples_before(first)
         return self.sampler.order()[start:start + self.global_samples(first, count)].tolist()
 
+    def source_counts(self, epoch: int, first: int, count: int) -> dict:
+        """Samples of each source of a Mixture in batches ``first … first + count - 1`` of ``epoch`` over all ranks,
+        known on every rank from the sampler's positions without any communication; {} for other data."""
+        if self.mixture is None or self.sampler is None:
+            return {}
+        start, n = self.samples_before(first), self.global_samples(first, count) or 0
+        positions = (self.sampler.order()[start:start + n] if len(self.sampler.excluded)
+                     else torch.arange(start, start + n))  # a mixture's order is its positions, less the excluded
+        return self.mixture.counts(epoch, positions)
+
     def exclude(self, indices: list) -> None:
         """Leave ``indices`` out of every epoch from now on (see ``ResumableSampler.exclude``)."""
         if self.sampler is not None:
@@ -256,26 +268,6 @@ def _worker_errors(it: Iterator, loader: Any) -> Iterator:
         yield batch
 
 
-def _as_dataset(data: Any) -> Dataset:
-    if isinstance(data, torch.Tensor):
-        return TensorDataset(data)
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-        shapes = {tuple(t.shape) for t in data}
-        if isinstance(data, list) and len(data) > 3 and len(shapes) == 1:  # [sample, sample, …], not columns
-            shape = shapes.pop()
-            raise DataError(f"the data is a list of {len(data)} tensors of shape {shape}: torchrig reads a list or "
-                            f"tuple of tensors as columns (inputs…, target), each holding every sample, and these "
-                            f"look like one sample each; stack them (torch.stack(samples)) and give (inputs, "
-                            f"targets), or give a list of (x, y) pairs")
-        sizes = {len(t) if t.ndim else 0 for t in data}
-        if len(sizes) != 1:
-            raise DataError(f"tensors given as data have different lengths {sorted(sizes)}; they must match")
-        return TensorDataset(*data)
-    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        return data
-    raise DataError(f"data of type {type(data).__name__} is not a Dataset, DataLoader or tensors")
-
-
 def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, world_size: int,
            device: torch.device, num_workers: Any = "auto", pin_memory: Any = "auto",
            persistent_workers: bool = True, prefetch_factor: Optional[int] = None, shuffle: bool = True,
@@ -295,7 +287,7 @@ def _build(data: Any, *, train: bool, batch_size: int, seed: int, rank: int, wor
                               steps_per_epoch=steps_per_epoch, max_steps=max_steps, accumulate=accumulate)
     if isinstance(data, DataLoader):
         return _from_loader(data, train=train, seed=seed, rank=rank, world_size=world_size, fast_path=fast_path)
-    dataset = _as_dataset(torch_format(data))
+    dataset = as_dataset(torch_format(data))
     # auto: no worker process where a batch costs less to make here than to receive from one (workers.py);
     # samples are then seeded here as a worker seeds them, so the choice does not change what is drawn
     auto = num_workers == "auto"
@@ -344,13 +336,17 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     if n == 0:
         raise DataError(f"the {'training' if train else 'evaluation'} data set is empty (0 samples)")
     batch_size, drop_last = options["batch_size"], options["drop_last"]
-    sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+    mixture = isinstance(dataset, Mixture)  # its positions are taken in order: shuffle is about its sources' walks
+    sampler = ResumableSampler(n, shuffle=shuffle and not mixture, seed=seed, rank=rank, world_size=world_size,
                                drop_last=drop_last, pad=train, batch_size=batch_size)
     if fast_path and type(dataset) is TensorDataset:
         return Batches(TensorBatches(dataset.tensors, sampler, batch_size, drop_last, pin=options["pin_memory"]),
                        sampler, batch_size, fresh=True)
     workers = options["num_workers"] > 0
-    if workers or seed_here:
+    if mixture:  # reads (position, epoch) from the sampler
+        sampler.with_epoch = True
+        dataset = MixtureSamples(dataset, seed, shuffle, seeded=workers or seed_here)
+    elif workers or seed_here:
         sampler.with_epoch = True
         dataset = SeededSamples(dataset, seed)
     if not workers:
@@ -359,7 +355,8 @@ def _resumable(dataset: Dataset, options: dict, *, train: bool, shuffle: bool, s
     g.manual_seed(seed)  # keeps DataLoader from drawing its base seed from the global RNG (reseeded per epoch)
     loader = DataLoader(dataset, sampler=sampler, generator=g, **options)
     fresh = options.get("collate_fn") in (None, torch.utils.data.default_collate)
-    return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size, fresh)
+    return Batches(RngKept(loader) if seed_here and not workers else loader, sampler, batch_size, fresh,
+                   mixture=dataset if mixture else None)
 
 
 def check_same_data(train: Batches, val_data: Any, device: torch.device) -> None:

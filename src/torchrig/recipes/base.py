@@ -31,6 +31,7 @@ class Recipe:
     # the --output file kinds write_predictions writes, chosen by extension; None: the recipe checks its own
     output_kinds: Optional[tuple] = (".csv", ".json")
     has_data = True  # False: no data of its own (``custom``): data.factory (or predict's --input) gives it
+    reads_sources = False  # True: its build_data mixes data.sources by data.mixture (a torchrig.data.Mixture)
 
     def build_model(self, cfg: C.Config) -> nn.Module:
         raise NotImplementedError

@@ -225,6 +225,10 @@ def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str
     if not cfg.data.factory:
         if missing is not None and not recipe.has_data:
             raise FactoryError(f"no data: {missing}")
+        if cfg.data.sources and not recipe.reads_sources:
+            raise C.ConfigError(f"config key 'data.sources': recipe {recipe.name!r} does not mix named sources (the "
+                                f"language-model recipe does); give data.path, or a data.factory returning a "
+                                f"torchrig.data.Mixture")
         return recipe.build_data(cfg)
     spec = cfg.data.factory
     return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")

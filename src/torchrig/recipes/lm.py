@@ -3,8 +3,10 @@ config, no download) on plain text, ready for pipeline parallelism (``parallel.p
 
 Data: ``data.path`` is a ``.txt`` file (a document per non-empty line) or a folder of ``.txt`` files (a
 document each); ``data.val_path`` / ``data.test_path`` likewise, else ``data.val_fraction`` of the documents
-is held out (by a hash of each, the same on every machine). With no ``data.path``: docstrings of nine Python
-standard-library packages. The tokenizer is a word-piece vocabulary trained on the training documents (as the
+is held out (by a hash of each, the same on every machine). Several corpora: ``data.sources: {web: a.txt, code:
+b/}`` (each read as ``data.path`` is, tokenized apart) mixed by ``data.mixture: {web: 0.7, code: 0.3}`` (default: by
+their sizes) into a ``torchrig.data.Mixture``; held-out documents of every source form one validation set. With no
+``data.path``: docstrings of nine Python standard-library packages. The tokenizer is a word-piece vocabulary trained on the training documents (as the
 text recipe's, saved as ``RUN_DIR/tokenizer.json``) or ``lm.tokenizer``. Every split's documents are
 tokenized, joined with ``[SEP]`` between them and cut into sequences of ``lm.block_size`` tokens; a sample is
 ``{"input_ids", "labels"}`` (the same ids: the model shifts them and computes its own loss, averaged over the
@@ -30,6 +32,7 @@ from torch.utils.data import Dataset
 
 from .. import config as C
 from ..config import rules as R
+from ..data import Mixture
 from ..data.datasets.text import TextTokenizer, docstring_splits, train_wordpiece
 from .base import Recipe, RecipeError, write_class_predictions
 from .common import input_files, say
@@ -73,6 +76,7 @@ class TokenBlocks(Dataset):
 
 class LanguageModelRecipe(Recipe):
     name = "language-model"
+    reads_sources = True
     description = ("GPT-style causal language model (Hugging Face GPT2LMHeadModel from a config) on .txt documents; "
                    "embedded default: Python standard-library docstrings; ready for parallel.pp")
     defaults = {
@@ -89,19 +93,24 @@ class LanguageModelRecipe(Recipe):
         self._lengths: list[int] = []  # tokens of each prompt given to predict (its next token follows the last)
 
     # -------------------------------------------------------------------------------- data
-    def _documents(self, cfg: C.Config) -> dict[str, list[str]]:
+    def _documents(self, cfg: C.Config) -> dict[str, Any]:
+        """``{split: documents}``; the training split is ``{source name: documents}`` under ``data.sources``."""
         d = cfg.data
-        if d.path is None:
+        if d.path is None and not d.sources:
             return {split: [r["text"] for r in rows] for split, rows in docstring_splits().items()}
-        docs = {"train": _read_documents(Path(d.path), "data.path")}
+        named = d.sources or {"": d.path}
+        train = {name: _read_documents(Path(p), f"data.sources.{name}" if name else "data.path")
+                 for name, p in named.items()}
+        docs: dict[str, Any] = {"train": train if d.sources else train[""]}
         for split, key, p in (("val", "data.val_path", d.val_path), ("test", "data.test_path", d.test_path)):
             if p is not None:
                 docs[split] = _read_documents(Path(p), key)
         if "val" not in docs and d.val_fraction > 0:
             every = max(2, round(1 / d.val_fraction))  # by a hash of the text: the same split on every machine
-            held = [t for t in docs["train"] if zlib.crc32(t.encode()) % every == 0]
-            docs["train"] = [t for t in docs["train"] if zlib.crc32(t.encode()) % every != 0]
-            docs["val"] = held
+            docs["val"] = [t for texts in train.values() for t in texts if zlib.crc32(t.encode()) % every == 0]
+            for name, texts in train.items():
+                train[name] = [t for t in texts if zlib.crc32(t.encode()) % every != 0]
+            docs["train"] = train if d.sources else train[""]
         return docs
 
     def _prepare(self, cfg: C.Config) -> tuple[TextTokenizer, dict]:
@@ -109,30 +118,44 @@ class LanguageModelRecipe(Recipe):
             return self._cache[id(cfg)]
         lm = cfg.lm
         docs = self._documents(cfg)
-        if not docs["train"]:
-            raise RecipeError(f"data.path '{cfg.data.path}' holds no text to train on")
-        tok = self._load_tokenizer(cfg) if lm.tokenizer else train_wordpiece(docs["train"], lm.vocab_size,
-                                                                               lm.min_frequency, lm.lowercase)
+        named = docs["train"] if isinstance(docs["train"], dict) else {"": docs["train"]}
+        for name, texts in named.items():
+            if not texts:
+                where = f"data.sources.{name} '{cfg.data.sources[name]}'" if name else f"data.path '{cfg.data.path}'"
+                raise RecipeError(f"{where} holds no text to train on")
+        every = [t for texts in named.values() for t in texts]
+        tok = self._load_tokenizer(cfg) if lm.tokenizer else train_wordpiece(every, lm.vocab_size, lm.min_frequency,
+                                                                               lm.lowercase)
         lm.tokenizer = TOKENIZER_FILE  # from now on (checkpoint config): the copy in the run dir
         self._cache[id(cfg)] = (tok, docs)
         return tok, docs
 
     def build_data(self, cfg: C.Config) -> dict[str, Any]:
         tok, docs = self._prepare(cfg)
-        sep = tok.tokenizer.token_to_id("[SEP]")
-        out = {}
+        out: dict[str, Any] = {}
         for split, texts in docs.items():
-            stream: list[int] = []
-            for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
-                stream += e.ids + [sep]
-            blocks = TokenBlocks(torch.tensor(stream, dtype=torch.long), cfg.lm.block_size)
-            if len(blocks) == 0:
-                raise RecipeError(f"the {split} documents give {len(stream)} tokens, fewer than one sequence of "
-                                  f"lm.block_size={cfg.lm.block_size}; give more text or a smaller lm.block_size")
-            out[split] = blocks
+            if isinstance(texts, dict):  # data.sources: one token stream each, drawn by data.mixture
+                blocks = {name: self._blocks(cfg, tok, t, f"{split} documents of data.sources.{name}")
+                          for name, t in texts.items()}
+                out[split] = Mixture(blocks, weights=cfg.data.mixture or None)
+            else:
+                out[split] = self._blocks(cfg, tok, texts, f"{split} documents")
         say("torchrig: language-model data: " + ", ".join(f"{k} {len(v)} sequences" for k, v in out.items())
-            + f" of {cfg.lm.block_size} tokens · vocabulary {len(tok)}")
+            + f" of {cfg.lm.block_size} tokens · vocabulary {len(tok)}" + _mixed(out["train"]))
         return out
+
+    @staticmethod
+    def _blocks(cfg: C.Config, tok: TextTokenizer, texts: list[str], what: str) -> TokenBlocks:
+        """The documents tokenized, joined with ``[SEP]`` and cut into ``lm.block_size`` sequences."""
+        sep = tok.tokenizer.token_to_id("[SEP]")
+        stream: list[int] = []
+        for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
+            stream += e.ids + [sep]
+        blocks = TokenBlocks(torch.tensor(stream, dtype=torch.long), cfg.lm.block_size)
+        if len(blocks) == 0:
+            raise RecipeError(f"the {what} give {len(stream)} tokens, fewer than one sequence of "
+                              f"lm.block_size={cfg.lm.block_size}; give more text or a smaller lm.block_size")
+        return blocks
 
     # -------------------------------------------------------------------------------- model
     def _load_tokenizer(self, cfg: C.Config) -> TextTokenizer:
@@ -210,3 +233,11 @@ def _read_documents(path: Path, key: str) -> list[str]:
             raise RecipeError(f"{key} '{f}' is not UTF-8 text") from None
         docs += [line for line in text.splitlines() if line.strip()] if path.is_file() else [text]
     return docs
+
+
+def _mixed(train: Any) -> str:
+    """The start line's part that says how a Mixture draws its sources per epoch."""
+    if not isinstance(train, Mixture):
+        return ""
+    parts = [f"{name} {q} of {n}" for name, q, n in zip(train.names, train.quotas, train.lengths)]
+    return " · each epoch draws " + ", ".join(parts) + " (data.mixture)"

@@ -44,6 +44,7 @@ from .microbatch import Retry, check_auto, chunks
 from .options import resolve_options
 from .pipeline import PipelineStep
 from .plan import FitPlan, RunPlan, keep_horizon, run_length
+from .shares import SourceShares
 from .state import MetricStates, TrainState
 from .spikes import Rollback, SpikeGuard, keep_ledger, replan
 from .step import ModelCalls, Step, StepOptions, default_step
@@ -399,6 +400,7 @@ class Trainer:
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
         self._data.say = self.print  # a stream's notes go through the progress display
         self._data.position = lambda: self.state.batch_in_epoch  # what the loop trained (a prefetcher reads ahead)
+        self._shares = SourceShares(self._data)
         if self.world_size > 1:
             check_same_data(self._data, val_data, self.device)  # one all-reduce: ranks that differ stop now
         return FitPlan.for_data(self._data, self.cfg, self.plan, val_data)
@@ -559,9 +561,8 @@ class Trainer:
         log, out, state, signals, device = self.metrics_log, self.metrics_log.out, self.state, self._signals, self.device
         ckpt_every = self.cfg.checkpoint.every_steps
         on_step_end = self._run_callbacks.hooks["on_step_end"]
-        ema, flops = self.ema, self.flops
-        self.wrapped.train()
-        for m in self.models.values():
+        ema, flops, shares = self.ema, self.flops, self._shares
+        for m in (self.wrapped, *self.models.values()):
             m.train()
         # the bar counts optimizer steps, as the epoch's line does (a window starts at a multiple of accumulate)
         out.start_epoch(epoch, self.cfg.epochs, plan.epoch_len, initial=start, steps=plan.steps_per_epoch,
@@ -595,6 +596,7 @@ class Trainer:
                 continue
             values = window.finish()  # the optimizer step is counted
             out.advance()
+            shares.add(epoch, window.first, window.size)  # a Mixture's sources, for the logged row
             if self._spikes is not None:  # a spike: back to the snapshot, leaving Rollback for _loop
                 self._spikes.check(window.first, window.size, self.step.grad_norm, saving.states(self.fit_context))
             if ema is not None:
@@ -658,6 +660,7 @@ class Trainer:
             extra["grad_norm"] = float(self.step.grad_norm)
         if self.skipped_steps:
             extra["skipped_steps"] = self.skipped_steps
+        extra.update(self._shares.take())  # data/share/NAME of a Mixture: from the sampler's positions, no collective
         values = self.metrics_log.flush(self.global_step, epoch + 1, extra)  # epochs 1-based, as printed
         self.metrics_log.out.progress(batch, values)
         self._run_callbacks.call("on_log", self, values, "interval")
