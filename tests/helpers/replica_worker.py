@@ -2,7 +2,7 @@
 
     torchrig launch --replica-groups 2 --max-restarts 1 -- tests/helpers/replica_worker.py OUT KILL_AT
 
-Trains a linear regression (64 samples, 4 per group and step, 16 steps per epoch, 2 epochs, plain SGD) with
+Trains a linear regression (64 samples, 4 per group and step, 8 steps per epoch, 2 epochs, SGD with momentum) with
 ``dist.fault_tolerance=torchft``. Replica group 1 SIGKILLs itself at the end of step KILL_AT on its first start;
 torchrun starts it again and it copies group 0's state. Group 0 waits at step KILL_AT + 2 (bounded) until the
 replacement process exists, and then paces its steps (0.5 s each, bounded) until the replacement has joined, so
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-N, FEATURES, BATCH, EPOCHS, LR = 64, 4, 4, 2, 0.1
+N, FEATURES, BATCH, EPOCHS, LR, MOMENTUM = 64, 4, 4, 2, 0.05, 0.9
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -39,7 +39,7 @@ def model() -> nn.Module:
 
 
 def settings(run_dir: Path) -> dict:
-    return {"optimizer": "sgd", "lr": LR, "loss": "mse", "batch_size": BATCH, "epochs": EPOCHS, "shuffle": False,
+    return {"optimizer": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0, "loss": "mse", "batch_size": BATCH, "epochs": EPOCHS, "shuffle": False,
             "run_dir": str(run_dir), "metrics": [], "threads": 1, "scheduler": None, "log.progress": "none",
             "log.summary": False, "log.every_steps": 0, "checkpoint.every_epochs": 0, "checkpoint.save_final": False,
             "dist.fault_tolerance": "torchft", "dist.timeout": 60.0}
