@@ -2,8 +2,8 @@
 
 torchft (``pip install "torchrig[ft]"``) owns the protocol: its lighthouse (started by ``torchrig launch
 --replica-groups N``) forms a quorum of the live replica groups before every step; its ``Manager`` reconfigures
-the groups' process group, averages the gradients over the groups that take part (its ``DistributedDataParallel``
-wrapper's communication hook) and decides whether a step may be applied (its ``OptimizerWrapper``: ``should_commit``);
+the groups' process group, averages the gradients over the groups that take part (its ``allreduce``, which divides by
+the participants) and decides whether a step may be applied (its ``OptimizerWrapper``: ``should_commit``);
 a replacement copies a live replica's state over torchft's HTTP transport before its first step. torchrig hands it
 the state to copy (the model, optimizer, schedules, step counters and data position: what a checkpoint holds),
 counts each step's participants to weigh the loss, and says in one line which batches a step did not train.

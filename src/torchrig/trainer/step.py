@@ -351,7 +351,8 @@ class Step(ModelCalls):
         self._window_count, self._factor, self._samples_only = None, None, True
         # One whole micro-batch on one process: the window's count is its own, so its loss weighs exactly 1
         # and the gradients need no rescaling (no op; bitwise what a hand-written loop computes).
-        self._whole = self.window_size == 1 and self.grad_ranks == 1 and not self.cuts_batches and self.replicas is None
+        self._whole = (self.window_size == 1 and self.grad_ranks == 1 and not self.cuts_batches
+                       and self.replicas is None)
         self.grad_norm, self.stepped = None, False
         self.guard.begin_window()
 

@@ -125,9 +125,6 @@ class Trainer:
                 self._use_pipeline(step_fn, eval_fn, predict_fn)
             self.optimizers = build.build_optimizers(self._objects.get("optimizer"), model, self.cfg,
                                                      self.strategy, self.device, split=self.layout.sharded)
-            if self.replicas is not None and len(self.optimizers) > 1:
-                raise parallel.ReplicaGroupError(f"dist.fault_tolerance=torchft: {len(self.optimizers)} optimizers; "
-                                                 f"torchft commits one optimizer step per step: use one optimizer")
             self.loss_fn = losses.build_loss(self._objects.get("loss", self.cfg.loss), self.cfg.label_smoothing)
             self.fused_head = build.fused_head(model, self.cfg, self.loss_fn, self.layout, self.device)
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
@@ -243,8 +240,12 @@ class Trainer:
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
         grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") or self.replicas is not None else 1
         p = self.plan
-        optimizers = self.optimizers if self.replicas is None else \
-            {k: self.replicas.wrap_optimizer(o) for k, o in self.optimizers.items()}  # torchft applies or drops
+        optimizers = self.optimizers
+        if self.replicas is not None:  # torchft applies or drops each step's update
+            if len(optimizers) > 1:
+                raise parallel.ReplicaGroupError(f"dist.fault_tolerance=torchft: {len(optimizers)} optimizers; torchft "
+                                                 f"commits one optimizer step per step: use one optimizer")
+            optimizers = {k: self.replicas.wrap_optimizer(o) for k, o in optimizers.items()}
         return Step(self.wrapped, optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, p.batch_size, self.sched_interval,
                                             p.micro_batch_size),
