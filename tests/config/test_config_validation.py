@@ -172,6 +172,7 @@ BAD_VALUES = [
     ('dist.straggler_factor=0.5', 'a finite number > 1, got 0.5'),
     ('dist.straggler_steps=0', 'an integer >= 1, got 0'),
     ('dist.health_check=maybe', "true or false, got 'maybe'"),
+    ('dist.fault_tolerance=torchelastic', "one of none, torchft"),
     ('dist.fsdp_wrap={a: 1}', "a list of module class names, got {'a': 1}"),
     ('dist.fsdp_min_params=-1', 'an integer >= 0, got -1'),
     ('dist.fsdp_cpu_offload=maybe', "true or false, got 'maybe'"),

@@ -17,7 +17,8 @@ EXTRAS = {"torchvision": "vision", "pillow": "vision", "tensorboard": "tensorboa
           "transformers": "text", "timm": "timm", "datasets": "hf", "torchdata": "torchdata", "mlflow": "mlflow",
           "wandb": "wandb", "optuna": "tune", "onnx": "export", "onnxscript": "export", "onnxruntime": "export",
           "torchmetrics": "metrics", "ipywidgets": "notebook", "ray": "ray",
-          "peft": "finetune", "torchao": "finetune", "liger-kernel": "speed"}
+          "peft": "finetune", "torchao": "finetune", "liger-kernel": "speed",
+          "torchft": "ft"}
 
 
 def extras() -> dict[str, str]:

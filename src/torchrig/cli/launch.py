@@ -78,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--ifname", metavar="IFACE",
                    help="network interface the ranks talk over, e.g. eth0 or ib0: sets GLOO_SOCKET_IFNAME and "
                         "NCCL_SOCKET_IFNAME (default: loopback on one machine, the system's choice on several)")
+    f = p.add_argument_group("fault tolerance (torchft, with dist.fault_tolerance=torchft)")
+    f.add_argument("--replica-groups", "--replica_groups", type=int, metavar="N",
+                   help="start torchft's lighthouse (on 127.0.0.1; or use the one at $TORCHFT_LIGHTHOUSE) and N "
+                        "replica groups on this machine, each its own torchrun job of --nproc-per-node processes with "
+                        "its own --max-restarts: a lost group is restarted alone and copies a live group's state")
     r = p.add_argument_group("Ray (instead of torchrun)")
     r.add_argument("--ray", metavar="ADDRESS", help="run on Ray Train workers: the cluster's address, auto (this "
                                                     "machine's cluster, a KubeRay head) or ray://HEAD:10001")
@@ -97,6 +102,8 @@ EPILOG = """examples:
       --nproc-per-node 8 --ifname eth0 -- train config.yaml
   # elastic: restart after a failure, resuming from the latest checkpoint
   torchrig launch --nproc-per-node 8 --max-restarts 3 -- train config.yaml
+  # two replica groups that train on when one is lost (torchft); each restarted up to 3 times
+  torchrig launch --replica-groups 2 --max-restarts 3 -- train config.yaml --set dist.fault_tolerance=torchft
   # on a Ray cluster (ray start, KubeRay): 4 Ray Train workers
   torchrig launch --ray auto --workers 4 -- train config.yaml
 """
@@ -426,6 +433,8 @@ def _cmd_ray(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _cmd_ray(args)
+    if args.replica_groups is not None:
+        return _cmd_replicas(args)
     if args.workers is not None:
         print("torchrig launch: error: --workers goes with --ray; torchrun's processes are --nproc-per-node",
               file=sys.stderr)
@@ -468,3 +477,84 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"torchrig launch: error: {type(exc).__name__}: {first} (run with --debug for the traceback)",
               file=sys.stderr)
         return 1
+
+
+# ----------------------------------------------------------------------------- replica groups (torchft)
+
+ENV_GROUPS_MARK = "TORCHRIG_REPLICA_GROUPS"  # set for the workers of --replica-groups: they need the torchft key
+
+
+def _replica_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """Each replica group's torchrun argv and environment (the same for every group), checked."""
+    if args.replica_groups < 1:
+        raise LaunchError(f"--replica-groups {args.replica_groups}: give a number >= 1")
+    if str(args.nnodes) != "1" or args.rdzv_backend:
+        raise LaunchError("--replica-groups starts every group on this machine: leave out --nnodes and "
+                          "--rdzv-backend (each group is one torchrun job of its own)")
+    if args.master_port is not None:
+        raise LaunchError("--master-port with --replica-groups: each group's rendezvous picks a free loopback port; "
+                          "leave it out")
+    return build(args)
+
+
+def _start_lighthouse(groups: int) -> tuple[object, str]:
+    """torchft's lighthouse on 127.0.0.1, or none when $TORCHFT_LIGHTHOUSE names one already: (server, address).
+    A quorum needs one live group; it waits for a group that still heartbeats (5 s) before going on without it."""
+    given = os.environ.get("TORCHFT_LIGHTHOUSE")
+    if given:
+        return None, given
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError:
+        raise LaunchError('--replica-groups needs torchft: pip install "torchrig[ft]"') from None
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60_000)
+    port = server.address().rsplit(":", 1)[-1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _run_groups(argv: list[str], env: dict[str, str], groups: int, lighthouse: str) -> list[int]:
+    """One ``launch`` per replica group, each in a process of its own; their exit codes, in group order."""
+    import json
+    import subprocess
+
+    code = "import json, sys; from torchrig.cli.launch import launch; sys.exit(launch(json.loads(sys.argv[1]), {}))"
+    procs = []
+    for g in range(groups):
+        group_env = dict(os.environ, **env, REPLICA_GROUP_ID=str(g), NUM_REPLICA_GROUPS=str(groups),
+                         TORCHFT_LIGHTHOUSE=lighthouse, **{ENV_GROUPS_MARK: str(groups)})
+        procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(argv)], env=group_env))
+    try:
+        return [p.wait() for p in procs]
+    finally:
+        for p in procs:  # a signal to the launcher: the groups end with it
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+
+
+def _cmd_replicas(args: argparse.Namespace) -> int:
+    """``--replica-groups N``: the lighthouse, then N torchrun jobs; the launch fails if any group failed for good."""
+    try:
+        argv, env = _replica_args(args)
+        if args.dry_run:
+            print(f"torchft lighthouse on 127.0.0.1; {args.replica_groups} replica group(s), each: "
+                  f"{shlex.quote(sys.executable)} -m torch.distributed.run " + " ".join(shlex.quote(a) for a in argv))
+            return 0
+        server, address = _start_lighthouse(args.replica_groups)
+    except LaunchError as exc:
+        print(f"torchrig launch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        codes = _run_groups(argv, env, args.replica_groups, address)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server is not None:
+            server.shutdown()
+    failed = [(g, c) for g, c in enumerate(codes) if c != 0]
+    if failed:
+        print("torchrig launch: error: " + "; ".join(f"replica group {g} ended with exit code {c}" for g, c in failed)
+              + " (its output is above)", file=sys.stderr)
+        return failed[0][1]
+    return 0

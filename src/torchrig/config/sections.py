@@ -302,6 +302,11 @@ class DistConfig:
         False, BOOL, "before training: time a matmul and an allocation on every device, a ring exchange and an "
                      "all-reduce between the ranks, and stop, naming a device or host under half the others' median "
                      "(torchrig doctor --gpus)")
+    fault_tolerance: str = key(
+        "none", choice("none", "torchft"),
+        "torchft: data-parallel replica groups (torchrig launch --replica-groups N, one process each) train on when "
+        "one is lost, which torchrun restarts and which copies a live group's state; a lost group's share of a step "
+        "is skipped, said in one line (docs/scaling-out.md); none: a lost process stops the run")
 
 
 def _degree(v: Any) -> int:

@@ -16,12 +16,14 @@ from . import tp as tensor_parallel
 from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
 from .pipeline import MicroBatch, Pipeline, PipelineStageError, StageOutput, plan_stages
+from .replicas import Replicas, ReplicaGroupError
 from .wrap import average_gradients, buckets, flat_collective, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model
 
 __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES", "Layout", "ParallelConfigError",
            "build_layout", "resolve_degrees", "split_model", "split_pipeline", "shard_stages", "data_parallel_mesh",
            "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets", "flat_collective",
-           "MicroBatch", "Pipeline", "PipelineStageError", "StageOutput", "plan_stages", "loss"]
+           "MicroBatch", "Pipeline", "PipelineStageError", "StageOutput", "plan_stages", "loss",
+           "Replicas", "ReplicaGroupError", "replicas"]
 
 
 def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.device) -> nn.Module:

@@ -23,7 +23,7 @@ from ..data.iterable import IterableBatches
 from ..metrics import Metric
 from ..observe.metrics_logger import MetricsLogger
 from ..optim.ema import EMA
-from ..parallel import Layout
+from ..parallel import Layout, Replicas
 from ..runtime import Precision, StopSignal
 from .callbacks import Callbacks, EarlyStopping
 from .plan import RunPlan
@@ -64,6 +64,7 @@ class FitContext:
     say: Callable[[str], None]      # one line for the user, from the main process
     notify: Callable[..., None]     # notify(hook, *args): the fit's callbacks, given the Trainer
     base: Optional[dict] = None     # peft adapters: the base model's identity (optim.adapters.identity), else None
+    replicas: Optional[Replicas] = None  # dist.fault_tolerance=torchft: parallel.Replicas (its manager's counters are saved)
 
     @property
     def sharded(self) -> bool:

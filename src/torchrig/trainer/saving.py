@@ -39,7 +39,41 @@ def states(c: FitContext) -> dict[str, Any]:
         **({"ema": c.ema} if c.ema is not None else {}),
         "micro_batch": c.windows,  # the size data.micro_batch_size=auto settled on
         **({"spikes": c.spikes} if c.spikes is not None else {}),  # the spike check's recent steps
+        **({"torchft": c.replicas} if c.replicas is not None else {}),  # torchft's manager: its step counters
     }
+
+
+# What a replica group keeps of its own when it copies a live one's state: its random stream, its manager's counters
+# (torchft sets them), and the EMA (its weights are a file of their own in checkpoints).
+NOT_COPIED = ("rng", "torchft", "ema")
+
+
+def live_state(c: FitContext) -> dict:
+    """What a replacement replica group copies from a live one (``dist.fault_tolerance=torchft``): the checkpoint's
+    state without :data:`NOT_COPIED`, its data position included, as plain state dicts."""
+    c.state.samples_in_epoch = c.data.samples_before(c.state.batch_in_epoch)
+    out = {k: s.state_dict() for k, s in states(c).items() if k not in ("optimizers", *NOT_COPIED)}
+    out["optimizers"] = {k: o.state_dict() for k, o in c.optimizers.items()}
+    return out
+
+
+def load_live_state(c: FitContext, state: dict) -> None:
+    """Take a live replica group's :func:`live_state`, as a resume takes a checkpoint's."""
+    restored = states(c)
+    c.model.load_state_dict(state["model"])
+    for k, opt in c.optimizers.items():
+        opt.load_state_dict(state["optimizers"][k])
+        opt._opt_called = True  # it has stepped before: no "scheduler.step() before optimizer.step()"
+    for k, obj in restored.items():
+        if k not in ("model", "optimizers", *NOT_COPIED) and k in state:
+            obj.load_state_dict(state[k])
+
+
+def live_position(c: FitContext) -> tuple[int, int]:
+    """The (epoch, micro-batch) a replica group goes on from after :func:`load_live_state`."""
+    epoch, batch, _ = c.state.resume_at(c.world_size, lambda n: c.data.batch_after(n, c.plan.accumulate),
+                                        c.data.samples_before, getattr(c.data, "why_not_elsewhere", ""))
+    return epoch, batch
 
 
 def save(c: FitContext, metrics: Optional[dict] = None, final: bool = False) -> Optional[Path]:

@@ -271,7 +271,7 @@ class Step(ModelCalls):
                  schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
                  groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto",
-                 fused_head: Any = None):
+                 fused_head: Any = None, replicas: Any = None):
         super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
                          loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim,
                          fused_head=fused_head)
@@ -291,6 +291,7 @@ class Step(ModelCalls):
         self.guard = NonFiniteGuard(o.on_nonfinite, device, self.world_size, model,
                                     agree=groups.dp_size() < self.world_size, host=self.spread or None)
         self.before_update = before_update
+        self.replicas = replicas  # dist.fault_tolerance=torchft: parallel.Replicas weighs and commits each step
         self._reduce_op = "all_reduce" if isinstance(model, nn.parallel.DistributedDataParallel) else "reduce_scatter"
         self.norm_group = groups.pipeline if groups.pipelined else None  # stages' norms make the norm clipped by
         # the micro-batch under way (begin_micro_batch)
@@ -341,6 +342,8 @@ class Step(ModelCalls):
         global count needs no all-reduce and a full window no rescaling at all. ``grad_norm``: measure the
         gradient norm even without clipping."""
         self.window_size, self.window_samples, self.epoch, self.want_grad_norm = size, samples, epoch, grad_norm
+        if self.replicas is not None:  # torchft: the replica groups of this step, a replacement healed before it
+            self.replicas.begin_step()
         self.restart_window()
 
     def restart_window(self) -> None:
@@ -348,7 +351,8 @@ class Step(ModelCalls):
         self._window_count, self._factor, self._samples_only = None, None, True
         # One whole micro-batch on one process: the window's count is its own, so its loss weighs exactly 1
         # and the gradients need no rescaling (no op; bitwise what a hand-written loop computes).
-        self._whole = self.window_size == 1 and self.grad_ranks == 1 and not self.cuts_batches
+        self._whole = (self.window_size == 1 and self.grad_ranks == 1 and not self.cuts_batches
+                       and self.replicas is None)
         self.grad_norm, self.stepped = None, False
         self.guard.begin_window()
 
@@ -500,7 +504,10 @@ class Step(ModelCalls):
         when the window is one whole micro-batch on one process (its count is the global one)."""
         if (self._factor is None and self.loss_normalization != "micro_batches" and self._window_count is not None
                 and not self._whole):
-            if self.window_samples is not None and self._samples_only:
+            if self.replicas is not None:  # the groups that took part in this step, counted by torchft's manager
+                self._factor = self.replicas.window_factor(self._window_count, self.count_unit, self.device,
+                                                           self.global_step + 1, self._where())
+            elif self.window_samples is not None and self._samples_only:
                 # sample counts whose global sum the sampler knows: the factor is a Python number (1.0, no op,
                 # for full batches), the same on every rank, with no all-reduce and no copy to the device
                 self._factor = self.grad_ranks * self.count_unit / max(self.window_samples, 1)
@@ -524,6 +531,8 @@ class Step(ModelCalls):
             self.before_update(opt)
         factor = self._window_factor()  # its all-reduce runs before any rank may reject the window
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if self.replicas is not None:  # torchft: the mean over the replica groups of this step
+            self.replicas.average([p.grad for p in params])
         if factor is not None:  # before unscale (linear: the same result), clipping and the finite check
             normalize.scale_gradients([p.grad for p in params], factor)
         scaler = self.precision.scaler
@@ -536,9 +545,10 @@ class Step(ModelCalls):
             self.guard.note_scaler(scaler, opt)
         elif not self.guard.apply(opt, params, self._clip(params), self._where):
             return False
+        applied = self.replicas is None or self.replicas.committed(self._where())  # torchft may drop the update
         opt.zero_grad(set_to_none=True)
-        self.stepped = True
-        return True
+        self.stepped = applied
+        return applied
 
     def _where(self) -> str:
         return f"optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, batch {self.batch_index + 1})"

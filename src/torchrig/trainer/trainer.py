@@ -12,6 +12,7 @@ mapping of ``saving.states``. The validated config is never written to: what the
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -151,9 +152,27 @@ class Trainer:
         self.strategy = self.layout.strategy
         groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
         self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
+        self.replicas = self._replica_group()
+        if self.replicas is not None:  # the data is split over the replica groups; only group 0 writes
+            self.dp_rank, self.dp_size = self.replicas.group, self.replicas.groups
+            self.is_main = self.is_main and self.replicas.group == 0
         self.state.world_size = self.world_size
         self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1,
                                    cuda=self.device.type == "cuda")
+
+    def _replica_group(self) -> Optional[parallel.Replicas]:
+        """``dist.fault_tolerance=torchft``: this process's replica group (``parallel/replicas.py``), else None."""
+        d = self.cfg.dist
+        if d.fault_tolerance != "torchft":
+            if os.environ.get("TORCHRIG_REPLICA_GROUPS"):  # set by torchrig launch --replica-groups
+                raise parallel.ReplicaGroupError(
+                    "torchrig launch --replica-groups started this process as one of several replica groups, but "
+                    "dist.fault_tolerance is none: set dist.fault_tolerance=torchft, or launch without --replica-groups")
+            return None
+        parallel.replicas.check_composition(self.world_size, self.strategy, self.layout, self.cfg)
+        group, groups, lighthouse = parallel.replicas.from_environment()
+        say = print if self.rank == 0 else (lambda _line: None)
+        return parallel.Replicas(group, groups, lighthouse, self.device, d.timeout, say)
 
     def _use_pipeline(self, step_fn: Optional[Callable], eval_fn: Optional[Callable],
                       predict_fn: Optional[Callable]) -> None:
@@ -201,7 +220,10 @@ class Trainer:
         """Claim, lock and check the run directory (``fit`` does this first; call it to write files there
         before). Without ``run_dir`` a new numbered directory ``runs/default/N`` is used."""
         new_run = self.cfg.resume is None and runtime.restart_count() == 0
-        path = self._run.open(self.cfg.run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
+        run_dir = self.cfg.run_dir
+        if self.replicas is not None and self.replicas.group > 0:  # group 0 writes the run; the others lock their own
+            run_dir = str(Path(run_dir) / "replicas" / str(self.replicas.group))
+        path = self._run.open(run_dir, "runs/default", new_run, self.cfg.overwrite, say=self.print,
                               newest=self.cfg.resume in ("latest", "best"))
         self._run_dir = path
         return path
@@ -217,16 +239,23 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
-        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
+        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") or self.replicas is not None else 1
         p = self.plan
-        return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
+        optimizers = self.optimizers
+        if self.replicas is not None:  # torchft applies or drops each step's update
+            if len(optimizers) > 1:
+                raise parallel.ReplicaGroupError(f"dist.fault_tolerance=torchft: {len(optimizers)} optimizers; torchft "
+                                                 f"commits one optimizer step per step: use one optimizer")
+            optimizers = {k: self.replicas.wrap_optimizer(o) for k, o in optimizers.items()}
+        return Step(self.wrapped, optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, p.batch_size, self.sched_interval,
                                             p.micro_batch_size),
                     models=self.models, metrics=metrics, state=self.state, schedulers=self.schedulers,
                     io=O.ModelIO.from_config(self.cfg), groups=self.layout.groups, before_update=before_update,
                     loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
                                                         self.loss_fn),
-                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head)
+                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head,
+                    replicas=self.replicas)
 
     def _synced(self) -> list:
         """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
@@ -455,7 +484,10 @@ class Trainer:
             data=self._data, ema=self.ema, spikes=self._spikes, signals=self._signals, run_dir=self.run_dir,
             config_builds_model=self.config_builds_model, say=self.print,
             notify=lambda hook, *args: self._run_callbacks.call(hook, self, *args),
-            base=self.adapted.base if self.adapted is not None else None)
+            base=self.adapted.base if self.adapted is not None else None, replicas=self.replicas)
+        if self.replicas is not None:  # what a replacement replica group copies from a live one
+            self.replicas.serve(lambda: saving.live_state(self.fit_context),
+                                lambda state: saving.load_live_state(self.fit_context, state))
 
     def _restore(self, plan: FitPlan) -> bool:
         """Resume from a checkpoint if asked (or after a torchrun restart); True if the run already finished."""
@@ -474,6 +506,8 @@ class Trainer:
                 self.print(note)
             if restarts > 0 and self.resumed_from is not None:
                 self.print(f"torchrig: restart {restarts} by torchrun; resumed from {self.resumed_from}")
+        if self.replicas is not None:
+            plan.start = self._join_replicas(plan.start)
         if self.is_main:  # the rollbacks of the state resumed (none on a fresh start): see spikes.keep_ledger
             excluded = getattr(getattr(plan.batches, "sampler", None), "excluded", None)  # no collective, no read
             keep_ledger(self.run_dir, [] if excluded is None else excluded.tolist())
@@ -505,6 +539,18 @@ class Trainer:
                       if self.device.type == "cuda" else "")
                    + (f" · resumed at step {self.global_step}" if self.global_step else ""))
         return False
+
+    def _join_replicas(self, start: tuple[int, int]) -> tuple[int, int]:
+        """The first quorum of the replica groups: a group behind the live ones copies their state there and goes
+        on from their position; one line says so."""
+        before = self.global_step
+        if self.replicas.join() is None or self.global_step == before:  # step 0: torchft's first weight sync
+            return start
+        epoch, batch = saving.live_position(self.fit_context)
+        print(f"torchrig: replica group {self.replicas.group} joined the live replica group(s) at step "
+              f"{self.global_step} (epoch {epoch + 1}, batch {batch}): copied their model, optimizer, schedules, "
+              f"counters and data position (it had reached step {before})", flush=True)
+        return epoch, batch
 
     def _loop(self, plan: FitPlan) -> tuple[dict, str]:
         """Epochs until the end, ``max_steps``, early stop or a signal; returns (last val metrics, why stopped).
@@ -781,6 +827,9 @@ class Trainer:
     def close(self) -> None:
         """Release the run directory and destroy the process group this Trainer created (also done at exit)."""
         self._run.close()
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.close()
+            self.replicas = None
         if self.metrics_log is not None:  # the tracker runs end here: test metrics may follow fit
             self.metrics_log.out.finish()
         if self._owns_group:
