@@ -112,3 +112,55 @@ def test_what_replica_groups_do_not_compose_with_is_refused_in_one_line():
 def test_replica_group_launch_errors(args, message):
     r = dist_procs.torchrig(["launch", *args, "--", "train"], timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+class _Payload:
+    ran: list = []
+
+    def __reduce__(self):
+        return (_Payload.ran.append, ("unpickled",))
+
+
+def test_a_replacement_copies_tensors_and_unpickles_nothing_else(tmp_path):
+    """The state a live group serves is read back with weights_only=True: a crafted one runs no code in the
+    replacement (torchft's own reader would unpickle it), and the plain state torchrig serves still comes back."""
+    import http.server
+    import threading
+    from datetime import timedelta
+    from io import BytesIO
+
+    pytest.importorskip("torchft")
+    from torch.distributed._serialization import _streaming_save
+
+    from torchrig.parallel.replicas import _tensors_only_transport
+
+    def served(obj) -> bytes:
+        buf = BytesIO()
+        _streaming_save(obj, buf)
+        return buf.getvalue()
+
+    bodies = {"/crafted": served({"model": _Payload()}),
+              "/plain": served({"model": {"w": torch.arange(3.0)}, "state": {"step": 7, "lr": [0.1], "ok": True}})}
+
+    class Serve(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(bodies[self.path])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base, transport = f"http://127.0.0.1:{server.server_address[1]}", _tensors_only_transport(timedelta(seconds=30))
+    try:
+        with pytest.raises(Exception, match="Unsupported global"):
+            transport._load_from_address(f"{base}/crafted", timedelta(seconds=30))
+        assert _Payload.ran == []
+        plain = transport._load_from_address(f"{base}/plain", timedelta(seconds=30))
+        assert torch.equal(plain["model"]["w"], torch.arange(3.0)) and plain["state"] == {"step": 7, "lr": [0.1],
+                                                                                         "ok": True}
+    finally:
+        server.shutdown()
+        transport.shutdown(wait=False)

@@ -90,6 +90,24 @@ def _advertise(lighthouse: str) -> dict:
     return {"hostname": "127.0.0.1"} if host in ("127.0.0.1", "localhost", "::1") else {}
 
 
+def _tensors_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport of a live group's state, read back with ``weights_only=True``: a replacement
+    copies tensors, numbers, strings and containers of them (what torchrig's state dicts hold) and unpickles nothing
+    else, so a peer that serves a crafted state cannot run code in it (torchft's own reader unpickles anything)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class TensorsOnly(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return TensorsOnly(timeout=timeout, num_chunks=0)
+
+
 class Replicas:
     """This process's replica group under torchft: its ``Manager`` (one per process, its process group
     reconfigured at each quorum), the wrappers that route the gradients and the update through it, and the record
@@ -110,6 +128,7 @@ class Replicas:
         wait = timedelta(seconds=timeout)
         pg = torchft.ProcessGroupNCCL(wait) if device.type == "cuda" else torchft.ProcessGroupGloo(wait)
         self.manager = torchft.Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
+                                       checkpoint_transport=_tensors_only_transport(wait),
                                        use_async_quorum=False, timeout=wait, quorum_timeout=wait,
                                        connect_timeout=wait, lighthouse_addr=lighthouse,
                                        replica_id=f"torchrig_replica_{group}", **_advertise(lighthouse))
