@@ -61,7 +61,9 @@ def summary(trainer: Any) -> str:
     if trainer.step is not None:
         trainer.step.settle()  # windows decided on the device, read once here
     if trainer.skipped_steps:
-        parts.append(f"{trainer.skipped_steps} skipped (non-finite values or an fp16 overflow)")
+        why = "a replica group was lost during them" if trainer.cfg.dist.fault_tolerance == "torchft" else \
+            "non-finite values or an fp16 overflow"
+        parts.append(f"{trainer.skipped_steps} skipped ({why})")
     best = trainer.checkpoints.index.get("best") or []
     name = trainer.monitor.name
     if best and name:
