@@ -26,6 +26,7 @@ from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..config.files import atomic_file, make_dir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
+from ..data.batches import signature
 from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
@@ -129,6 +130,9 @@ class Trainer:
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
             self._start_lines += build.speed_lines(model, self.cfg, self.device, self.fused_head, metrics)
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
+            if self.layout.context is not None:  # parallel.cp: what the ring cannot run, said before any step
+                self.layout.context.check_model(model, self.cfg.loss_normalization,
+                                                signature(model).accepts("position_ids"))
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
             raise
@@ -149,7 +153,8 @@ class Trainer:
         self.layout = parallel.build_layout(cfg.parallel, d.strategy, self.world_size, self.device)
         self.strategy = self.layout.strategy
         groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
-        self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
+        # the sampler's shard: context-parallel ranks (parallel.cp) split the sequences of one shard's samples
+        self.dp_rank, self.dp_size = groups.sample_rank(), groups.sample_ranks()
         self.state.world_size = self.world_size
         self.plan = RunPlan.derive(cfg, self.dp_size, self.world_size, pipelined=self.layout.pp > 1,
                                    cuda=self.device.type == "cuda")
@@ -216,7 +221,7 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
-        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") else 1
+        grad_ranks = self.layout.groups.dp_size() if self.strategy in ("ddp", "fsdp") else 1  # cp ranks too
         p = self.plan
         return Step(self.wrapped, self.optimizers, self.loss_fn, self.precision, self.device,
                     StepOptions.from_config(self.cfg, grad_ranks, p.batch_size, self.sched_interval,
@@ -225,7 +230,8 @@ class Trainer:
                     io=O.ModelIO.from_config(self.cfg), groups=self.layout.groups, before_update=before_update,
                     loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
                                                         self.loss_fn),
-                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head)
+                    fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head,
+                    cp=self.layout.context)
 
     def _synced(self) -> list:
         """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
@@ -754,7 +760,7 @@ class Trainer:
         seen = self.step.class_dim if self.step is not None else None  # the class dimension this fit found
         return ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
                           metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
-                          predict_outputs=outputs, class_dim=seen or self.cfg.class_dim)
+                          predict_outputs=outputs, class_dim=seen or self.cfg.class_dim, cp=self.layout.context)
 
     def _first_samples(self, data: Any, n: int = 1) -> Any:
         """The first ``n`` samples of ``data`` as one evaluation batch on the device (padding forwards of a rank
