@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torchrig
+from torchrig import parallel
 
 from helpers import dist_procs
 from helpers import cp_worker as W
@@ -94,3 +95,91 @@ def test_checkpoints_resume_across_cp_degrees(runs, tmp_path):
     assert steps == 20 and worst(got, whole) < 1e-5
     t = fit_one(tmp_path / "cp2-to-one", epochs=2, resume=str(runs / "cp2" / "checkpoints" / "step-00000007"))
     assert t.global_step == 20 and worst(W.params(t.model), whole) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- one-line refusals
+class _Mesh:
+    """A two-rank cp mesh's size, for what is decided before any collective."""
+
+    def size(self):
+        return 2
+
+    def get_group(self):
+        return None
+
+
+def _cp():
+    return parallel.ContextParallel(_Mesh())
+
+
+def _refused(fn) -> str:
+    with pytest.raises(parallel.ParallelConfigError) as err:
+        fn()
+    return str(err.value)
+
+
+def test_sequences_that_2cp_does_not_divide_and_padding_masks_are_refused_in_one_line():
+    cp = _cp()
+    batch = {"input_ids": torch.zeros(2, 25, dtype=torch.long), "labels": torch.zeros(2, 25, dtype=torch.long)}
+    assert _refused(lambda: cp.prepare(batch, "labels")) == (
+        "config key 'parallel.cp': 2 cuts each sequence into 2 × 2 equal chunks (the load-balanced ring), but the "
+        "sequences are 25 tokens long; make them 24 or 28 tokens long (a multiple of 4), or set parallel.cp=1")
+    padded = {"input_ids": torch.zeros(2, 24, dtype=torch.long), "attention_mask": torch.ones(2, 24)}
+    padded["attention_mask"][1, 20:] = 0
+    assert "attention_mask masks padding" in _refused(lambda: cp.prepare(padded))
+    assert "but the batch is a dict with keys ['x', 'y']" in _refused(
+        lambda: cp.prepare({"x": torch.zeros(2, 24), "y": torch.zeros(2)}))
+
+
+def test_prepare_copies_the_sequences_adds_positions_and_shifts_a_causal_lms_labels():
+    """An all-ones mask is dropped; the loaded batch is not touched (the split happens in place on copies);
+    positions are those of the whole rows; a model that shifts its labels gets them shifted before the split."""
+    cp = _cp()
+    ids = torch.arange(8).view(2, 4) + 10
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 4), "n": 3}
+    local, buffers = cp.prepare(batch, "labels", shift=True)
+    assert sorted(local) == ["input_ids", "labels", "n", "position_ids", "shift_labels"]
+    assert local["labels"] is local["shift_labels"] and local["labels"].tolist() == [[11, 12, 13, -100],
+                                                                                     [15, 16, 17, -100]]
+    assert local["position_ids"].tolist() == [[0, 1, 2, 3]] * 2 and local["input_ids"] is not ids
+    assert len(buffers) == 3 and all(b.is_contiguous() for b in buffers)
+    assert ids.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17]]
+
+
+def test_models_whose_attention_the_ring_cannot_split_are_refused_naming_the_module():
+    cp = _cp()
+
+    class WithMHA(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(8, 2)})
+
+        def forward(self, input_ids, position_ids=None):
+            return input_ids
+
+    assert "block.attn is an nn.MultiheadAttention" in _refused(lambda: cp.check_model(WithMHA(), "auto", True))
+    eager = W.TinyLM()
+    eager.config = type("Config", (), {"_attn_implementation": "eager"})()
+    assert "TinyLM runs attention_implementation='eager'" in _refused(lambda: cp.check_model(eager, "auto", True))
+    assert "forward takes no position_ids" in _refused(lambda: cp.check_model(W.TinyLM(), "auto", False))
+    assert _refused(lambda: cp.check_model(W.TinyLM(), "samples", True)).startswith(
+        "config key 'loss_normalization': samples under parallel.cp=2")
+    cp.check_model(W.TinyLM(), "tokens", True)  # SDPA, positions from the batch: accepted
+
+
+@pytest.mark.parametrize("degrees, named", [
+    ({"tp": 2}, "config key 'parallel.cp': 2 with tp=2 is not supported yet"),
+    ({"pp": 2}, "config key 'parallel.cp': 2 with pp=2 is not supported yet"),
+    ({"dp_replicate": 2, "dp_shard": 2}, "config key 'parallel.cp': 2 with dp_replicate=2 with dp_shard=2 (HSDP)"),
+])
+def test_compositions_not_tested_with_cp_are_refused(degrees, named):
+    from types import SimpleNamespace
+
+    p = SimpleNamespace(**{"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 2, **degrees})
+    world = 2 * degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
+    assert _refused(lambda: parallel.build_layout(p, "auto", world, torch.device("cpu"))).startswith(named)
+    p = SimpleNamespace(dp_replicate="auto", dp_shard="auto", tp=1, pp=1, cp=2)
+    assert "dist.strategy': 'none' cannot average the gradients of the parallel.cp=2 ranks" in _refused(
+        lambda: parallel.build_layout(p, "none", 2, torch.device("cpu")))
+    assert parallel.resolve_degrees(p, "fsdp", 8) == {"dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1,
+                                                                 "pp": 1}

@@ -26,7 +26,6 @@ from ..checkpoint import CheckpointManager, finish_saves
 from ..checkpoint.rundir import RunDir
 from ..config.files import atomic_file, make_dir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
-from ..data.batches import signature
 from ..data.common import is_iterable_source
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
@@ -130,9 +129,6 @@ class Trainer:
             metrics = get_metrics(self._objects.get("metrics", self.cfg.metrics))  # a misspelt name fails here
             self._start_lines += build.speed_lines(model, self.cfg, self.device, self.fused_head, metrics)
             self.ema = build_ema(self.cfg, self.model)  # None unless ema_decay is set
-            if self.layout.context is not None:  # parallel.cp: what the ring cannot run, said before any step
-                self.layout.context.check_model(model, self.cfg.loss_normalization,
-                                                signature(model).accepts("position_ids"))
         except BaseException:
             self.close()  # a failed set-up must not leave a process group (and its peers) waiting
             raise
