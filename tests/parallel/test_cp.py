@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_cp2_equals_one_process_over_20_adamw_steps(runs):
     """cp=2 (DDP over the two cp ranks, one sample shard): the logged loss of each of the 20 steps and the final
     parameters within 1e-5 of one process; evaluation's loss equal, predictions gathered back in sequence order."""
@@ -66,6 +67,7 @@ def test_cp2_equals_one_process_over_20_adamw_steps(runs):
     assert [(s["sample_rank"], s["sample_ranks"], s["strategy"]) for s in seen] == [(0, 1, "ddp"), (0, 1, "ddp")]
 
 
+@pytest.mark.slow
 def test_the_split_is_pytorchs_load_balanced_one_and_gathers_back_in_order(runs):
     """A row of 24 positions on 2 ranks: rank 0 holds chunks 0 and 3 of 4, rank 1 chunks 1 and 2 (PyTorch's
     head-tail load balancer), the position ids say so, the loaded batch is left whole, and the gather restores it."""
@@ -76,6 +78,7 @@ def test_the_split_is_pytorchs_load_balanced_one_and_gathers_back_in_order(runs)
     assert all(t["whole_equal"] and t["loaded_left"] == W.SEQ for t in trips)
 
 
+@pytest.mark.slow
 def test_dp_shard_and_dp_replicate_with_cp2_equal_one_process(runs):
     """Four processes, two sample shards of 2 × two cp ranks: FSDP2 over the flattened (dp_shard, cp) sub-mesh and
     DDP over (dp_replicate, cp) each end within 1e-5 of one process, step by step and in the final parameters."""
@@ -87,6 +90,7 @@ def test_dp_shard_and_dp_replicate_with_cp2_equal_one_process(runs):
         assert worst(got, whole) < 1e-5, name
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_across_cp_degrees(runs, tmp_path):
     """One process's checkpoint of step 7 resumed at cp=2, and cp=2's resumed in one process: each ends within 1e-5
     of the uninterrupted one-process run."""
