@@ -49,7 +49,7 @@ BAD_FIELDS = [
     ({"world_size": 4, "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "world_size": 4}},
      "field 'layout' is {'dp_replicate': 1, 'dp_shard': 2, 'tp': 1, 'pp': 1, 'world_size': 4}, whose degrees "
      "(dp_replicate=1 × dp_shard=2 × tp=1 × pp=1) make 2 processes, not its world size 4"),
-    ({"layout": [2, 2]}, "field 'layout' is [2, 2], not a mapping of degrees (dp_replicate, dp_shard, tp, pp, "
+    ({"layout": [2, 2]}, "field 'layout' is [2, 2], not a mapping of degrees (dp_replicate, dp_shard, cp, tp, pp, "
                          "world_size)"),
     ({"world_size": "2"}, "field 'world_size' is '2', not a number of processes (an integer from 1 to 1048576)"),
     ({"step": -1}, "field 'step' is -1, not a step count (an integer from 0 to 9007199254740992)"),
@@ -80,8 +80,8 @@ def test_a_forged_layout_is_refused_by_a_resume_not_printed(checkpoint, make_tra
 
 def test_fields_no_load_uses_and_a_later_layout_key_are_left_alone(checkpoint):
     _forge(checkpoint, precision=["anything"], epoch="x",
-           layout={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "world_size": 1, "cp": "later"})
-    assert read_meta(checkpoint)["layout"]["cp"] == "later"
+           layout={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "world_size": 1, "ep": "later"})
+    assert read_meta(checkpoint)["layout"]["ep"] == "later"
 
 
 def test_a_deeply_nested_meta_json_is_named_not_state_pt(checkpoint):

@@ -182,6 +182,7 @@ BAD_VALUES = [
     ('parallel.dp_replicate=0', "an integer >= 1, -1 (the rest) or 'auto', got 0"),
     ('parallel.dp_shard=half', "an integer >= 1, -1 (the rest) or 'auto', got 'half'"),
     ('parallel.tp=-2', "an integer >= 1, or -1 for the ranks the other degrees leave, got -2"),
+    ('parallel.cp=0', "an integer >= 1, or -1 for the ranks the other degrees leave, got 0"),
     ('parallel.pp=1.5', "an integer >= 1, or -1 for the ranks the other degrees leave, got 1.5"),
     ('parallel.tp_plan=everything', "'auto' or a mapping of module-name patterns to styles or null, got 'everything'"),
     ('parallel.loss_parallel=maybe', "true, false or 'auto', got 'maybe'"),

@@ -31,7 +31,7 @@ TRAINER_KEYWORDS = {
     "monitor_mode": "checkpoint.mode", "log_every": "log.every_steps", "progress": "log.progress",
     "tensorboard": "log.tensorboard", "plot": "log.plot", "trackers": "log.trackers", "flops": "log.flops", "summary": "log.summary",
     "strategy": "dist.strategy", "dp_replicate": "parallel.dp_replicate", "dp_shard": "parallel.dp_shard",
-    "tp": "parallel.tp", "tp_plan": "parallel.tp_plan", "loss_parallel": "parallel.loss_parallel",
+    "cp": "parallel.cp", "tp": "parallel.tp", "tp_plan": "parallel.tp_plan", "loss_parallel": "parallel.loss_parallel",
     "pp": "parallel.pp", "pp_split": "parallel.pp_split",
     "pp_schedule": "parallel.pp_schedule", "pp_stages_per_rank": "parallel.pp_stages_per_rank",
     "sync_batchnorm": "dist.sync_batchnorm", "backend": "dist.backend",

@@ -16,7 +16,7 @@ from typing import Any
 
 MAX_PROCESSES = 1 << 20  # a degree or a world size: no job has more processes
 MAX_STEP = 1 << 53  # a step count (exact as a float, as JSON readers elsewhere hold it)
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # a layout's degrees (parallel.mesh.DEGREES, which writes them)
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # a layout's degrees (parallel.mesh.DEGREES, which writes them)
 STRATEGIES = ("none", "ddp", "fsdp", "dp")  # the data-parallel wrapper a checkpoint was saved under
 CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")  # one file's record in ``checksums``
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -77,7 +77,7 @@ def _check_layout(layout: Any, world_size: Any) -> None:
     """Degrees that are process counts whose product is the layout's (and the checkpoint's) world size; a key of
     a later version is left alone (no load uses it)."""
     if not isinstance(layout, dict):
-        raise _bad("layout", layout, "not a mapping of degrees (dp_replicate, dp_shard, tp, pp, world_size)")
+        raise _bad("layout", layout, "not a mapping of degrees (dp_replicate, dp_shard, cp, tp, pp, world_size)")
     product = 1
     for key in DEGREES:
         if key in layout:

@@ -341,14 +341,17 @@ def _pp_split(v: Any) -> Any:
 
 @dataclass
 class ParallelConfig:
-    """How one model is spread over the processes: data-parallel replicas and shards, the tensor-parallel and the
-    pipeline-parallel degrees on one device mesh (their product is the world size)."""
+    """How one model is spread over the processes: data-parallel replicas and shards, the context-parallel, the
+    tensor-parallel and the pipeline-parallel degrees on one device mesh (their product is the world size)."""
 
     dp_replicate: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel replicas (DDP, or HSDP's replicas); "
                                                              "auto: the rest of the ranks under dist.strategy=ddp, "
                                                              "else 1", alias="dp_replicate")
     dp_shard: Union[int, str] = key("auto", AUTO_DEGREE, "data-parallel shards (FSDP2); auto: the rest of the ranks "
                                                          "under dist.strategy=fsdp, else 1", alias="dp_shard")
+    cp: int = key(1, DEGREE, "context-parallel degree: ranks that split each sequence (PyTorch's context_parallel: "
+                             "ring attention over F.scaled_dot_product_attention, load-balanced for causal attention); "
+                             "they hold the same parameters and see the same samples", alias="cp")
     tp: int = key(1, DEGREE, "tensor-parallel degree: ranks that split each planned layer (parallel.tp_plan)",
                   alias="tp")
     pp: int = key(1, DEGREE, "pipeline-parallel degree: ranks that each hold consecutive blocks of the model "

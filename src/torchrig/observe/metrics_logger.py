@@ -30,7 +30,8 @@ class MetricsLogger:
         self.out, self.every_steps = out, every_steps
         self.ranks = ranks  # observe.stragglers.Stragglers: every rank's figures at each row (None: one process)
         self.groups, self.device = groups, device  # logged means are over the data-parallel ranks of groups
-        self.world_size = groups.dp_size()
+        # ranks of different samples (the cp ranks of one shard count its samples once, each its share of the tokens)
+        self.world_size, self.cp = groups.sample_ranks(), groups.cp_size()
         # On the CPU a scalar is read at once (a memory load) and summed as a Python float: no tensor op per
         # step. On an accelerator values stay tensors on the device until a log step reads them.
         self.host = device is None or device.type == "cpu"
@@ -114,8 +115,8 @@ class MetricsLogger:
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
         values = _mean_over_items(self._fold(), float(self.count), self.groups, self.device)
-        values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
-                            self.peak_flops))
+        tokens = self.tokens * self.cp if self.tokens is not None and self.cp > 1 else self.tokens
+        values.update(rates(self.samples, tokens, elapsed, self.world_size, self.flops_per_sample, self.peak_flops))
         values["data_wait"] = self.wait / elapsed
         if self.ranks is not None:  # one small all-gather: each rank's data wait and forward, a straggler named
             values.update(self.ranks.flush(step, self.wait))

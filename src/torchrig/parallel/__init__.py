@@ -1,7 +1,8 @@
 """How one model is spread over the processes: the device mesh of the run (``parallel`` config section),
-tensor-parallel plans, pipeline stages and schedules, and the data-parallel wrapper (DDP / FSDP2 / DataParallel,
-SyncBatchNorm, gradient synchronisation across an accumulation window), applied after the split the way PyTorch
-documents composing them (``parallelize_module`` first, then ``fully_shard`` over the data-parallel sub-mesh)."""
+tensor-parallel plans, pipeline stages and schedules, context parallelism (``parallel/context.py``), and the
+data-parallel wrapper (DDP / FSDP2 / DataParallel, SyncBatchNorm, gradient synchronisation across an accumulation
+window), applied after the split the way PyTorch documents composing them (``parallelize_module`` first, then
+``fully_shard`` over the data-parallel sub-mesh)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from .. import runtime
 from . import loss
 from . import tp as tensor_parallel
+from .context import ContextParallel
 from .placement import devices_of, placed_device, to_output_device
 from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
 from .pipeline import MicroBatch, Pipeline, PipelineStageError, StageOutput, plan_stages
@@ -23,7 +25,7 @@ __all__ = ["wrap_model", "resolve_strategy", "no_sync", "no_sync_all", "DEGREES"
            "build_layout", "resolve_degrees", "split_model", "split_pipeline", "shard_stages", "data_parallel_mesh",
            "tensor_parallel", "devices_of", "placed_device", "to_output_device", "average_gradients", "buckets", "flat_collective",
            "MicroBatch", "Pipeline", "PipelineStageError", "StageOutput", "plan_stages", "loss",
-           "Replicas", "ReplicaGroupError", "replicas"]
+           "Replicas", "ReplicaGroupError", "replicas", "ContextParallel"]
 
 
 def split_pipeline(model: nn.Module, layout: Layout, p: Any, device: torch.device) -> nn.Module:
@@ -48,7 +50,8 @@ def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device
                 dtype: Optional[torch.dtype]) -> nn.Module:
     """Apply the layout to ``model`` (already on ``device``), in place: the tensor-parallel plan over the
     ``tp`` sub-mesh (under a pipeline: on the modules of this rank's stages, the plan resolved on the whole model
-    before the cut), then FSDP2 over the data-parallel sub-mesh. Returns the module the loop calls."""
+    before the cut), then FSDP2 over the data-parallel sub-mesh (or, with ``parallel.cp`` alone, DDP over the data-
+    and context-parallel ranks). Returns the module the loop calls."""
     if layout.tp > 1:
         if isinstance(model, nn.ModuleDict):
             raise ParallelConfigError("config key 'parallel.tp': tensor parallelism splits one model; a dict of "
@@ -57,6 +60,8 @@ def split_model(model: nn.Module, layout: Layout, cfg: Any, device: torch.device
             tensor_parallel.apply(model, layout.pipeline.held(layout.plan), layout.submesh("tp"), resolved=True)
         else:
             layout.plan = tensor_parallel.apply(model, cfg.parallel.tp_plan, layout.submesh("tp"))
+    if layout.strategy == "ddp" and layout.pipeline is None:  # parallel.cp: replicas over (dp_replicate, cp)
+        return wrap_model(model, "ddp", device, cfg.dist, dtype, group=layout.dp_group)
     if layout.strategy == "fsdp" and layout.pipeline is not None:
         shard_stages(layout.pipeline, device, cfg.dist, dtype, data_parallel_mesh(layout))
     elif layout.strategy == "fsdp":

@@ -32,8 +32,9 @@ def resolve_strategy(name: str, world_size: int, device: torch.device) -> str:
 
 
 def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: Any = None,
-               precision_dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Return the module the loop calls. The user's ``model`` object stays the one holding weights."""
+               precision_dtype: Optional[torch.dtype] = None, group: Any = None) -> nn.Module:
+    """Return the module the loop calls. The user's ``model`` object stays the one holding weights. ``group``: the
+    ranks DDP averages over (None: every rank)."""
     import torch.distributed as dist
 
     if dist_cfg is not None and dist_cfg.sync_batchnorm and strategy in ("ddp", "fsdp"):
@@ -75,7 +76,7 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, dist_cfg: 
         if not any(p.requires_grad for p in model.parameters()):
             return model
         ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids, **kwargs)
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group, **kwargs)
     if strategy == "fsdp":
         return shard_model(model, device, dist_cfg, precision_dtype)
     raise RuntimeSetupError(f"unknown strategy {strategy!r}")

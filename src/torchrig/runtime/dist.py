@@ -370,6 +370,11 @@ class Groups:
     see the same samples: summing their counts would count each sample once per rank of that group, so those
     reductions run over the ranks that hold different samples only.
 
+    ``cp``: the context-parallel ranks of this rank (``parallel.cp``: they split each sequence of the same samples),
+    or None. They are part of ``data`` (innermost: the ranks of one sample shard are neighbours in it), because each
+    holds different tokens: loss counts and metric states are summed over them too, while the sampler gives them one
+    shard (:meth:`sample_rank`, :meth:`sample_ranks`).
+
     ``pipeline``: this rank's pipeline (the ranks holding the stages of one copy of the model, ``parallel.pp``),
     whose last stage, global rank ``last_stage``, computes the loss, the metrics and the predictions; None: no
     pipeline. What is computed from the model's output reaches the other stages with :meth:`from_last_stage`.
@@ -378,14 +383,28 @@ class Groups:
     data: Any = None
     pipeline: Any = None
     last_stage: int = 0
+    cp: Any = None
 
     def dp_size(self) -> int:
-        """Ranks that hold different samples (the world size unless a mesh splits the model)."""
+        """Ranks that hold different items, samples or a sequence's tokens (the world size unless a mesh splits the
+        model): what loss counts, metrics and gradients are reduced over."""
         return dist.get_world_size(self.data) if is_initialized() else 1
 
     def dp_rank(self) -> int:
-        """This rank's place among the data-parallel ranks (its shard of every batch)."""
+        """This rank's place among the ranks of :meth:`dp_size`."""
         return dist.get_rank(self.data) if is_initialized() else 0
+
+    def cp_size(self) -> int:
+        """Ranks that split each sequence (``parallel.cp``); 1 without."""
+        return dist.get_world_size(self.cp) if self.cp is not None and is_initialized() else 1
+
+    def sample_ranks(self) -> int:
+        """Ranks that hold different samples (the sampler's world size): the data-parallel ranks."""
+        return self.dp_size() // self.cp_size()
+
+    def sample_rank(self) -> int:
+        """This rank's data-parallel index (its shard of every batch, the same on the ranks of one sequence)."""
+        return self.dp_rank() // self.cp_size()
 
     @property
     def pipelined(self) -> bool:

@@ -10,6 +10,7 @@ from torch import nn
 from .. import config as C
 from .. import parallel, runtime
 from ..config import ConfigError
+from ..data.batches import signature
 from ..optim import optimizers as optim
 
 
@@ -17,6 +18,8 @@ def wrap_models(model: nn.Module, cfg: C.Config, strategy: str, device: torch.de
                 dtype: Any, layout: Optional[parallel.Layout] = None) -> tuple[nn.Module, dict[str, nn.Module]]:
     """``(what to call, {name: wrapped sub-model})``: DDP / FSDP / DP around the user's module, or the
     layout's split (tensor parallel, then FSDP2 over the data-parallel sub-mesh) when it has a mesh."""
+    if layout is not None and layout.context is not None:  # parallel.cp: what the ring cannot run, said first
+        layout.context.check_model(model, cfg.loss_normalization, signature(model).accepts("position_ids"))
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if layout is not None and layout.pp > 1:  # this rank's stages only, cut before anything moves to the device
         model = parallel.split_pipeline(model, layout, cfg.parallel, device)

@@ -32,7 +32,7 @@ HARMLESS = frozenset({
     "dist.requeue", "dist.stop_timeout",
     # the layout: how the model is spread over the processes (checkpoints are resharded on load, see
     # checkpoint/sharded.py; the same computation up to the order of float sums)
-    "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.tp_plan",
+    "parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp", "parallel.pp", "parallel.tp_plan",
     "parallel.tp_plan.", "parallel.loss_parallel", "parallel.pp_split", "parallel.pp_schedule",
     "parallel.pp_stages_per_rank",
     # how batches are delivered (the same samples in the same order), and what is evaluated when

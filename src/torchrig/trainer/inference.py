@@ -65,9 +65,8 @@ def probe(step: ModelCalls, first_batch: Callable[[], Any], modules: list) -> No
     state = runtime.rng_state()
     try:
         batch = first_batch()
-        inputs, target = step.split(batch)
-        with _eval_mode(modules, torch.no_grad), step.autocast():
-            step.forward(inputs, target=target)
+        with _eval_mode(modules, torch.no_grad):
+            _one(step, batch, _probe_forward)
     except TorchrigError as exc:
         raise type(exc)(f"checking the validation data before training: {exc}") from None
     finally:
@@ -89,17 +88,38 @@ def run(r: EvalRun, forward: Callable[[ModelCalls, Any], Any],
             if got is None:  # FSDP: another rank's stream still has a batch; forward a discarded one
                 batch = batch if batch is not None else r.first_batch()
                 step.stop_counting()
-                forward(step, batch)
+                _one(step, batch, forward)
                 continue
             batch = to_device(got, r.device)
-            consume(step, batch, forward(step, batch))
+            _one(step, batch, forward, consume)
             r.beat()
         if pad:
             dummy = batch if batch is not None else r.first_batch()
             step.stop_counting()
             for _ in range(pad):  # results discarded: every sample still counts once
-                forward(step, dummy)
+                _one(step, dummy, forward)
     return batches
+
+
+def _one(step: ModelCalls, batch: Any, forward: Callable[[ModelCalls, Any], Any],
+         consume: Optional[Callable[[ModelCalls, Any, Any], None]] = None) -> None:
+    """``consume(step, batch, forward(step, batch))``; under ``parallel.cp`` on this rank's share of the batch's
+    sequences, inside PyTorch's context parallelism."""
+    if step.cp is None:
+        out = forward(step, batch)
+        if consume is not None:
+            consume(step, batch, out)
+        return
+    with step.sharded(batch) as local:
+        out = forward(step, local)
+        if consume is not None:
+            consume(step, local, out)
+
+
+def _probe_forward(step: ModelCalls, batch: Any) -> Any:
+    inputs, target = step.split(batch)
+    with step.autocast():
+        return step.forward(inputs, target=target)
 
 
 def evaluate(r: EvalRun, eval_fn: Optional[Callable] = None) -> dict:
@@ -118,6 +138,8 @@ def evaluate(r: EvalRun, eval_fn: Optional[Callable] = None) -> dict:
             return
         output, target, loss = out
         if loss is not None:
+            if step.cp is not None:  # the mean over the whole sequences' tokens, the same on their cp ranks
+                loss = step.cp.sequence_mean(loss, target)
             mean = means.setdefault("loss", MeanValue("loss"))
             mean.device = r.device
             mean.update(loss.float(), n)
@@ -130,7 +152,7 @@ def evaluate(r: EvalRun, eval_fn: Optional[Callable] = None) -> dict:
 def _sync_results(r: EvalRun, means: dict, metrics: list) -> dict:
     """Sum every metric state over ranks; ranks that saw no sample of a state (or no output: a pipeline's first
     stages) contribute zeros."""
-    if r.world_size > 1 or r.groups.pipelined:
+    if r.world_size * r.groups.cp_size() > 1 or r.groups.pipelined:
         def layout(m: Metric) -> dict:
             return {k: tuple(v.shape) for k, v in m.states.items()}
 
@@ -170,17 +192,20 @@ def predict(r: EvalRun, act: Callable, predict_fn: Optional[Callable] = None, ou
         return default_predict_step(step, batch, act)
 
     def consume(step: ModelCalls, batch: Any, out: Any) -> None:
+        if step.cp is not None:  # parallel.cp: the whole sequences, in order
+            out = step.cp.gather(out, batch)
         results.append(out.cpu() if isinstance(out, torch.Tensor) else out)
 
     batches = run(r, forward, consume)
     # a pipeline's last stage holds the predictions (its other stages ran their part of each forward)
     local = r.groups.from_last_stage([O.stack(results)] if r.groups.is_last_stage() else None)[0]
+    every = r.groups.cp_size()  # the context-parallel ranks of a shard hold the same (gathered) outputs: one counts
     if isinstance(batches, IterableEvalBatches):  # a stream: outputs back at their samples' positions
-        parts = runtime.gather((batches.stream_positions(), local), r.groups.data)
+        parts = runtime.gather((batches.stream_positions(), local), r.groups.data)[::every]
         return O.merge_ranks([p for _, p in parts], r.world_size, [q for q, _ in parts])
     if r.world_size == 1:
         return local
-    return O.merge_ranks(runtime.gather(local, r.groups.data), r.world_size)
+    return O.merge_ranks(runtime.gather(local, r.groups.data)[::every], r.world_size)
 
 
 def default_predict_step(step: ModelCalls, batch: Any, activation: Callable, outputs: Optional[str] = None) -> Any:

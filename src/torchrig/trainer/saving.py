@@ -167,12 +167,12 @@ def data_parallel(layout: dict, default: int) -> int:
 
 
 def _layout_key(layout: dict) -> tuple:
-    return tuple(layout.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")) + (layout.get("world_size", 1),)
+    return tuple(layout.get(k, 1) for k in DEGREES) + (layout.get("world_size", 1),)
 
 
 def describe_layout(layout: dict) -> str:
     """``at tp=2``, ``at dp_shard=2 × tp=2``, ``under DDP on 2 processes``, ``in one process``."""
-    split = " × ".join(f"{k}={layout[k]}" for k in ("dp_shard", "tp", "pp") if layout.get(k, 1) > 1)
+    split = " × ".join(f"{k}={layout[k]}" for k in DEGREES[1:] if layout.get(k, 1) > 1)
     world = layout.get("world_size", 1)
     if split:
         replicas = layout.get("dp_replicate", 1)

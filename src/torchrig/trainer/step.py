@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import parallel, runtime
-from ..data.batches import batch_size_of, label_keyword, split_batch
+from ..data.batches import batch_size_of, label_keyword, label_of, split_batch
 from ..optim import normalize
 from ..optim.losses import tensor_loss
 from ..optim.nonfinite import NonFiniteGuard, NonFiniteLossError, norm_over_ranks, prime_momentum, total_norm
@@ -93,7 +93,8 @@ class ModelCalls:
     def __init__(self, model: nn.Module, precision: Any, device: torch.device, *, loss_fn: Optional[Callable] = None,
                  models: Optional[dict] = None, metrics: Optional[list] = None, io: Optional[ModelIO] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, activation: Optional[Callable] = None,
-                 predict_outputs: str = "prediction", class_dim: Any = "auto", fused_head: Any = None):
+                 predict_outputs: str = "prediction", class_dim: Any = "auto", fused_head: Any = None,
+                 cp: Any = None):
         self.model, self.models, self.loss_fn = model, models or {}, loss_fn
         self.fused_head = fused_head  # model.fused_head (optim/fused_head.py): its loss is computed in its forward
         self.precision, self.device = precision, device
@@ -117,6 +118,12 @@ class ModelCalls:
         self.activation = activation  # in predict: the activation asked for (see inference.predict)
         self.predict_outputs = predict_outputs  # in predict: "prediction" or "all" (see inference.predict)
         self.loss_parallel = loss_parallel  # the training loss of split logits runs split (parallel.loss_parallel)
+        # parallel.cp: each batch's sequences split over the context-parallel ranks (parallel.context); the labels then
+        # line up with the logits: a model whose own loss shifts them gets them shifted before the split
+        self.cp = cp
+        self._pre_shift = cp is not None and self.shift_labels and outputs.uses_model_loss(loss_fn)
+        if cp is not None:
+            self.shift_labels = False
 
     def autocast(self):
         return self.precision.autocast()
@@ -125,6 +132,12 @@ class ModelCalls:
         """The forwards from here on are padding (an evaluation rank whose shard ended makes as many forwards as the
         others): the metrics count nothing of them."""
         self.weight = 0
+
+    def sharded(self, batch: Any) -> Any:
+        """``parallel.cp``: the context in which ``batch``'s sequences are split over the context-parallel ranks and
+        attention runs over them; it yields this rank's share of the batch (``parallel.context``)."""
+        label = label_of(batch, self.io.label_key) if isinstance(batch, dict) else None
+        return self.cp.sharded(batch, label, self._pre_shift)
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, target)`` of a batch (a dict's target under ``data.label_key``)."""
@@ -271,10 +284,10 @@ class Step(ModelCalls):
                  schedulers: Optional[dict] = None, io: Optional[ModelIO] = None,
                  groups: runtime.Groups = runtime.WORLD, before_update: Optional[Callable] = None,
                  loss_parallel: bool = False, fresh_batches: bool = False, class_dim: Any = "auto",
-                 fused_head: Any = None, replicas: Any = None):
+                 fused_head: Any = None, replicas: Any = None, cp: Any = None):
         super().__init__(model, precision, device, loss_fn=loss_fn, models=models, metrics=metrics, io=io,
                          loss_parallel=loss_parallel, fresh_batches=fresh_batches, class_dim=class_dim,
-                         fused_head=fused_head)
+                         fused_head=fused_head, cp=cp)
         self.optimizers = optimizers    # name -> optimizer ("default" for a single one)
         self.options = o = options
         self.clip_grad_norm, self.clip_norm_type, self.clip_grad_value = o.clip_grad_norm, o.clip_norm_type, \

@@ -151,7 +151,8 @@ class Trainer:
         self.layout = parallel.build_layout(cfg.parallel, d.strategy, self.world_size, self.device)
         self.strategy = self.layout.strategy
         groups = self.layout.groups  # the pipeline's last stage joins them once the model is cut (_use_pipeline)
-        self.dp_rank, self.dp_size = groups.dp_rank(), groups.dp_size()
+        # the sampler's shard: context-parallel ranks (parallel.cp) split the sequences of one shard's samples
+        self.dp_rank, self.dp_size = groups.sample_rank(), groups.sample_ranks()
         self.replicas = self._replica_group()
         if self.replicas is not None:  # the data is split over the replica groups; only group 0 writes
             self.dp_rank, self.dp_size = self.replicas.group, self.replicas.groups
@@ -239,7 +240,9 @@ class Trainer:
                                              steps_per_epoch=d.steps_per_epoch, accumulate=p.accumulate)))
 
     def _make_step(self, metrics: list, before_update: Optional[Callable], fresh_batches: bool) -> Step:
-        grad_ranks = self.dp_size if self.strategy in ("ddp", "fsdp") or self.replicas is not None else 1
+        grad_ranks = self.layout.groups.dp_size() if self.strategy in ("ddp", "fsdp") else 1  # cp ranks too
+        if self.replicas is not None:  # torchft averages over the groups of each step
+            grad_ranks = self.replicas.groups
         p = self.plan
         optimizers = self.optimizers
         if self.replicas is not None:  # torchft applies or drops each step's update
@@ -255,7 +258,7 @@ class Trainer:
                     loss_parallel=parallel.loss.resolve(self.cfg.parallel.loss_parallel, self.layout.plan,
                                                         self.loss_fn),
                     fresh_batches=fresh_batches, class_dim=self.cfg.class_dim, fused_head=self.fused_head,
-                    replicas=self.replicas)
+                    replicas=self.replicas, cp=self.layout.context)
 
     def _synced(self) -> list:
         """The wrapped modules whose gradient reduction ``no_sync`` defers to a window's last micro-batch."""
@@ -803,7 +806,7 @@ class Trainer:
         seen = self.step.class_dim if self.step is not None else None  # the class dimension this fit found
         return ModelCalls(model, self.precision, self.device, loss_fn=self.loss_fn, models=self.models,
                           metrics=metrics, io=O.ModelIO.from_config(self.cfg), activation=activation,
-                          predict_outputs=outputs, class_dim=seen or self.cfg.class_dim)
+                          predict_outputs=outputs, class_dim=seen or self.cfg.class_dim, cp=self.layout.context)
 
     def _first_samples(self, data: Any, n: int = 1) -> Any:
         """The first ``n`` samples of ``data`` as one evaluation batch on the device (padding forwards of a rank

@@ -141,15 +141,25 @@ class Window:
         pieces = [batch] if size is None else chunks(batch, size)
         values = None
         for k, piece in enumerate(pieces):
-            step.begin_micro_batch(piece, weight, last=last and k == len(pieces) - 1, index=index)
-            defer = not step.sync_gradients or (self.attempt is not None and self.attempt.agreeing)
-            with parallel.no_sync_all(w.synced, defer, step.world_size):
-                if w.whole:
-                    values = self._whole_window(piece)
-                else:
-                    values = w.step_fn(step, piece)
-                    self._record(values, piece)
+            final = last and k == len(pieces) - 1
+            if step.cp is None:
+                values = self._micro_batch(piece, weight, index, final)
+            else:  # parallel.cp: this rank's share of the sequences, forward and backward inside PyTorch's context
+                with step.sharded(piece) as local:
+                    values = self._micro_batch(local, weight, index, final)
         return values
+
+    def _micro_batch(self, piece: Any, weight: int, index: int, last: bool) -> Optional[dict]:
+        w = self.windows
+        step = w.step
+        step.begin_micro_batch(piece, weight, last=last, index=index)
+        defer = not step.sync_gradients or (self.attempt is not None and self.attempt.agreeing)
+        with parallel.no_sync_all(w.synced, defer, step.world_size):
+            if w.whole:
+                return self._whole_window(piece)
+            values = w.step_fn(step, piece)
+            self._record(values, piece)
+            return values
 
     def _whole_window(self, piece: Any) -> Optional[dict]:
         """A :class:`WholeWindowStep`'s micro-batch: handed over now, run with the window's last; each micro-batch's
