@@ -4,7 +4,8 @@
 
 Trains a linear regression (64 samples, 4 per group and step, 8 steps per epoch, 2 epochs, SGD with momentum) with
 ``dist.fault_tolerance=torchft``. Replica group 1 SIGKILLs itself at the end of step KILL_AT on its first start;
-torchrun starts it again and it copies group 0's state. Group 0 waits at step KILL_AT + 2 (bounded) until the
+torchrun starts it again and it copies group 0's state. The replacement waits (bounded) until group 0 has trained
+steps KILL_AT + 1 and KILL_AT + 2 alone (``alone``); group 0 waits at step KILL_AT + 2 (bounded) until the
 replacement process exists, and then paces its steps (0.5 s each, bounded) until the replacement has joined, so
 that the join happens mid-run however slowly the machine starts a process. Files in OUT: ``restarted`` and
 ``joined`` (group 1's markers), ``final-G.pt`` (each group's last weights), ``records-G.json`` (the steps each
@@ -66,7 +67,8 @@ class Faults:
         step = trainer.global_step
         if self.group == 1 and self.restart == 0 and step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.group == 0 and step == self.kill_at + 2:
+        if self.group == 0 and step == self.kill_at + 2:  # two steps trained alone: the replacement may start
+            (self.out / "alone").write_text(str(step))
             _wait_for(self.out / "restarted", 180)
         if self.group == 0 and step > self.kill_at + 2 and not (self.out / "joined").exists():
             time.sleep(0.5)
@@ -78,6 +80,8 @@ def main() -> None:
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     group = int(os.environ["REPLICA_GROUP_ID"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if group == 1 and restart > 0:  # a replacement started at once would join group 0's next quorum, lost unnoticed
+        _wait_for(out / "alone", 180)
     trainer = Trainer(model(), callbacks=[Faults(out, kill_at, group, restart)], **settings(out / "run"))
     if group == 1 and restart > 0:
         (out / "restarted").write_text("1")
