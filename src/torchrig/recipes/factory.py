@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .. import config as C
+from ..data.packing import is_packed
 from ..errors import suggest
 from ..trainer.provenance import is_spec
 from .base import RecipeError
@@ -225,9 +226,21 @@ def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str
     if not cfg.data.factory:
         if missing is not None and not recipe.has_data:
             raise FactoryError(f"no data: {missing}")
+        why = recipe.pack_refusal(cfg) if cfg.data.pack else None
+        if why:
+            raise FactoryError(f"config key 'data.pack': true, but the {recipe.name} recipe does not pack: {why}; "
+                               f"set data.pack=false")
         return recipe.build_data(cfg)
     spec = cfg.data.factory
-    return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")
+    splits = as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"),
+                       f"data.factory '{spec}'")
+    first = splits.get("train", next(iter(splits.values()), None))
+    if cfg.data.pack and not is_packed(first):
+        raise FactoryError(f"config key 'data.pack': true, but data.factory '{spec}' gave a "
+                           f"{type(first).__name__}, not packed documents; return "
+                           f"torchrig.data.PackedDocuments(token_lists, length) (docs/your-code.md), or set "
+                           f"data.pack=false")
+    return splits
 
 
 def trainer_objects(cfg: C.Config) -> dict[str, Any]:
