@@ -7,7 +7,8 @@ document of its own) and is an ordinary map-style sample ``{"input_ids", "labels
 * ``position_ids`` restart at 0 with every document (and with the row's padding): a model keeps documents apart
   by them. Hugging Face causal LMs do it themselves when given ``position_ids`` without an ``attention_mask``
   (transformers builds the block-diagonal causal mask from them; flash-attention's variable-length path reads
-  them on CUDA); a plain PyTorch model builds its mask with :func:`document_mask` (FlexAttention).
+  them on CUDA); a plain PyTorch model builds its mask with :func:`document_mask` (FlexAttention's
+  ``BlockMask``, or a boolean mask for ``scaled_dot_product_attention``).
 * ``labels`` are the ``input_ids`` (a causal model shifts them, as Hugging Face's do), -100 at each document's
   first token (nothing before it in the row may predict it) and on the padding: no token predicts across a
   boundary and the padding never counts. Since every row starts with a document, ``labels[:, 0]`` is always
@@ -137,20 +138,24 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(position_ids == 0, dim=-1) - 1
 
 
-def document_mask(position_ids: torch.Tensor, block_size: int = 128) -> Any:
-    """FlexAttention's ``BlockMask`` for a packed batch: causal attention within each document, none across.
+def document_mask(position_ids: torch.Tensor, dense: bool = False, block_size: int = 128) -> Any:
+    """The attention mask of a packed batch: causal within each document, nothing across documents.
 
-    Pass it to ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``; it is made once
-    per batch and shared by every layer and head. Runs in eager mode on the CPU (an unfused kernel) and fused
-    under ``torch.compile``."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    By default FlexAttention's ``BlockMask``, for ``flex_attention(q, k, v, block_mask=...)``: made once per batch
+    and shared by every layer and head, fused under ``torch.compile`` (on the CPU, torch 2.14's FlexAttention runs
+    forward only, in eager mode: no backward). ``dense=True``: a boolean ``(batch, 1, length, length)`` tensor,
+    True where a query may attend, for ``F.scaled_dot_product_attention(q, k, v, attn_mask=...)``, which trains
+    anywhere (the CPU included) at the cost of a ``length × length`` mask per row."""
     docs = document_ids(position_ids)
+    batch, length = docs.shape
+    if dense:
+        causal = torch.ones(length, length, dtype=torch.bool, device=docs.device).tril()
+        return (docs[:, :, None] == docs[:, None, :])[:, None] & causal
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
         return (docs[b, q] == docs[b, kv]) & (q >= kv)
 
-    batch, length = docs.shape
     return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=length, KV_LEN=length,
                              device=docs.device, BLOCK_SIZE=block_size)
 

@@ -220,16 +220,21 @@ def build_model(recipe, cfg: C.Config) -> nn.Module:
     return model
 
 
+def refuse_pack(recipe, cfg: C.Config) -> None:
+    """``data.pack: true`` for a recipe whose own data are not token documents: one line (before anything is built)."""
+    why = recipe.pack_refusal(cfg) if cfg.data.pack and not cfg.data.factory else None
+    if why:
+        raise FactoryError(f"config key 'data.pack': true, but the {recipe.name} recipe does not pack: {why}; "
+                           f"set data.pack=false")
+
+
 def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str, Any]:
     """``{"train", "val", "test"}`` from ``data.factory(cfg)`` when the config names one, else the recipe's;
     ``missing``: what to pass instead when the recipe has no data of its own (``custom``, a Python run's)."""
     if not cfg.data.factory:
         if missing is not None and not recipe.has_data:
             raise FactoryError(f"no data: {missing}")
-        why = recipe.pack_refusal(cfg) if cfg.data.pack else None
-        if why:
-            raise FactoryError(f"config key 'data.pack': true, but the {recipe.name} recipe does not pack: {why}; "
-                               f"set data.pack=false")
+        refuse_pack(recipe, cfg)
         return recipe.build_data(cfg)
     spec = cfg.data.factory
     splits = as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"),
