@@ -75,7 +75,13 @@ def _check_token_model(ns):
     assert not torch.allclose(ns["raw"].sum(-1), torch.ones(1, 8))  # a loss of one's own: raw logits
 
 
-CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
+def _check_packed(ns):
+    rows, trainer = ns["rows"], ns["trainer"]
+    assert rows.used >= 0.95 and trainer.global_step == -(-len(rows) // 8)
+    assert trainer.history[-1]["train/loss"] > 0
+
+
+CHECKS = {"PackedDocuments(docs": _check_packed, "BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
           "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
           "input_keys=": _check_dict_batches, "class CharLM": _check_token_model}
 
