@@ -99,7 +99,7 @@ def test_a_packed_batch_of_a_plain_model_loses_what_its_documents_lose_alone():
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
 @torch.no_grad()
-def test_gpt2_keeps_packed_documents_apart_by_their_position_ids_and_is_refused_with_a_cache():
+def test_gpt2_keeps_packed_documents_apart_by_their_position_ids_and_is_refused_with_a_cache_as_an_encoder_is():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     docs = [d for d in P.corpus() if len(d) <= P.LENGTH]
@@ -123,6 +123,13 @@ def test_gpt2_keeps_packed_documents_apart_by_their_position_ids_and_is_refused_
     assert abs(loss(batch["input_ids"], batch["position_ids"], batch["labels"]).item() - alone.item()) < 1e-6
     assert abs(model(**batch).loss.item() - alone.item()) < 1e-5  # the model's own loss, in float32
     assert abs(cached.item() - alone.item()) > 1e-3
+    from transformers import BertConfig, BertForMaskedLM  # an encoder: its mask ignores position ids
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=P.VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=8, use_cache=False))
+    with pytest.raises(DataError, match=r"^packed documents: BertForMaskedLM \(base BertModel\) does not build its "
+                                        r"attention mask with transformers' create_causal_mask"):
+        check_model(bert, pipelined=False)
 
 
 class NoPositions(torch.nn.Module):
