@@ -86,7 +86,13 @@ def _check_mixture(ns):
     assert abs(sum(w for w, _ in shares) / 3 - 0.7) < 1e-12  # the whole epoch: 252 of 360 exactly
 
 
-CHECKS = {"BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
+def _check_packed(ns):
+    rows, trainer = ns["rows"], ns["trainer"]
+    assert rows.used >= 0.95 and trainer.global_step == -(-len(rows) // 8)
+    assert trainer.history[-1]["train/loss"] > 0
+
+
+CHECKS = {"PackedDocuments(docs": _check_packed, "BertForSequenceClassification": _check_bert, "MetricCollection": _check_torchmetrics, "TwoInputs": _check_two_inputs,
           "StepLR": _check_steplr, "one_cycle = ": _check_onecycle, "class Stream": _check_stream, "accumulated = run": _check_lossnorm,
           "input_keys=": _check_dict_batches, "class CharLM": _check_token_model,
           "Mixture(": _check_mixture}

@@ -48,3 +48,22 @@ def test_gpt2_trains_under_a_two_stage_pipeline_and_its_checkpoint_serves_one_pr
     assert rc == 0 and [r["input"] for r in rows] == ["prompts.txt:1", "prompts.txt:2"], err
     assert all(len(r["top"]) == 3 and r["top"][0]["class"] == r["prediction"] and isinstance(r["prediction"], str)
                and r["top"][0]["probability"] >= r["top"][1]["probability"] for r in rows)
+
+
+def test_packed_documents_train_gpt2_and_the_start_line_says_how_full_the_rows_are(tmp_path, capsys):
+    """``data.pack=true``: documents of 4 … 40 words packed into rows of lm.block_size tokens (GPT-2 keeps them
+    apart by their position ids); the start line gives the share of tokens used."""
+    g = torch.Generator().manual_seed(1)
+    lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g).tolist())
+             for n in torch.randint(4, 41, (80,), generator=g)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    args = ["train", "--recipe", "language-model"] + sets(f"data.path={tmp_path / 'train.txt'}", *TINY,
+                                                          "lm.block_size=32", "data.pack=true",
+                                                          f"run_dir={tmp_path / 'run'}")
+    rc, out, err = cli(args, capsys)
+    assert rc == 0, err
+    said = next(line for line in (out + err).splitlines() if "language-model data:" in line)
+    assert "torchrig: language-model data: train: packed 80 documents" in said, said
+    used = float(said.split(": ")[-1].split(" % of tokens used")[0])
+    assert used >= 95.0, said
+    assert "torchrig: done · 3 steps" in out + err

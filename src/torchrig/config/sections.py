@@ -88,6 +88,9 @@ class DataConfig:
     test_path: Optional[str] = key(None, optional(TEXT), "recipe test data, a folder or file (torchrig evaluate)")
     val_fraction: float = key(0.0, number(0, 1, hi_open=True),
                               "share of the training data held out for validation (recipes)")
+    pack: bool = key(False, BOOL, "token documents packed into rows of lm.block_size tokens, attention and positions "
+                                  "kept within each document (language-model recipe, finetune.task=causal-lm; see "
+                                  "docs/your-code.md); false: documents joined with [SEP] and cut into blocks")
     skip_bad_samples: bool = key(False, BOOL, "skip samples that cannot be read, listing them, instead of stopping")
     options: dict = key({}, MAPPING, "recipe-specific data options")
     input_keys: Optional[list] = key(None, optional(Rule("a non-empty list of batch keys", _input_keys)),

@@ -40,6 +40,10 @@ class Recipe:
         """``{"train": ..., "val": ... (optional), "test": ... (optional)}``."""
         raise NotImplementedError
 
+    def pack_refusal(self, cfg: C.Config) -> Optional[str]:
+        """Why ``data.pack`` does not apply to this recipe's data, or None where it packs its documents."""
+        return "its samples are not token documents"
+
     def trainer_kwargs(self, cfg: C.Config, data: dict) -> dict:
         """Extra ``Trainer`` arguments (step_fn, eval_fn, predict_fn, loss / metric objects)."""
         return {}

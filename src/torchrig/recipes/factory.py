@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .. import config as C
+from ..data.packing import is_packed
 from ..errors import suggest
 from ..trainer.provenance import is_spec
 from .base import RecipeError
@@ -219,6 +220,14 @@ def build_model(recipe, cfg: C.Config) -> nn.Module:
     return model
 
 
+def refuse_pack(recipe, cfg: C.Config) -> None:
+    """``data.pack: true`` for a recipe whose own data are not token documents: one line (before anything is built)."""
+    why = recipe.pack_refusal(cfg) if cfg.data.pack and not cfg.data.factory else None
+    if why:
+        raise FactoryError(f"config key 'data.pack': true, but the {recipe.name} recipe does not pack: {why}; "
+                           f"set data.pack=false")
+
+
 def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str, Any]:
     """``{"train", "val", "test"}`` from ``data.factory(cfg)`` when the config names one, else the recipe's;
     ``missing``: what to pass instead when the recipe has no data of its own (``custom``, a Python run's)."""
@@ -229,9 +238,18 @@ def build_data(recipe, cfg: C.Config, missing: Optional[str] = None) -> dict[str
             raise C.ConfigError(f"config key 'data.sources': recipe {recipe.name!r} does not mix named sources (the "
                                 f"language-model recipe does); give data.path, or a data.factory returning a "
                                 f"torchrig.data.Mixture")
+        refuse_pack(recipe, cfg)
         return recipe.build_data(cfg)
     spec = cfg.data.factory
-    return as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"), f"data.factory '{spec}'")
+    splits = as_splits(_call(load_factory(spec, "data.factory"), cfg, f"data.factory '{spec}'"),
+                       f"data.factory '{spec}'")
+    first = splits.get("train", next(iter(splits.values()), None))
+    if cfg.data.pack and not is_packed(first):
+        raise FactoryError(f"config key 'data.pack': true, but data.factory '{spec}' gave a "
+                           f"{type(first).__name__}, not packed documents; return "
+                           f"torchrig.data.PackedDocuments(token_lists, length) (docs/your-code.md), or set "
+                           f"data.pack=false")
+    return splits
 
 
 def trainer_objects(cfg: C.Config) -> dict[str, Any]:

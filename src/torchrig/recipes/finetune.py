@@ -85,6 +85,9 @@ class FinetuneRecipe(Recipe):
         self._use_base_tokenizer(cfg)
         return cfg.finetune.task == "causal-lm"
 
+    def pack_refusal(self, cfg: C.Config) -> Optional[str]:
+        return None if cfg.finetune.task == "causal-lm" else self._text.pack_refusal(cfg)
+
     @staticmethod
     def _use_base_tokenizer(cfg: C.Config) -> None:
         """A base model of its own brings its vocabulary: the data is tokenized with its tokenizer."""

@@ -10,7 +10,10 @@ their sizes) into a ``torchrig.data.Mixture``; held-out documents of every sourc
 text recipe's, saved as ``RUN_DIR/tokenizer.json``) or ``lm.tokenizer``. Every split's documents are
 tokenized, joined with ``[SEP]`` between them and cut into sequences of ``lm.block_size`` tokens; a sample is
 ``{"input_ids", "labels"}`` (the same ids: the model shifts them and computes its own loss, averaged over the
-tokens of the whole optimizer step by torchrig's token normalisation).
+tokens of the whole optimizer step by torchrig's token normalisation). With ``data.pack: true`` each document
+(ending with ``[SEP]``) stays whole instead: the documents are packed into rows of ``lm.block_size`` tokens
+(``torchrig.data.PackedDocuments``), and a sample also carries ``position_ids``, which restart with each
+document, so that GPT-2's attention never crosses a document boundary (transformers builds the mask from them).
 
 The model is ``GPT2LMHeadModel(GPT2Config(**model.options))`` with the vocabulary and context of the data,
 dropout off unless ``model.options`` sets it, and the output layer **not tied** to the embedding: under
@@ -32,7 +35,7 @@ from torch.utils.data import Dataset
 
 from .. import config as C
 from ..config import rules as R
-from ..data import Mixture
+from ..data import Mixture, PackedDocuments
 from ..data.datasets.text import TextTokenizer, docstring_splits, train_wordpiece
 from .base import Recipe, RecipeError, write_class_predictions
 from .common import input_files, say
@@ -130,6 +133,9 @@ class LanguageModelRecipe(Recipe):
         self._cache[id(cfg)] = (tok, docs)
         return tok, docs
 
+    def pack_refusal(self, cfg: C.Config) -> Optional[str]:
+        return None  # its documents are token lists: packed into rows of lm.block_size tokens
+
     def build_data(self, cfg: C.Config) -> dict[str, Any]:
         tok, docs = self._prepare(cfg)
         out: dict[str, Any] = {}
@@ -140,20 +146,28 @@ class LanguageModelRecipe(Recipe):
                 out[split] = Mixture(blocks, weights=cfg.data.mixture or None)
             else:
                 out[split] = self._blocks(cfg, tok, texts, f"{split} documents")
-        say("torchrig: language-model data: " + ", ".join(f"{k} {len(v)} sequences" for k, v in out.items())
-            + f" of {cfg.lm.block_size} tokens · vocabulary {len(tok)}" + _mixed(out["train"]))
+        if cfg.data.pack and not isinstance(out["train"], Mixture):
+            say("torchrig: language-model data: " + "; ".join(f"{k}: {v.describe()}" for k, v in out.items())
+                + f" · vocabulary {len(tok)}")
+        else:
+            say("torchrig: language-model data: " + ", ".join(f"{k} {len(v)} sequences" for k, v in out.items())
+                + f" of {cfg.lm.block_size} tokens{' (packed rows)' if cfg.data.pack else ''} · vocabulary "
+                  f"{len(tok)}" + _mixed(out["train"]))
         return out
 
     @staticmethod
-    def _blocks(cfg: C.Config, tok: TextTokenizer, texts: list[str], what: str) -> TokenBlocks:
-        """The documents tokenized, joined with ``[SEP]`` and cut into ``lm.block_size`` sequences."""
+    def _blocks(cfg: C.Config, tok: TextTokenizer, texts: list[str], what: str) -> Any:
+        """The documents tokenized, each ending with ``[SEP]``: packed into rows of ``lm.block_size`` tokens
+        (``data.pack``), else joined and cut into ``lm.block_size`` sequences."""
         sep = tok.tokenizer.token_to_id("[SEP]")
-        stream: list[int] = []
-        for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
-            stream += e.ids + [sep]
-        blocks = TokenBlocks(torch.tensor(stream, dtype=torch.long), cfg.lm.block_size)
+        ids = [e.ids + [sep] for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        tokens = sum(len(doc) for doc in ids)
+        if cfg.data.pack and tokens:
+            blocks = PackedDocuments(ids, cfg.lm.block_size, pad_id=tok.pad_id)
+        else:
+            blocks = TokenBlocks(torch.tensor([t for doc in ids for t in doc], dtype=torch.long), cfg.lm.block_size)
         if len(blocks) == 0:
-            raise RecipeError(f"the {what} give {len(stream)} tokens, fewer than one sequence of "
+            raise RecipeError(f"the {what} give {tokens} tokens, fewer than one sequence of "
                               f"lm.block_size={cfg.lm.block_size}; give more text or a smaller lm.block_size")
         return blocks
 
@@ -180,7 +194,8 @@ class LanguageModelRecipe(Recipe):
                               '"torchrig[hf]"') from None
         tok = self._tokenizer(cfg)
         vocab = tok.tokenizer.get_vocab()
-        options = {"tie_word_embeddings": False, **NO_DROPOUT, **dict(cfg.model.options or {})}
+        # no key/value cache: training needs none, and with one transformers would not find packed documents
+        options = {"tie_word_embeddings": False, "use_cache": False, **NO_DROPOUT, **dict(cfg.model.options or {})}
         try:
             config = GPT2Config(vocab_size=len(tok), n_positions=cfg.lm.block_size, bos_token_id=vocab["[CLS]"],
                                 eos_token_id=vocab["[SEP]"], **options)

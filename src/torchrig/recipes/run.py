@@ -100,6 +100,7 @@ def build_run(cfg: C.Config, callbacks: Optional[list] = None):
 
     recipe = get_recipe(cfg.recipe)
     seed_everything(cfg.seed)  # the initial weights come from the seed too (every rank builds the same model)
+    factory.refuse_pack(recipe, cfg)
     model = factory.build_model(recipe, cfg)
     prepare_model(model, cfg)
     data = factory.build_data(recipe, cfg)

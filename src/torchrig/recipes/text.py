@@ -11,6 +11,10 @@ the one of ``text.tokenizer``: a local tokenizer folder (``transformers.AutoToke
 ``tokenizer.json``. It is saved as ``RUN_DIR/tokenizer.json``, which evaluate and predict read back (as
 data: a regular file of bounded size, parsed by ``tokenizers``); the label names go into the run's config.
 ``RUN_DIR/data_summary.json`` records the split sizes and the majority-class baseline accuracy of each split.
+
+Texts are not packed (``data.pack`` is refused): a text has one label, read from the encoder's summary of the
+whole sequence (its first token's output), so a row holding several texts would need an output and a label per
+text, which a sequence-classification model does not give.
 """
 
 from __future__ import annotations
@@ -92,6 +96,10 @@ class TextClassificationRecipe(Recipe):
         "checkpoint": {"monitor": "val/accuracy", "mode": "max"},
         "text": {"vocab_size": 6000, "max_length": 64},
     }
+
+    def pack_refusal(self, cfg: C.Config) -> Optional[str]:
+        return ("a text has one label, read from the encoder's first-token output of the whole sequence, so texts "
+                "cannot share a row")
 
     def __init__(self):
         self._cache: dict[int, _Prepared] = {}

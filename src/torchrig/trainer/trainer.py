@@ -28,6 +28,7 @@ from ..checkpoint.rundir import RunDir
 from ..config.files import atomic_file, make_dir
 from ..data import Batches, check_same_data, prefetch_to_device, prepare_eval, prepare_train, to_device
 from ..data.common import is_iterable_source
+from ..data.packing import check_model, is_packed
 from ..data.split import describe as describe_split
 from ..metrics import Metric, get_metrics
 from ..observe.finish import end_of_run, finished_where, start_of_run
@@ -428,7 +429,15 @@ class Trainer:
                                  nccl="nccl" in runtime.backend_name(), store=runtime.default_store(),
                                  settle=self.checkpoints.wait).start()
 
+    def _check_packed(self, *datas: Any) -> None:
+        """Packed documents (``torchrig.data.PackedDocuments``) reach a model that keeps them apart, or stop here in
+        one line; a step function of the user's calls the model its own way (a pipeline's is torchrig's)."""
+        pipelined = self.layout.pp > 1
+        if any(is_packed(d) for d in datas) and (pipelined or self.step_fn is default_step):
+            check_model(self.model, pipelined, self.cfg.data.input_keys)
+
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
+        self._check_packed(train_data, val_data)
         self._data = prepare_train(train_data, **self._loader_kwargs())  # saved in checkpoints as "data"
         self._data.say = self.print  # a stream's notes go through the progress display
         self._data.position = lambda: self.state.batch_in_epoch  # what the loop trained (a prefetcher reads ahead)
@@ -795,6 +804,7 @@ class Trainer:
         """One pass over ``data`` in evaluation: its batches, and what ``eval_fn`` / ``predict_fn`` see (the bare
         model: DDP adds nothing to a forward without backward, and ranks may run different batch counts; FSDP's
         own module, whose forward gathers the shards)."""
+        self._check_packed(data)
         return inference.EvalRun(self._eval_batches(data), self._eval_calls(metrics, activation, outputs),
                                  [self.wrapped, *self.models.values()], self.device, self.dp_size,
                                  self.layout.lockstep and self.world_size > 1, lambda: self._first_samples(data),
