@@ -17,7 +17,7 @@ from helpers import dist_procs
 from helpers import packed_lm as P
 from helpers.recipe_helpers import cli
 
-from torchrig.data import DataError, PackedDocuments, document_ids, document_mask
+from torchrig.data import DataError, Mixture, PackedDocuments, document_ids, document_mask
 from torchrig.data.packing import check_model, pack_rows
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -151,6 +151,11 @@ def test_what_cannot_keep_packed_documents_apart_is_refused_in_one_line(tmp_path
         check_model(P.make_model(), pipelined=True)
     with pytest.raises(DataError, match=r"data.input_keys=\['input_ids'\] leaves out position_ids"):
         check_model(P.make_model(), pipelined=False, input_keys=("input_ids",))
+    with pytest.raises(DataError, match=r"^packed documents under parallel.cp=2: PyTorch's ring attention .*DocLM"):
+        check_model(P.make_model(), pipelined=False, cp=2)  # the ring is causal over the whole row
+    mixed = Mixture({"a": P.packed(), "b": P.packed()}, weights={"a": 1, "b": 1})
+    with pytest.raises(DataError, match=r"^packed documents: NoPositions.forward"):  # packed inside a Mixture too
+        Trainer(NoPositions(), loss=P.lm_loss, run_dir=str(tmp_path / "mixed"), epochs=1, threads=1).fit(mixed)
     with pytest.raises(DataError, match=r"^PackedDocuments: document 1 is a torch.float32 tensor"):
         PackedDocuments([[1, 2], torch.ones(3)], 8)
     rc, _, err = cli(["train", "--recipe", "text-classification", "--set", "data.pack=true", "--set",

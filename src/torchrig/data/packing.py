@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 from ..runtime.modules import unwrap
 from .batches import signature
 from .common import DataError
+from .mixture import Mixture
 
 IGNORE = -100  # the label PyTorch's cross_entropy and Hugging Face's losses skip
 
@@ -128,8 +129,11 @@ class PackedDocuments(Dataset):
 
 
 def is_packed(data: Any) -> bool:
-    """Whether ``data`` (or the Dataset of a DataLoader) is :class:`PackedDocuments`."""
-    return isinstance(getattr(data, "dataset", data), PackedDocuments)
+    """Whether ``data`` (or the Dataset of a DataLoader) is :class:`PackedDocuments`, or a Mixture of some."""
+    data = getattr(data, "dataset", data)
+    if isinstance(data, Mixture):
+        return any(is_packed(s) for s in data.sources)
+    return isinstance(data, PackedDocuments)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -160,9 +164,14 @@ def document_mask(position_ids: torch.Tensor, dense: bool = False, block_size: i
                              device=docs.device, BLOCK_SIZE=block_size)
 
 
-def check_model(model: Any, pipelined: bool, input_keys: Optional[Sequence[str]] = None) -> None:
-    """Refuse, in one line, a model that cannot keep packed documents apart (see the module's text)."""
+def check_model(model: Any, pipelined: bool, input_keys: Optional[Sequence[str]] = None, cp: int = 1) -> None:
+    """Refuse, in one line, a model that cannot keep packed documents apart (see the module's text); ``cp``: the
+    context-parallel degree (PyTorch's ring attention is causal over the whole sequence: it cannot mask documents)."""
     name = type(unwrap(model)).__name__
+    if cp > 1:
+        raise DataError(f"packed documents under parallel.cp={cp}: PyTorch's ring attention is causal over the whole "
+                        f"sequence and cannot carry a per-document mask, so {name}'s attention would cross the "
+                        f"documents of a row; set parallel.cp=1, or data.pack=false")
     if pipelined:
         raise DataError(f"packed documents under parallel.pp: the pipeline passes only hidden states between its "
                         f"stages, so the document boundaries (position_ids) would not reach {name}'s later "

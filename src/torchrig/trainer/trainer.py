@@ -432,9 +432,9 @@ class Trainer:
     def _check_packed(self, *datas: Any) -> None:
         """Packed documents (``torchrig.data.PackedDocuments``) reach a model that keeps them apart, or stop here in
         one line; a step function of the user's calls the model its own way (a pipeline's is torchrig's)."""
-        pipelined = self.layout.pp > 1
-        if any(is_packed(d) for d in datas) and (pipelined or self.step_fn is default_step):
-            check_model(self.model, pipelined, self.cfg.data.input_keys)
+        pipelined, cp = self.layout.pp > 1, self.layout.cp
+        if any(is_packed(d) for d in datas) and (pipelined or cp > 1 or self.step_fn is default_step):
+            check_model(self.model, pipelined, self.cfg.data.input_keys, cp=cp)
 
     def _prepare_data(self, train_data: Any, val_data: Any) -> FitPlan:
         self._check_packed(train_data, val_data)
