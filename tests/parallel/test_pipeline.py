@@ -272,7 +272,7 @@ def test_pipeline_times_tensor_parallel_matches_one_process(tmp_path, pp_tp_run)
     said = (out / "pp_tp-0.err").read_text()  # the start line names the layout and the schedule
     assert "· tp=2 × pp=2 (1f1b) ·" in said and "· tp=2 × pp=2 (interleaved_1f1b, 2 stages per rank) ·" in said
     meta = json.loads((out / "whole" / "checkpoints" / "step-00000004" / "meta.json").read_text())
-    assert meta["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 2, "world_size": 4}
+    assert meta["layout"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2, "pp": 2, "world_size": 4}
     assert meta["strategy"] == "none" and meta["sharded"]  # no data-parallel wrapper, not "fsdp"
 
 
@@ -435,7 +435,7 @@ def test_degrees_that_do_not_fit_the_world_name_the_key():
     with pytest.raises(ParallelConfigError, match=r"^config key 'parallel': pp=2 needs a multiple of 2 processes, but "
                                                   r"the job has 3"):
         resolve_degrees(p, "auto", 3)
-    assert resolve_degrees(p, "auto", 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 2}
+    assert resolve_degrees(p, "auto", 4) == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2}
 
 
 def test_what_fsdp2_cannot_shard_in_a_pipeline_is_one_line():

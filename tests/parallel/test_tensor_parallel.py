@@ -26,19 +26,19 @@ def degrees(world: int, strategy: str = "auto", **given) -> dict:
 
 
 def test_degrees_take_the_rest_of_the_ranks():
-    assert degrees(4, tp=2) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
-    assert degrees(4, "fsdp", tp=2) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
-    assert degrees(8, dp_shard=2, tp=2) == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1}
-    assert degrees(8, dp_replicate=1, tp=-1) == {"dp_replicate": 1, "dp_shard": 1, "tp": 8, "pp": 1}
-    assert degrees(2, "ddp") == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}  # dist.strategy alone
-    assert degrees(2, "fsdp") == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+    assert degrees(4, tp=2) == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 2, "pp": 1}
+    assert degrees(4, "fsdp", tp=2) == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1}
+    assert degrees(8, dp_shard=2, tp=2) == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1}
+    assert degrees(8, dp_replicate=1, tp=-1) == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 8, "pp": 1}
+    assert degrees(2, "ddp") == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}  # dist.strategy alone
+    assert degrees(2, "fsdp") == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1}
 
 
 @pytest.mark.parametrize("world, given, words", [
     (3, dict(tp=2), "config key 'parallel': tp=2 needs a multiple of 2 processes, but the job has 3"),
     (4, dict(dp_replicate=2, dp_shard=1, tp=2, pp=2), "config key 'parallel': dp_replicate=2 × tp=2 × pp=2 needs exactly 8 "
                                                     "processes, but the job has 4; start 8 with torchrig launch"),
-    (4, dict(dp_replicate=1, dp_shard=1, tp=2), "config key 'parallel': dp_replicate × dp_shard × tp × pp = 1 × 1 × 2 × 1 = 2 "
+    (4, dict(dp_replicate=1, dp_shard=1, tp=2), "config key 'parallel': dp_replicate × dp_shard × cp × tp × pp = 1 × 1 × 1 × 2 × 1 = 2 "
                                        "processes, but the job has 4; set one degree to -1"),
 ])
 def test_degrees_that_do_not_fit_the_world_name_the_key(world, given, words):
