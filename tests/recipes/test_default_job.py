@@ -53,3 +53,19 @@ def test_the_default_jobs_validation_split_is_large_enough_to_rank_checkpoints()
     # 287 images: one image is 0.35 % of val/accuracy (143 made it 0.7 %, and a good run's epochs all tied)
     assert {k: len(v) for k, v in parts.items()} == {"train": 1151, "val": 287, "test": 359}
     assert cfg.data.val_fraction == 0.2 and cfg.checkpoint.monitor is None  # val/accuracy, ties by val/loss
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it():
+    """The default job's data is scikit-learn's digits, bitwise, read from its file: importing scikit-learn would
+    cost a quarter of the job's start."""
+    code = ("import sys, numpy as np\n"
+            "from torchrig.data.datasets.digits import digits_arrays\n"
+            "images, labels = digits_arrays()\n"
+            "assert 'sklearn' not in sys.modules, 'scikit-learn was imported'\n"
+            "from sklearn.datasets import load_digits\n"
+            "d = load_digits()\n"
+            "assert np.array_equal(images, (d.images / 16.0).astype(np.float32)) and images.dtype == np.float32\n"
+            "assert np.array_equal(labels, d.target) and labels.dtype == np.int64 and images.shape == (1797, 8, 8)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
