@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 BENCHMARKS = ("whole_run", "overhead", "ddp_scaling", "memory", "async_checkpoint", "activation_checkpointing",
-              "compile", "fastpath", "workers", "import_time", "finetune", "lm")
+              "compile", "fastpath", "workers", "import_time", "finetune", "lm", "long_context")
 README = c.HERE.parent / "README.md"
 BEGIN, END = "<!-- benchmark table: written by benchmarks/run_all.py -->", "<!-- end of benchmark table -->"
 
@@ -127,6 +127,8 @@ def _row_more(name: str, r: dict, ok: str) -> list:
                 f"{bf16['step_ratio']:.2f}× (CPU bf16 matmuls)", "measured", "—"]
     if name == "lm":
         return _row_lm(name, r)
+    if name == "long_context":
+        return _row_long_context(name, r)
     return [name, "", "", "", ok]
 
 
@@ -136,6 +138,19 @@ def _row_lm(name: str, r: dict) -> list:
     return [name, f"GPT-style LM ({p['layers']} layers, d={p['dim']}, {p['batch']}×{p['seq']} tokens, "
             f"{a['hand']['device']}): `Trainer` at defaults and with each speed key / hand loop, tokens/s",
             f"{keys} ({a['hand']['median_tokens_per_s']:.0f} tokens/s by hand)", "measured", "—"]
+
+
+def _row_long_context(name: str, r: dict) -> list:
+    s, p, lengths = r["summary"], r["config"], r["lengths"]
+    packed = "; ".join(f"{n} tokens **{s[str(n)]['packed_vs_padded']:.1f}×**" for n in lengths)
+    used = ", ".join(f"{s[str(n)]['packed_tokens_used']:.1%} vs {s[str(n)]['padded_tokens_used']:.1%}" for n in lengths)
+    cp2 = [s[str(n)]["cp2_memory_vs_stream"] for n in lengths if s[str(n)]["cp2_memory_vs_stream"] is not None]
+    return [name, f"packed documents (`data.pack`) / one document per padded row, valid tokens/s, a causal LM "
+            f"({p['layers']} layers, d={p['dim']}, {r['arms'][f'padded@{lengths[0]}']['device']}) at "
+            f"{', '.join(str(n) for n in lengths)} tokens; `parallel.cp=2` / one process, memory per rank",
+            f"{packed} (tokens used {used}); cp=2: "
+            + (", ".join(f"{x:.2f}×" for x in cp2) if cp2 else "not run (needs two GPUs)"),
+            "packed > 1×", "meets" if r["meets_target"] else "misses"]
 
 
 def collect(folder: Path) -> tuple[list, list, Optional[dict]]:
