@@ -68,3 +68,15 @@ def test_a_layout_of_1024_processes_is_planned_in_seconds():
     text = report(planned)
     assert "parameter all_gather (FSDP2, forward and backward): 16 × " in text and "over 32 ranks" in text
     assert took < 60, f"{took:.1f}s"
+
+
+def test_context_parallel_ranks_hold_half_the_activations_and_shard_with_the_data_ranks():
+    """The language-model recipe (Hugging Face GPT-2 without a key/value cache) at dp_shard=2 against dp_shard=2 ×
+    cp=2: the same micro-batch, its sequences split over two cp ranks; FSDP2 shards over all four ranks."""
+    sets = ["recipe=language-model", "parallel.dp_shard=2", "lm.vocab_size=500"]
+    alone, split = plan(build_config(None, sets), 2), plan(build_config(None, [*sets, "parallel.cp=2"]), 4)
+    assert alone.errors == split.errors == [] and split.layout == "dp_shard=2 × cp=2"
+    assert alone.stages[0].activations > 0 and split.stages[0].activations == alone.stages[0].activations / 2
+    assert split.stages[0].memory["weights"] == pytest.approx(alone.stages[0].memory["weights"] / 2, rel=0.02)
+    assert any(c.startswith("parameter all_gather (FSDP2") and c.endswith("over 4 ranks") for c in split.collectives)
+    assert any("ring attention" in n for n in split.notes)

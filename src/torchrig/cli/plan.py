@@ -162,6 +162,10 @@ def forward_bytes(cfg: Any, recipe: Any, micro: int, watched: list) -> tuple[flo
     from ..trainer.step import ModelCalls
 
     model = _meta_model(recipe, cfg)
+    if getattr(getattr(model, "config", None), "use_cache", None) is False:
+        # without a cache transformers reads the position ids to find packed documents, a data-dependent read the
+        # meta device cannot make; the cache holds only keys and values that autograd keeps anyway
+        model.config.use_cache = True
     runtime.apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     half = runtime.make_precision(cfg.precision, torch.device("cpu")).dtype
     batches = prepare_train(factory.build_data(recipe, cfg)["train"], batch_size=micro, seed=cfg.seed, rank=0,
@@ -207,18 +211,20 @@ def collectives(p: Planned, cfg: Any, layout: Any, memory: dict, tp_sizes: dict,
     from ..observe.summary import size
 
     out, m = [], p.micro_batches
-    full = memory["weights"] * (layout.dp_shard if layout.strategy == "fsdp" else 1)  # this stage's, unsharded
-    grads = memory["gradients"] * (layout.dp_shard if layout.strategy == "fsdp" else 1)
-    if layout.strategy == "ddp" and layout.dp > 1:
+    shards = layout.dp_shard * layout.cp  # FSDP2 shards over (dp_shard, cp): the cp ranks hold the same parameters
+    full = memory["weights"] * (shards if layout.strategy == "fsdp" else 1)  # this stage's, unsharded
+    grads = memory["gradients"] * (shards if layout.strategy == "fsdp" else 1)
+    if layout.strategy == "ddp" and layout.dp * layout.cp > 1:
         bucket = (cfg.dist.bucket_cap_mb or 25) * 2 ** 20
-        out.append(("gradient all_reduce (DDP buckets)", max(1, -(-grads // bucket)), min(grads, bucket), layout.dp))
-    if layout.strategy == "fsdp" and layout.dp_shard > 1:
+        out.append(("gradient all_reduce (DDP buckets)", max(1, -(-grads // bucket)), min(grads, bucket),
+                    layout.dp * layout.cp))
+    if layout.strategy == "fsdp" and shards > 1:
         again = 2 if cfg.dist.fsdp_reshard_after_forward else 1
         out.append(("parameter all_gather (FSDP2, forward" + (" and backward)" if again == 2 else ")"), again * m, full,
-                    layout.dp_shard))
-        out.append(("gradient reduce_scatter (FSDP2)", 1, grads, layout.dp_shard))
+                    shards))
+        out.append(("gradient reduce_scatter (FSDP2)", 1, grads, shards))
         if layout.dp_replicate > 1:
-            out.append(("gradient all_reduce over replicas (HSDP)", 1, grads // layout.dp_shard, layout.dp_replicate))
+            out.append(("gradient all_reduce over replicas (HSDP)", 1, grads // shards, layout.dp_replicate))
     rows = [s for n, s in tp_sizes.items() if layout.plan.get(n, "").startswith("rowwise")]
     cols = [s for n, s in tp_sizes.items() if layout.plan.get(n, "").startswith("colwise")]
     if layout.tp > 1 and rows:
@@ -315,8 +321,11 @@ def _activations(p: Planned, cfg: Any, recipe: Any, degrees: dict) -> None:
     for s in p.stages:
         share = s.memory["weights"] / held if pp > 1 else 1.0
         s.in_flight = in_flight(cfg.parallel.pp_schedule, s.index, pp, p.micro_batches) if pp > 1 else 1
-        s.activations = total * share * s.in_flight / tp
+        s.activations = total * share * s.in_flight / tp / layout.cp  # a cp rank holds its share of the sequence
     tp_sizes = {n: sizes[n] for n in layout.plan if n in sizes}
+    if layout.cp > 1:
+        p.notes.append(f"parallel.cp={layout.cp}: the ring attention's exchange of each attention layer's keys and "
+                       f"values over the {layout.cp} cp ranks is not listed")
     p.collectives = collectives(p, cfg, layout, p.stages[0].memory, tp_sizes, [sizes[e][1] for e in ends if e in sizes])
 
 
