@@ -87,6 +87,10 @@ def test_mfu_is_achieved_over_the_peak_of_every_process():
     row = rates(samples=100, tokens=None, elapsed=2.0, world_size=4, flops_per_sample=1e9, peak=1e12)
     assert row["samples_per_s"] == 200 and row["flops_per_s"] == 2e11
     assert row["mfu"] == pytest.approx(2e11 / 4e12)
+    # parallel.cp=2: each rank of a pair counts the pair's 100 samples once, but half of their tokens and FLOPs
+    split = rates(samples=100, tokens=500, elapsed=2.0, world_size=4, flops_per_sample=0.5e9, peak=1e12, cp=2)
+    assert split["samples_per_s"] == 200 and split["tokens_per_s"] == 2000 and split["flops_per_s"] == 2e11
+    assert split["mfu"] == pytest.approx(2e11 / 8e12)
     assert peak_flops(torch.device("cpu"), "bf16") is None
 
 

@@ -115,8 +115,8 @@ class MetricsLogger:
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
         values = _mean_over_items(self._fold(), float(self.count), self.groups, self.device)
-        tokens = self.tokens * self.cp if self.tokens is not None and self.cp > 1 else self.tokens
-        values.update(rates(self.samples, tokens, elapsed, self.world_size, self.flops_per_sample, self.peak_flops))
+        values.update(rates(self.samples, self.tokens, elapsed, self.world_size, self.flops_per_sample,
+                            self.peak_flops, self.cp))
         values["data_wait"] = self.wait / elapsed
         if self.ranks is not None:  # one small all-gather: each rank's data wait and forward, a straggler named
             values.update(self.ranks.flush(step, self.wait))

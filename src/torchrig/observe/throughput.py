@@ -67,15 +67,17 @@ def tokens_of(batch: Any) -> Any:
 
 
 def rates(samples: int, tokens: Any, elapsed: float, world_size: int, flops_per_sample: Optional[float],
-          peak: Optional[float]) -> dict:
-    """The throughput values of an interval row (counts are this process's; ranks run alike)."""
+          peak: Optional[float], cp: int = 1) -> dict:
+    """The throughput values of an interval row (counts are this process's; ranks run alike). ``world_size``: the
+    ranks of different samples; ``cp``: the context-parallel ranks each sample's sequence is split over, each
+    counting the sample once but only its share of the tokens and of the FLOPs."""
     out = {"samples_per_s": samples * world_size / elapsed}
     if tokens is not None:
-        out["tokens_per_s"] = float(tokens) * world_size / elapsed
+        out["tokens_per_s"] = float(tokens) * world_size * cp / elapsed
     if flops_per_sample:
-        out["flops_per_s"] = flops_per_sample * out["samples_per_s"]
+        out["flops_per_s"] = flops_per_sample * cp * out["samples_per_s"]
         if peak:
-            out["mfu"] = out["flops_per_s"] / (peak * world_size)
+            out["mfu"] = out["flops_per_s"] / (peak * world_size * cp)
     return out
 
 
