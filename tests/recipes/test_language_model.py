@@ -63,7 +63,7 @@ def test_packed_documents_train_gpt2_and_the_start_line_says_how_full_the_rows_a
     rc, out, err = cli(args, capsys)
     assert rc == 0, err
     said = next(line for line in (out + err).splitlines() if "language-model data:" in line)
-    assert "torchrig: language-model data: train: packed 80 documents" in said, said
-    used = float(said.split(": ")[-1].split(" % of tokens used")[0])
+    assert "torchrig: language-model data: train packed 80 documents" in said, said
+    used = float(said.split(" % of tokens used")[0].rsplit(": ", 1)[-1])
     assert used >= 95.0, said
     assert "torchrig: done · 3 steps" in out + err

@@ -147,7 +147,8 @@ class LanguageModelRecipe(Recipe):
             else:
                 out[split] = self._blocks(cfg, tok, texts, f"{split} documents")
         if cfg.data.pack and not isinstance(out["train"], Mixture):
-            say("torchrig: language-model data: " + "; ".join(f"{k}: {v.describe()}" for k, v in out.items())
+            rest = ", ".join(f"{k} {len(v):,} rows ({100 * v.used:.1f} %)" for k, v in out.items() if k != "train")
+            say(f"torchrig: language-model data: train {out['train'].describe()}" + (f"; {rest}" if rest else "")
                 + f" · vocabulary {len(tok)}")
         else:
             say("torchrig: language-model data: " + ", ".join(f"{k} {len(v)} sequences" for k, v in out.items())
