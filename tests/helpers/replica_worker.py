@@ -6,7 +6,7 @@ Trains a linear regression (64 samples, 4 per group and step, 8 steps per epoch,
 ``dist.fault_tolerance=torchft``. Replica group 1 SIGKILLs itself at the end of step KILL_AT on its first start;
 torchrun starts it again and it copies group 0's state. The replacement waits (bounded) until group 0 has trained
 steps KILL_AT + 1 and KILL_AT + 2 alone (``alone``); group 0 waits at step KILL_AT + 2 (bounded) until the
-replacement process exists, and then paces its steps (0.5 s each, bounded) until the replacement has joined, so
+replacement process exists, and then paces its steps (2 s each, bounded) until the replacement has joined, so
 that the join happens mid-run however slowly the machine starts a process. Files in OUT: ``restarted`` and
 ``joined`` (group 1's markers), ``final-G.pt`` (each group's last weights), ``records-G.json`` (the steps each
 group took part in, as ``parallel.Replicas`` recorded them).
@@ -71,7 +71,7 @@ class Faults:
             (self.out / "alone").write_text(str(step))
             _wait_for(self.out / "restarted", 180)
         if self.group == 0 and step > self.kill_at + 2 and not (self.out / "joined").exists():
-            time.sleep(0.5)
+            time.sleep(2.0)  # bounded: 9 steps leave the replacement 18 s to join, however loaded the machine
 
 
 def main() -> None:

@@ -62,12 +62,14 @@ def test_a_lost_replica_group_restarts_alone_and_rejoins_with_the_documented_wei
     expected = [[s, [0, 1] if s <= KILL_AT or s > joined else [0], True] for s in range(1, STEPS + 1)]
     assert records == expected
     assert json.loads((tmp_path / "records-1.json").read_text()) == expected[joined:]  # the replacement's steps
+    per_epoch = R.N // (2 * R.BATCH)  # each step trains a batch of each group
     for s in range(KILL_AT + 1, joined + 1):
-        assert (f"torchrig: optimizer step {s} (epoch 1, batch {s}): replica group(s) 1 of 2 did not take part "
+        where = f"epoch {(s - 1) // per_epoch + 1}, batch {(s - 1) % per_epoch + 1}"
+        assert (f"torchrig: optimizer step {s} ({where}): replica group(s) 1 of 2 did not take part "
                 f"(lost, or not yet back): their share of this batch is skipped; the step trains on the 4 items of "
                 f"group(s) 0") in r.stdout
-    assert f"torchrig: replica group 1 joined the live replica group(s) at step {joined} (epoch 1, batch {joined})" \
-        in r.stdout
+    assert (f"torchrig: replica group 1 joined the live replica group(s) at step {joined} (epoch "
+            f"{joined // per_epoch + 1}, batch {joined % per_epoch})") in r.stdout
     want = _replay(records)
     for g in (0, 1):
         got = torch.load(tmp_path / f"final-{g}.pt")
