@@ -16,7 +16,8 @@ from . import loss
 from . import tp as tensor_parallel
 from .context import ContextParallel
 from .placement import devices_of, placed_device, to_output_device
-from .mesh import DEGREES, Layout, ParallelConfigError, build_layout, data_parallel_mesh, resolve_degrees
+from .errors import ParallelConfigError
+from .mesh import DEGREES, Layout, build_layout, data_parallel_mesh, resolve_degrees
 from .pipeline import MicroBatch, Pipeline, PipelineStageError, StageOutput, plan_stages
 from .replicas import Replicas, ReplicaGroupError
 from .wrap import average_gradients, buckets, flat_collective, no_sync, no_sync_all, resolve_strategy, shard_model, wrap_model

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
-from .mesh import ParallelConfigError
+from .errors import ParallelConfigError
 
 KEY = "parallel.cp"
 IGNORE_INDEX = -100  # the label value PyTorch's cross_entropy and Hugging Face losses skip

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .mesh import ParallelConfigError
+from .errors import ParallelConfigError
 
 KEY = "parallel.loss_parallel"
 STYLE = "colwise_loss_parallel"

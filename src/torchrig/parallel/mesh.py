@@ -28,14 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..runtime import RuntimeSetupError
+from .context import ContextParallel
+from .errors import ParallelConfigError
 from .wrap import resolve_strategy
 
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-
-
-class ParallelConfigError(RuntimeSetupError, ValueError):
-    """The degrees of ``parallel`` do not fit the job (world size, strategy, model)."""
 
 
 @dataclasses.dataclass
@@ -148,8 +145,6 @@ def _context_parallel_layout(layout: Layout, strategy_name: str, device: torch.d
     """``parallel.cp > 1``: the mesh, the data-parallel wrapper over ``(dp_replicate | dp_shard) × cp`` (the cp ranks
     hold the same parameters, so their gradients are averaged like data-parallel ranks') and the sequences' split.
     The compositions that are not tested with it are refused in one line."""
-    from .context import ContextParallel
-
     other = [f"{k}={getattr(layout, k)}" for k in ("tp", "pp") if getattr(layout, k) > 1]
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         other.append(f"dp_replicate={layout.dp_replicate} with dp_shard={layout.dp_shard} (HSDP)")

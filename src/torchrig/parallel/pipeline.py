@@ -51,7 +51,7 @@ from torch import nn
 
 from ..errors import TorchrigError, suggest
 from ..runtime.modules import longest_blocks
-from .mesh import ParallelConfigError
+from .errors import ParallelConfigError
 from .tp import out_of_place
 
 KEY = "parallel.pp_split"

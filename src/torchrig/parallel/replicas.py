@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .mesh import ParallelConfigError
+from .errors import ParallelConfigError
 
 ENV_GROUP = "REPLICA_GROUP_ID"        # torchft's convention: this process's replica group, 0 … N-1
 ENV_GROUPS = "NUM_REPLICA_GROUPS"     # the number of replica groups the data is split over

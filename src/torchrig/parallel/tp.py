@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 
 from ..errors import suggest
-from .mesh import ParallelConfigError
+from .errors import ParallelConfigError
 
 KEY = "parallel.tp_plan"
 # torch's DTensor, on a CPU (gloo) mesh, moving a split tensor from one dimension to another
