@@ -486,3 +486,21 @@ if __name__ == "__main__":
     target.mkdir(parents=True, exist_ok=True)
     {"equiv": equiv, "resume": resume, "fit": fit, "features": features, "trackers": trackers, "ema": ema,
      "worlds": worlds, "float8": float8, "syncbn_gpu": syncbn_gpu}[what](target)
+
+
+def fits_in_one_group(out: Path, specs: list[str], fit) -> None:
+    """``fit(out, NAME, CHECKPOINT or None, **kw)`` for each ``NAME[=CHECKPOINT]`` of ``specs``, in one gloo group
+    joined from the test's ``TEST_INIT`` / ``TEST_RANK`` / ``TEST_WORLD`` (a file:// store is joined once: the
+    Trainers find the group and leave it open), then left through torchrig's own destroy."""
+    import torch.distributed as dist
+
+    from torchrig import runtime
+
+    kw = {"init_method": os.environ["TEST_INIT"], "rank": int(os.environ["TEST_RANK"]),
+          "world_size": int(os.environ["TEST_WORLD"]), "dist_timeout": 60.0}
+    dist.init_process_group("gloo", init_method=kw["init_method"], rank=kw["rank"], world_size=kw["world_size"])
+    for spec in specs:
+        name, _, checkpoint = spec.partition("=")
+        fit(out, name, checkpoint or None, **kw)
+    if dist.is_initialized():
+        runtime.destroy_process_group()  # torchrig's: gives gloo's threads a moment before the interpreter exits

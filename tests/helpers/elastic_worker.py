@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers import dist_worker as W  # noqa: E402
 
-from torchrig import runtime  # noqa: E402
 import torchrig.recipes  # noqa: E402,F401  (their config sections, as in a test process that imported them: a
 # checkpoint's config.yaml then holds the same sections whichever process wrote it)
 
@@ -232,17 +231,7 @@ def launched(argv: list[str]) -> None:
 
 
 def main(out: Path, specs: list[str]) -> None:
-    import torch.distributed as dist
-
-    kw = {"init_method": os.environ["TEST_INIT"], "rank": int(os.environ["TEST_RANK"]),
-          "world_size": int(os.environ["TEST_WORLD"]), "dist_timeout": 60.0}
-    # one group for every fit (a file:// store is joined once): the Trainers find it and leave it open
-    dist.init_process_group("gloo", init_method=kw["init_method"], rank=kw["rank"], world_size=kw["world_size"])
-    for spec in specs:
-        name, _, checkpoint = spec.partition("=")
-        fit(out, name, checkpoint or None, **kw)
-    if dist.is_initialized():
-        runtime.destroy_process_group()  # torchrig's: gives gloo's threads a moment before the interpreter exits
+    W.fits_in_one_group(out, specs, fit)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ checkpoint at step ``CUT`` (mid epoch 2), recording which rows each step trained
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -104,17 +103,7 @@ def fit(out: Path, name: str, checkpoint: str | None = None, **kw) -> dict:
 
 
 def main(out: Path, specs: list[str]) -> None:
-    import torch.distributed as dist
-
-    from torchrig import runtime
-
-    kw = {"init_method": os.environ["TEST_INIT"], "rank": int(os.environ["TEST_RANK"]),
-          "world_size": int(os.environ["TEST_WORLD"]), "dist_timeout": 60.0}
-    dist.init_process_group("gloo", init_method=kw["init_method"], rank=kw["rank"], world_size=kw["world_size"])
-    for spec in specs:
-        name, _, checkpoint = spec.partition("=")
-        fit(out, name, checkpoint or None, **kw)
-    runtime.destroy_process_group()
+    W.fits_in_one_group(out, specs, fit)
 
 
 if __name__ == "__main__":  # the model's class as the test process names it (a checkpoint records it)
