@@ -115,6 +115,19 @@ def group(scenario: str, out: Path, store: Path, n: int, timeout: float = 150, e
     return processes([scenario, str(out)], n, out, store, timeout, env, worker, logs=scenario)
 
 
+def group_ok(scenario: str, out: Path, n: int, worker: Path, timeout: float = 400) -> None:
+    """:func:`group` with its store beside ``out``, every process asserted to have succeeded (its output's end
+    in the message otherwise)."""
+    for r in group(scenario, out, out.parent / f"store-{scenario}", n, timeout=timeout, worker=worker):
+        assert r.returncode == 0, r.output[-3000:]
+
+
+def worst(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts of the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def processes(args: list[str], n: int, out: Path, store: Path, timeout: float = 150, env: Optional[dict] = None,
               worker: Path = WORKER, logs: Optional[str] = None) -> list[Result]:
     """``n`` worker processes (``worker ARGS…``: several runs in one group) joined through ``file://STORE``; their

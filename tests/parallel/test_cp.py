@@ -22,14 +22,11 @@ from helpers import cp_worker as W
 WORKER = dist_procs.HELPERS / "cp_worker.py"
 
 
+worst = dist_procs.worst
+
+
 def group(scenario: str, out, n: int) -> None:
-    for r in dist_procs.group(scenario, out, out.parent / f"store-{scenario}", n, timeout=400, worker=WORKER):
-        assert r.returncode == 0, r.output[-3000:]
-
-
-def worst(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    dist_procs.group_ok(scenario, out, n, WORKER)
 
 
 def fit_one(run_dir, losses=None, **kw):
